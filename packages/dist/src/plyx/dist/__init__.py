@@ -1,0 +1,3 @@
+"""Distributed training for plyx on torch.distributed."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Model export (ONNX) for plyx."""
+
+__all__: list[str] = []

@@ -1,0 +1,3 @@
+"""Preference and RL training for plyx."""
+
+__all__: list[str] = []

@@ -1,0 +1,5 @@
+import sys
+
+from plyx.specs.cli import main
+
+sys.exit(main())

@@ -1,0 +1,98 @@
+"""The ``Checkpoint`` + ``ModelCard`` contract.
+
+A checkpoint directory holds safetensors shards, an index mapping each tensor
+to its shard, and ``model_card.json``: a versioned ``ModelCard`` whose
+``version`` gates the loader (newer cards are refused with an upgrade hint,
+older ones migrated). No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+from plyx.specs.config._base import ConfigBase
+from plyx.specs.config.model import ModelConfig
+
+__all__ = ["CONTRACT_VERSION", "Checkpoint", "ModelCard", "TensorEntry", "CARD_FILE", "INDEX_FILE"]
+
+CONTRACT_VERSION = "1.0"
+CARD_FILE = "model_card.json"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class TensorEntry(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Where one tensor lives and what it looks like."""
+
+    shard: str
+    """File name of the safetensors shard holding it."""
+    shape: list[int]
+    """Its shape."""
+    dtype: str
+    """Canonical dtype name."""
+
+
+class ModelCard(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Machine-readable description of a checkpoint (the human card is written by plyx-governance)."""
+
+    SCHEMA = "model_card"
+    VERSION = 1
+
+    name: str = "plyx-model"
+    """Model name."""
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    """The architecture the weights belong to."""
+    layout: Literal["plyx", "hf"] = "plyx"
+    """Tensor naming: plyx's own or Hugging Face's."""
+    dtype: str = "float32"
+    """dtype of the stored weights."""
+    tensors: dict[str, TensorEntry] = {}
+    """Every tensor by name."""
+    shards: dict[str, str] = {}
+    """Shard file name -> sha256 hex digest, verified on load."""
+    created: str = ""
+    """ISO 8601 UTC time of writing."""
+    producers: dict[str, str] = {}
+    """Distribution -> version of the plyx planes that wrote it."""
+    training: dict[str, Any] = {}
+    """Free-form training summary (steps, tokens, final losses)."""
+    tokenizer: str = ""
+    """Tokenizer file name inside the checkpoint directory, if bundled."""
+    license: str = ""
+    """SPDX licence id of the weights."""
+    description: str = ""
+    """One paragraph for people."""
+
+
+@runtime_checkable
+class Checkpoint(Protocol):
+    """An opened checkpoint directory."""
+
+    @property
+    def path(self) -> Path:
+        """The directory."""
+        ...
+
+    @property
+    def card(self) -> ModelCard:
+        """Its model card (migrated to the current version)."""
+        ...
+
+    def tensor_names(self) -> list[str]:
+        """Every stored tensor name."""
+        ...
+
+    def load_tensor(self, name: str, device: str = "cpu") -> Any:
+        """One tensor, read lazily from its shard."""
+        ...
+
+    def load_state_dict(self, device: str = "cpu") -> Mapping[str, Any]:
+        """Every tensor by name."""
+        ...
+
+    def verify(self) -> None:
+        """Recompute shard digests; raise naming the shard that does not match."""
+        ...

@@ -1,0 +1,31 @@
+"""Versioned configuration schemas: load/dump JSON, TOML, YAML with migrations."""
+
+from plyx.specs.config._base import (
+    FORMATS,
+    ConfigBase,
+    dump_config,
+    load_config,
+    migration,
+    migrations_for,
+)
+from plyx.specs.config.kernel import KernelConfig
+from plyx.specs.config.model import ModelConfig, RopeScaling
+from plyx.specs.config.serve import ServeConfig
+from plyx.specs.config.train import DataConfig, OptimizerConfig, ScheduleConfig, TrainConfig
+
+__all__ = [
+    "FORMATS",
+    "ConfigBase",
+    "DataConfig",
+    "KernelConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RopeScaling",
+    "ScheduleConfig",
+    "ServeConfig",
+    "TrainConfig",
+    "dump_config",
+    "load_config",
+    "migration",
+    "migrations_for",
+]

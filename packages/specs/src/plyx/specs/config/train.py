@@ -1,0 +1,122 @@
+"""``TrainConfig``: optimisation, schedule, data and checkpointing of a run."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from plyx.specs.config._base import ConfigBase
+from plyx.specs.config.model import ModelConfig
+from plyx.specs.errors import ConfigError
+
+__all__ = ["TrainConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig"]
+
+Pos = Annotated[int, msgspec.Meta(ge=1)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class DataConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Where tokens come from and how they are cut into sequences."""
+
+    path: str = ""
+    """Directory of prepared shards (``plyx data prepare``); empty means the bundled Tiny Shakespeare."""
+    seq_len: Pos = 256
+    """Tokens per training sequence."""
+    mode: Literal["windows", "packed"] = "windows"
+    """windows: random contiguous windows | packed: whole documents packed with document ids."""
+    val_fraction: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.1
+    """Fraction of the corpus held out for validation."""
+    tokenizer: str = ""
+    """Path to a tokenizer.json; empty means train a byte-level BPE on the corpus."""
+    vocab_size: Pos = 4096
+    """Vocabulary size when a tokenizer is trained."""
+
+
+class OptimizerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    name: str = "adamw"
+    """Optimizer plugin name (``plyx plugins`` lists them)."""
+    lr: PosFloat = 3e-4
+    """Peak learning rate."""
+    weight_decay: NonNegFloat = 0.1
+    """Decoupled weight decay (not applied to norms and biases)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas."""
+    eps: PosFloat = 1e-8
+    """Adam epsilon."""
+    grad_clip: NonNegFloat = 1.0
+    """Clip the global gradient norm to this; 0 disables clipping."""
+
+
+class ScheduleConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    kind: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    """Decay after warmup: cosine | linear | wsd (warmup-stable-decay) | constant."""
+    warmup_steps: NonNeg = 100
+    """Linear warmup from 0 to the peak learning rate."""
+    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+    """Final learning rate as a fraction of the peak."""
+    decay_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.2
+    """(wsd) fraction of the run spent decaying at the end."""
+
+
+class TrainConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Everything a training run needs; ``plyx train`` runs on these defaults."""
+
+    SCHEMA = "train"
+    VERSION = 1
+
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    """The model to train."""
+    data: DataConfig = msgspec.field(default_factory=DataConfig)
+    """The corpus and how it is batched."""
+    optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
+    """Optimizer and its hyper-parameters."""
+    schedule: ScheduleConfig = msgspec.field(default_factory=ScheduleConfig)
+    """Learning-rate schedule."""
+    seed: NonNeg = 1337
+    """Seeds python, numpy and torch."""
+    steps: Pos = 1000
+    """Optimizer steps."""
+    batch_size: Pos = 16
+    """Sequences per micro-batch."""
+    grad_accum: Pos = 1
+    """Micro-batches per optimizer step."""
+    precision: Literal["float32", "bf16-autocast"] = "float32"
+    """float32 | bf16-autocast."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in the backward pass."""
+    compile: bool = False
+    """Wrap the model in torch.compile."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N."""
+    out_dir: str = "runs/default"
+    """Where checkpoints, metrics.csv and TensorBoard logs go."""
+    log_every: Pos = 10
+    """Steps between metric lines."""
+    eval_every: NonNeg = 200
+    """Steps between evaluations (0 disables)."""
+    eval_steps: Pos = 20
+    """Validation batches per evaluation."""
+    checkpoint_every: NonNeg = 500
+    """Steps between checkpoints (0: only at the end and on interrupt)."""
+    sample_tokens: NonNeg = 200
+    """Tokens generated for the sample printed at evaluation and at the end."""
+
+    def check(self) -> None:
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                "data.seq_len",
+                f"sequences of {self.data.seq_len} tokens do not fit the model's max_seq_len "
+                f"({self.model.max_seq_len})",
+                value=self.data.seq_len,
+                fix="lower data.seq_len or raise model.max_seq_len",
+            )
+        if self.schedule.warmup_steps >= self.steps and self.steps > 1:
+            raise ConfigError(
+                "schedule.warmup_steps",
+                f"warmup ({self.schedule.warmup_steps} steps) is not shorter than the run ({self.steps} steps)",
+                value=self.schedule.warmup_steps,
+                fix="lower schedule.warmup_steps or raise steps",
+            )

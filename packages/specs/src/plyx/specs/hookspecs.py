@@ -1,0 +1,196 @@
+"""The plugin surface of plyx: every hook a plugin may implement.
+
+A plugin is any object or module registered under the ``plyx`` entry-point
+group; it implements hooks by defining functions with these names, decorated
+with ``plyx.specs.hookimpl``. Arguments are passed by keyword; an
+implementation may accept any subset of a hook's parameters. A plugin may
+declare the contract versions it was written against in a module attribute
+``plyx_contracts = {"hooks": "1.0", "kernels": "1.0"}``; an incompatible
+declaration makes the loader skip it with a warning.
+
+Hooks that return lists are collected from every plugin; ``firstresult`` hooks
+stop at the first non-None answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+__all__ = ["hookspec", "hookimpl", "PROJECT", "CONTRACT_VERSION"]
+
+PROJECT = "plyx"
+CONTRACT_VERSION = "1.0"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ---------------------------------------------------------------------------
+# components: what a plane or third party contributes
+# ---------------------------------------------------------------------------
+@hookspec
+def plyx_register_kernels(registry: Any) -> None:
+    """Register kernel implementations.
+
+    :param registry: a ``plyx.specs.kernels.KernelRegistry``; call
+        ``registry.register(KernelImpl(...))`` for each implementation.
+
+    Called once per registry (so once per process for the default one).
+    """
+
+
+@hookspec
+def plyx_register_attention_backends(registry: Any) -> None:
+    """Register implementations of the ``attention`` and ``paged_attention`` kernels.
+
+    :param registry: the same ``KernelRegistry`` as ``plyx_register_kernels``;
+        kept separate so attention backends can ship without other kernels.
+    """
+
+
+@hookspec
+def plyx_kv_cache_kinds() -> list[Any]:
+    """KV-cache implementations.
+
+    :return: a list of ``Component``; ``factory(layout: CacheLayout, **options)``
+        returns an object satisfying ``plyx.specs.kvcache.KVCache``.
+    """
+
+
+@hookspec
+def plyx_samplers() -> list[Any]:
+    """Samplers and logits processors.
+
+    :return: a list of ``Component``; ``factory(**params)`` returns a callable
+        ``(logits[B, V], state) -> logits`` (processors) or ``-> token ids`` (samplers),
+        as documented by plyx-serve.
+    """
+
+
+@hookspec
+def plyx_optimizers() -> list[Any]:
+    """Optimizers.
+
+    :return: a list of ``Component``; ``factory(param_groups, config: OptimizerConfig)``
+        returns a ``torch.optim.Optimizer``.
+    """
+
+
+@hookspec
+def plyx_exporters() -> list[Any]:
+    """Export formats.
+
+    :return: a list of ``Component``; ``factory(model, out_dir, **options)`` writes
+        the export and returns the written paths.
+    """
+
+
+@hookspec
+def plyx_guardrails() -> list[Any]:
+    """Guardrail detectors.
+
+    :return: a list of ``Component``; ``factory(**options)`` returns a detector
+        as documented by plyx-safety.
+    """
+
+
+@hookspec
+def plyx_redteam_probes() -> list[Any]:
+    """Red-team probe families.
+
+    :return: a list of ``Component``; ``factory(**options)`` returns a probe as
+        documented by plyx-safety.
+    """
+
+
+@hookspec
+def plyx_cli_commands() -> list[Any]:
+    """Subcommands of the ``plyx`` command.
+
+    :return: a list of ``CliCommand``. A plane adds its command exactly when it
+        is installed (``plyx train`` exists with plyx-train).
+    """
+
+
+# ---------------------------------------------------------------------------
+# lifecycle events: where governance and safety attach
+# ---------------------------------------------------------------------------
+@hookspec
+def plyx_on_train_step_end(step: int, metrics: dict[str, float]) -> None:
+    """After each optimizer step.
+
+    :param step: the step just completed (1-based).
+    :param metrics: loss, lr, grad_norm, tokens_per_s... of that step.
+    """
+
+
+@hookspec
+def plyx_on_checkpoint_saved(path: str, step: int, metadata: dict[str, Any]) -> None:
+    """After a checkpoint directory was written atomically.
+
+    :param path: the checkpoint directory.
+    :param step: the training step it holds.
+    :param metadata: ``config`` (dict), ``seeds``, ``inputs`` (name -> path of data
+        and tokenizer), ``outputs`` (paths written), ``metrics`` and ``run_id``.
+    """
+
+
+@hookspec
+def plyx_on_train_end(out_dir: str, metrics: dict[str, float], metadata: dict[str, Any]) -> None:
+    """When a run finishes (normally or interrupted after its last checkpoint).
+
+    :param out_dir: the run directory.
+    :param metrics: final metrics.
+    :param metadata: as for ``plyx_on_checkpoint_saved``.
+    """
+
+
+@hookspec
+def plyx_on_export_written(path: str, format: str, metadata: dict[str, Any]) -> None:
+    """After an export was written.
+
+    :param path: the export directory.
+    :param format: ``onnx``, ``hf``, ``safetensors``...
+    :param metadata: ``artifacts`` (paths), ``source`` checkpoint, ``config``, ``name``.
+    """
+
+
+@hookspec(firstresult=True)
+def plyx_on_request_received(request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any] | None:
+    """Before any compute for a serving request (input rails).
+
+    :param request: the parsed request body (OpenAI shape) with ``prompt_text``
+        added: the text the model will see.
+    :param context: ``request_id``, ``client`` and ``endpoint``.
+    :return: None to let it through, or a refusal ``{"message": ..., "rule_id": ...,
+        "status": 400}`` that the server answers with instead. firstresult.
+    """
+
+
+@hookspec
+def plyx_output_filters(request: dict[str, Any], context: dict[str, Any]) -> list[Any]:
+    """Stateful filters for the streamed text of one response (output rails).
+
+    :return: objects with ``feed(text) -> str`` (text safe to emit now; may hold
+        back a suffix), ``finish() -> str`` and ``blocked`` (None or a refusal dict).
+    """
+
+
+@hookspec
+def plyx_on_response(request: dict[str, Any], response: dict[str, Any], context: dict[str, Any]) -> None:
+    """After a response was sent (answered, refused, cancelled or failed).
+
+    :param response: ``text``, ``finish_reason``, ``usage`` and ``status``.
+    """
+
+
+@hookspec
+def plyx_document_filters(context: dict[str, Any]) -> list[Any]:
+    """Filters applied to each corpus document before tokenization (``plyx data prepare``).
+
+    :param context: ``corpus`` (path) and ``out_dir``.
+    :return: callables ``(text: str) -> str | None``: the (possibly redacted)
+        text, or None to drop the document.
+    """

@@ -1,0 +1,3 @@
+"""Data pipeline, Trainer with exact resume, metrics and the `plyx train` command."""
+
+__all__: list[str] = []
