@@ -1,3 +1,25 @@
-"""Attention modules and KV caches (contiguous and paged with prefix sharing) for plyx."""
+"""plyx-attn: the attention module and KV caches (contiguous, and paged with copy-on-write prefix sharing).
 
-__all__: list[str] = []
+Kernels (``attention``, ``paged_attention``, ``rope``, ``rmsnorm``) are resolved
+by name from the plyx kernel registry; no implementation is imported here.
+"""
+
+from plyx.attn._attention import Attention
+from plyx.attn._contiguous import ContiguousKVCache
+from plyx.attn._norm import RMSNorm
+from plyx.attn._factory import cache_kinds, cache_layout, make_cache
+from plyx.attn._paged import PagedKVCache
+from plyx.attn._step import PAGED_MAX_QUERY, KVStep, begin_step
+
+__all__ = [
+    "PAGED_MAX_QUERY",
+    "Attention",
+    "ContiguousKVCache",
+    "KVStep",
+    "PagedKVCache",
+    "RMSNorm",
+    "begin_step",
+    "cache_kinds",
+    "cache_layout",
+    "make_cache",
+]

@@ -2,4 +2,28 @@
 
 from __future__ import annotations
 
-plyx_contracts = {"hooks": "1.0"}
+from typing import Any
+
+from plyx.specs import Component, hookimpl
+
+plyx_contracts = {"hooks": "1.0", "kvcache": "1.0"}
+
+
+def _contiguous(layout: Any, *, max_batch: int = 1) -> Any:
+    from plyx.attn._contiguous import ContiguousKVCache
+
+    return ContiguousKVCache(layout, max_batch=max_batch)
+
+
+def _paged(layout: Any) -> Any:
+    from plyx.attn._paged import PagedKVCache
+
+    return PagedKVCache(layout)
+
+
+@hookimpl
+def plyx_kv_cache_kinds() -> list[Component]:
+    return [
+        Component("contiguous", _contiguous, "one preallocated [max_batch, max_seq_len] row per sequence"),
+        Component("paged", _paged, "fixed-size blocks in a pool, refcounted copy-on-write prefix sharing"),
+    ]

@@ -1,3 +1,36 @@
-"""The plyx kernel registry and its kernels: reference PyTorch and Triton implementations with gradients."""
+"""plyx-kernel: the kernel registry and its kernels (PyTorch references everywhere, Triton on CUDA).
 
-__all__: list[str] = []
+Public surface:
+
+- ``registry()``: the process's ``KernelRegistry``; ``registry().get(name, *tensors)``
+  returns the implementation chosen for their device, dtype and sizes.
+- ``configure(KernelConfig)``, ``reset_registry()``, ``Registry`` (a private registry).
+- one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``,
+  ``cross_entropy``, ``linear_cross_entropy``, ``matmul``) and ``rope_tables``.
+- ``plyx.kernel.reference``: the pure-PyTorch definitions.
+"""
+
+from plyx.kernel._default import configure, registry, reset_registry
+from plyx.kernel._dispatch import cross_entropy, linear_cross_entropy, matmul, rmsnorm, rope, swiglu
+from plyx.kernel._errors import KernelInputError
+from plyx.kernel._registry import KernelConformanceWarning, KernelFallbackWarning, Registry, query_for
+from plyx.kernel._rope_tables import inv_frequencies, rope_tables
+
+__all__ = [
+    "KernelConformanceWarning",
+    "KernelFallbackWarning",
+    "KernelInputError",
+    "Registry",
+    "configure",
+    "cross_entropy",
+    "inv_frequencies",
+    "linear_cross_entropy",
+    "matmul",
+    "query_for",
+    "registry",
+    "reset_registry",
+    "rmsnorm",
+    "rope",
+    "rope_tables",
+    "swiglu",
+]

@@ -1,5 +1,53 @@
-"""The built-in plugin of plyx-kernel, registered under the `plyx` entry-point group."""
+"""The built-in plugin of plyx-kernel, registered under the ``plyx`` entry-point group.
+
+It arrives the same way a third-party kernel plugin does: the registry calls
+these hooks on first use.
+"""
 
 from __future__ import annotations
 
-plyx_contracts = {"hooks": "1.0"}
+import importlib.util
+from typing import Any
+
+from plyx.specs import hookimpl
+from plyx.specs.kernels import KernelImpl
+
+plyx_contracts = {"hooks": "1.0", "kernels": "1.0"}
+
+_REFERENCES = {
+    "matmul": "torch.matmul (cuBLAS on CUDA)",
+    "rmsnorm": "PyTorch RMSNorm, float32 statistics, optional fused residual add",
+    "swiglu": "PyTorch silu(gate) * up in float32",
+    "rope": "PyTorch RoPE, rotate-half or interleaved, partial rotary",
+    "cross_entropy": "PyTorch cross-entropy with label smoothing, z-loss and argmax",
+    "linear_cross_entropy": "PyTorch chunked lm-head + cross-entropy (never holds [N, V] logits)",
+}
+
+
+@hookimpl
+def plyx_register_kernels(registry: Any) -> None:
+    """The pure-PyTorch references (priority 0, any device) and the Triton kernels (CUDA)."""
+    from plyx.kernel import reference
+
+    for name, description in _REFERENCES.items():
+        registry.register(KernelImpl(name, "reference", getattr(reference, name), priority=0, description=description))
+    from plyx.kernel.triton_ops import register as register_triton
+
+    register_triton(registry)
+
+
+@hookimpl
+def plyx_register_attention_backends(registry: Any) -> None:
+    """The attention kernels of ``plyx.kernel.attention``, when that subpackage is present."""
+    if importlib.util.find_spec("plyx.kernel.attention") is None:
+        return
+    from plyx.kernel import attention
+
+    attention.register(registry)
+
+
+@hookimpl
+def plyx_cli_commands() -> list[Any]:
+    from plyx.kernel._cli import command
+
+    return [command()]

@@ -80,9 +80,11 @@ class PluginRecord:
 
 def contract_versions() -> dict[str, str]:
     """The contract versions this plyx-specs provides, by contract name."""
-    from plyx.specs import batch, checkpoint, kernels, kvcache, tensorspec
-    from plyx.specs.config import _base  # noqa: F401  (config has no separate module version)
+    import importlib
 
+    batch, checkpoint, kernels, kvcache, tensorspec = (
+        importlib.import_module(f"plyx.specs.{n}") for n in ("batch", "checkpoint", "kernels", "kvcache", "tensorspec")
+    )
     return {
         "hooks": hookspecs.CONTRACT_VERSION,
         "kernels": kernels.CONTRACT_VERSION,

@@ -1,0 +1,134 @@
+"""``Attention``: multi-head attention with GQA/MQA, QK-norm and RoPE, kernels resolved by name.
+
+Shapes: x ``[B, T, D]``; q ``[B, T, H, Dh]``; k, v ``[B, T, KV, Dh]`` with
+``H % KV == 0`` (MHA: KV = H, GQA: 1 < KV < H, MQA: KV = 1).
+
+Masks, all handled by the ``attention`` kernel: causal always; padding through
+``key_mask`` (bool ``[B, 1, 1, S]``, True = real key); packed documents through
+``document_ids`` (``[B, T]``, no attention across documents); sliding window
+(Mistral: a query sees itself and the ``window - 1`` keys before it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from plyx.attn._kernels import kernel
+from plyx.attn._norm import RMSNorm
+from plyx.attn._step import KVStep
+
+__all__ = ["Attention"]
+
+
+class Attention(nn.Module):
+    """Self-attention of one decoder layer.
+
+    Args:
+        d_model: width of the residual stream.
+        n_heads, n_kv_heads, head_dim: H, KV and Dh.
+        qkv_bias: biases on q/k/v (Qwen2).
+        qk_norm: RMSNorm over Dh on each head's q and k before RoPE (Qwen3).
+        norm_eps: epsilon of the QK-norm.
+        sliding_window: attend to at most this many positions (the query's included); None = full causal.
+        layer_idx: which cache layer this module writes.
+
+    Parameters (Hugging Face names, so state dicts map one to one):
+        ``q_proj [H*Dh, D]``, ``k_proj``/``v_proj [KV*Dh, D]``, ``o_proj [D, H*Dh]``,
+        ``q_norm.weight``/``k_norm.weight [Dh]`` when ``qk_norm``.
+    """
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        sliding_window: int | None = None,
+        layer_idx: int = 0,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads ({n_kv_heads}) must divide n_heads ({n_heads}); use 1 (MQA) .. n_heads (MHA)")
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.sliding_window = sliding_window
+        self.layer_idx = layer_idx
+        self.norm_eps = norm_eps
+        self.scale = head_dim**-0.5
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias, **factory)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias, **factory)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias, **factory)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False, **factory)
+        if qk_norm:
+            self.q_norm: RMSNorm | None = RMSNorm(head_dim, norm_eps, **factory)
+            self.k_norm: RMSNorm | None = RMSNorm(head_dim, norm_eps, **factory)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        key_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        step: KVStep | None = None,
+    ) -> torch.Tensor:
+        """Attend over ``x`` (and the cache, when ``step`` is given).
+
+        Args:
+            x: ``[B, T, D]``.
+            cos, sin: RoPE tables ``[T, R/2]`` or ``[B, T, R/2]`` (R <= Dh: partial rotary).
+            key_mask: bool ``[B, 1, 1, T]``, True for real tokens (no-cache padding).
+            document_ids: ``[B, T]`` packed documents (no cache).
+            step: the cache step from ``begin_step``; keys and values are stored and
+                attention reads every cached token of each sequence.
+
+        Returns:
+            ``[B, T, D]``.
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, Dh)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, Dh)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rope = kernel("rope", q, cos, sin, head_dim=self.head_dim)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        if step is None:
+            out = kernel("attention", q, k, v, head_dim=self.head_dim)(
+                q, k, v, causal=True, scale=self.scale, mask=key_mask, document_ids=document_ids,
+                window=self.sliding_window,
+            )
+        else:
+            out = self._attend_cached(q, k, v, step)
+        return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
+
+    def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: KVStep) -> torch.Tensor:
+        step.store(self.layer_idx, k, v)
+        if step.paged is not None:
+            k_pool, v_pool = step.cache.kv_pool(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
+            tables, lens = step.paged
+            q = q.to(k_pool.dtype)
+            fn = kernel("paged_attention", q, k_pool, v_pool, head_dim=self.head_dim)
+            return fn(q, k_pool, v_pool, tables, lens, scale=self.scale, window=self.sliding_window)
+        keys, values = step.gather(self.layer_idx)  # (B, S, KV, Dh), left-padded
+        q = q.to(keys.dtype)
+        fn = kernel("attention", q, keys, values, head_dim=self.head_dim)
+        return fn(q, keys, values, causal=True, scale=self.scale, mask=step.key_mask, window=self.sliding_window)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
+            f"qk_norm={self.q_norm is not None}, window={self.sliding_window}"
+        )

@@ -1,0 +1,194 @@
+"""``ContiguousKVCache``: one preallocated row of ``max_seq_len`` slots per sequence.
+
+Layout per layer: ``[max_batch, max_seq_len, KV, Dh]``; a sequence id is mapped
+to a free row when allocated. Simple and fast to read for a fixed batch
+(offline generation, beam search); ``fork`` copies a row (no sharing) and
+``reorder`` permutes beams in one gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from plyx.specs.kvcache import CacheFullError, CacheLayout, CacheUsage
+
+from plyx.attn._common import check_kv, dtype_of, unique_ids
+
+__all__ = ["ContiguousKVCache"]
+
+
+class ContiguousKVCache:
+    """A ``[max_batch, max_seq_len]`` slab per layer; sequences are rows.
+
+    Args:
+        layout: sizes (``block_size``/``num_blocks`` are ignored).
+        max_batch: rows, i.e. the most live sequences at once.
+
+    Example::
+
+        cache = ContiguousKVCache(layout, max_batch=4)
+        cache.allocate(7)
+        cache.reserve([7], [3])
+        cache.append(0, [7], k, v)      # k, v: [3, KV, Dh]
+        k_all, v_all = cache.read(0, 7)
+    """
+
+    def __init__(self, layout: CacheLayout, *, max_batch: int = 1) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
+        self._layout = CacheLayout(
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            dtype=layout.dtype,
+            device=layout.device,
+            max_seq_len=layout.max_seq_len,
+        )
+        self.max_batch = max_batch
+        shape = (max_batch, layout.max_seq_len, layout.num_kv_heads, layout.head_dim)
+        dtype = dtype_of(layout.dtype)
+        self._k = [torch.zeros(shape, dtype=dtype, device=layout.device) for _ in range(layout.num_layers)]
+        self._v = [torch.zeros(shape, dtype=dtype, device=layout.device) for _ in range(layout.num_layers)]
+        self._rows: dict[int, int] = {}  # seq id -> row
+        self._lens: dict[int, int] = {}
+        self._free_rows = list(range(max_batch - 1, -1, -1))
+        self._pending: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
+
+    # -- the KVCache contract --------------------------------------------------------
+    @property
+    def layout(self) -> CacheLayout:
+        return self._layout
+
+    def allocate(self, seq_id: int) -> None:
+        if seq_id in self._rows:
+            raise ValueError(f"sequence {seq_id} is already allocated; evict it first or pick another id")
+        if not self._free_rows:
+            raise CacheFullError(1, 0, what="sequence rows")
+        self._rows[seq_id] = self._free_rows.pop()
+        self._lens[seq_id] = 0
+
+    def reserve(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
+        ids = unique_ids(seq_ids)
+        counts = [int(n) for n in num_tokens]
+        if len(counts) != len(ids):
+            raise ValueError(f"reserve got {len(ids)} seq_ids but {len(counts)} num_tokens; pass one count per sequence")
+        over = 0
+        for sid, n in zip(ids, counts):
+            self._row(sid)
+            if n < 0:
+                raise ValueError(f"num_tokens for sequence {sid} is {n}; it must be >= 0")
+            over += max(0, self._lens[sid] + n - self._layout.max_seq_len)
+        if over:
+            free = sum(self._layout.max_seq_len - self._lens[s] for s in ids)
+            raise CacheFullError(sum(counts), free, what="token slots")
+        rows, cols = [], []
+        for sid, n in zip(ids, counts):
+            start = self._lens[sid]
+            rows.append(torch.full((n,), self._rows[sid], dtype=torch.long))
+            cols.append(torch.arange(start, start + n))
+            self._lens[sid] = start + n
+        device = self._layout.device
+        self._pending = (tuple(ids), torch.cat(rows).to(device), torch.cat(cols).to(device))
+
+    def append(self, layer: int, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        if self._pending is None:
+            raise RuntimeError("append() without a matching reserve(); call reserve(seq_ids, num_tokens) first")
+        ids, rows, cols = self._pending
+        if tuple(seq_ids) != ids:
+            raise ValueError(f"append() got seq_ids {list(seq_ids)}, but the last reserve() was for {list(ids)}")
+        self._check_layer(layer)
+        check_kv(self._layout, k, v, rows.numel())
+        self._k[layer][rows, cols] = k.to(self._k[layer].dtype)
+        self._v[layer][rows, cols] = v.to(self._v[layer].dtype)
+
+    def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_layer(layer)
+        row, n = self._row(seq_id), self._lens[seq_id]
+        return self._k[layer][row, :n], self._v[layer][row, :n]
+
+    def length(self, seq_id: int) -> int:
+        self._row(seq_id)
+        return self._lens[seq_id]
+
+    def sequences(self) -> list[int]:
+        return list(self._rows)
+
+    def fork(self, src: int, dst: int) -> None:
+        row = self._row(src)
+        if dst in self._rows:
+            raise ValueError(f"cannot fork {src} into {dst}: sequence {dst} already exists; evict it first")
+        self.allocate(dst)
+        new, n = self._rows[dst], self._lens[src]
+        for pool in (*self._k, *self._v):
+            pool[new, :n] = pool[row, :n]
+        self._lens[dst] = n
+
+    def crop(self, seq_id: int, length: int) -> None:
+        self._row(seq_id)
+        if not 0 <= length <= self._lens[seq_id]:
+            raise ValueError(f"crop length {length} for sequence {seq_id} must be in [0, {self._lens[seq_id]}]")
+        self._lens[seq_id] = length
+        self._pending = None
+
+    def evict(self, seq_id: int) -> None:
+        row = self._row(seq_id)
+        del self._rows[seq_id], self._lens[seq_id]
+        self._free_rows.append(row)
+        if self._pending is not None and seq_id in self._pending[0]:
+            self._pending = None
+
+    def block_table(self, seq_ids: Sequence[int]) -> None:
+        return None
+
+    def kv_pool(self, layer: int) -> None:
+        return None
+
+    def usage(self) -> CacheUsage:
+        slots = self.max_batch * self._layout.max_seq_len
+        used = sum(self._lens.values())
+        per_slot = 2 * self._layout.num_layers * self._k[0][0, 0].numel() * self._k[0].element_size()
+        return CacheUsage(
+            blocks_total=slots,
+            blocks_used=used,
+            blocks_free=slots - used,
+            bytes_total=slots * per_slot,
+            bytes_used=used * per_slot,
+            num_sequences=len(self._rows),
+        )
+
+    # -- beam search -----------------------------------------------------------------
+    def reorder(self, mapping: Mapping[int, int]) -> None:
+        """Make each ``dst`` sequence a copy of ``src`` (``{dst: src}``), all at once.
+
+        Beam search: after a step the surviving beams ``dst`` continue from
+        parents ``src``; sources are read before any destination is written,
+        so permutations (``{0: 1, 1: 0}``) are safe.
+        """
+        dsts = list(mapping)
+        srcs = [mapping[d] for d in dsts]
+        dst_rows = torch.tensor([self._row(d) for d in dsts], dtype=torch.long, device=self._layout.device)
+        src_rows = torch.tensor([self._row(s) for s in srcs], dtype=torch.long, device=self._layout.device)
+        for pool in (*self._k, *self._v):
+            pool[dst_rows] = pool[src_rows]  # the gather on the right is materialised first
+        lens = {d: self._lens[s] for d, s in zip(dsts, srcs)}
+        self._lens.update(lens)
+        self._pending = None
+
+    # -- internals -------------------------------------------------------------------
+    def _row(self, seq_id: int) -> int:
+        try:
+            return self._rows[seq_id]
+        except KeyError:
+            raise KeyError(
+                f"sequence {seq_id} is not in the cache (live: {sorted(self._rows)[:16]}); allocate() it first"
+            ) from None
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self._layout.num_layers:
+            raise IndexError(f"layer {layer} out of range: the cache holds {self._layout.num_layers} layers")
+
+    def __repr__(self) -> str:
+        u = self.usage()
+        return f"ContiguousKVCache(rows {len(self._rows)}/{self.max_batch}, slots {u.blocks_used}/{u.blocks_total} used)"

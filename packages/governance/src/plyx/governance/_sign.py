@@ -1,0 +1,193 @@
+"""Sign files (sha256 checksums + a DSSE/in-toto attestation) and verify them.
+
+``sign_files`` writes three files beside each other:
+
+- ``CHECKSUMS.sha256``: ``<sha256>  <path>`` lines (``sha256sum -c`` reads it),
+  paths relative to the checksums file's directory;
+- ``CHECKSUMS.sha256.dsse.json``: a DSSE envelope over an in-toto Statement v1
+  whose subjects are the same files and digests, Ed25519-signed;
+- ``SIGNING_KEY.pub``: the signer's public key, so a directory can be checked
+  on its own. Trust comes from pinning the key (``--key``): the bundled key
+  only proves that nothing changed after signing, not who signed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from plyx.governance._dsse import make_statement, parse_statement, sign_envelope, verify_envelope
+from plyx.governance._errors import GovernanceError
+from plyx.governance._files import (
+    digest_file,
+    portable_relpath,
+    read_checksums,
+    render_checksums,
+    write_bytes_atomic,
+    write_text_atomic,
+)
+from plyx.governance._keys import key_id, load_public_key, public_key_pem
+from plyx.governance._report import Report
+
+__all__ = [
+    "CHECKSUMS_FILE",
+    "ENVELOPE_SUFFIX",
+    "PUBLIC_KEY_FILE",
+    "PREDICATE_TYPE",
+    "sign_files",
+    "verify_signature",
+    "envelope_path",
+]
+
+CHECKSUMS_FILE = "CHECKSUMS.sha256"
+ENVELOPE_SUFFIX = ".dsse.json"
+PUBLIC_KEY_FILE = "SIGNING_KEY.pub"
+PREDICATE_TYPE = "https://plyx.dev/governance/release/v1"
+
+
+def envelope_path(checksums: str | os.PathLike[str]) -> Path:
+    """Where the DSSE envelope of a checksums file lives."""
+    checksums = Path(checksums)
+    return checksums.with_name(checksums.name + ENVELOPE_SUFFIX)
+
+
+def _now() -> str:
+    # SOURCE_DATE_EPOCH (reproducible-builds.org) pins timestamps for byte-identical reruns
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def sign_files(files: Sequence[str | os.PathLike[str]], key: Ed25519PrivateKey, out: str | os.PathLike[str], *,
+               ephemeral: bool = False, predicate: Mapping[str, Any] | None = None,
+               write_public_key: bool = True) -> tuple[Path, Path]:
+    """Checksum and sign ``files``.
+
+    Args:
+        files: the files to cover (directories are not allowed: list their files).
+        key: the Ed25519 signing key.
+        out: the checksums file to write; the envelope goes to ``out + '.dsse.json'``.
+        ephemeral: the key was generated for this signature only and is recorded as such.
+        predicate: extra fields for the statement's predicate (name, format...).
+        write_public_key: also write ``SIGNING_KEY.pub`` beside ``out``.
+
+    Returns:
+        (checksums path, envelope path).
+    """
+    out = Path(out)
+    base = out.parent
+    subjects: dict[str, str] = {}
+    for f in files:
+        p = Path(f)
+        if not p.is_file():
+            raise GovernanceError("--files", f"{p} is not a file", fix="pass files, not directories or missing paths")
+        rel = portable_relpath(p, base)
+        if rel in subjects:
+            raise GovernanceError("--files", "file listed twice", value=rel)
+        subjects[rel] = digest_file(p)
+    if not subjects:
+        raise GovernanceError("--files", "nothing to sign", fix="pass at least one file")
+    write_text_atomic(out, render_checksums(subjects.items()))
+    public = key.public_key()
+    body = {
+        "checksums": {"name": out.name, "sha256": digest_file(out)},
+        "signer": {"keyid": key_id(public), "algorithm": "ed25519", "ephemeral": bool(ephemeral)},
+        "created": _now(),
+        **dict(predicate or {}),
+    }
+    envelope = sign_envelope(make_statement(subjects, PREDICATE_TYPE, body), key)
+    env_path = envelope_path(out)
+    write_text_atomic(env_path, json.dumps(envelope, indent=2, sort_keys=True) + "\n")
+    if write_public_key:
+        write_bytes_atomic(base / PUBLIC_KEY_FILE, public_key_pem(public))
+    return out, env_path
+
+
+def verify_signature(checksums: str | os.PathLike[str], *, key: str | os.PathLike[str] | Ed25519PublicKey | None = None,
+                     report: Report | None = None) -> Report:
+    """Check a checksums file, its DSSE envelope and every file they list.
+
+    Args:
+        checksums: the ``CHECKSUMS.sha256`` file.
+        key: the trusted public key (a ``.pub`` path or key object); None uses
+            ``SIGNING_KEY.pub`` beside the checksums, which proves integrity only.
+        report: add findings to this report instead of a new one.
+
+    Returns:
+        the report; problems name the file and the failed check.
+    """
+    checksums = Path(checksums)
+    base = checksums.parent
+    report = report if report is not None else Report(f"signature of {checksums}")
+    name = checksums.name
+    env_path = envelope_path(checksums)
+    if not checksums.is_file():
+        report.fail(name, "missing", "checksums file not found; sign the files with `plyx governance sign`")
+        return report
+    try:
+        listed = read_checksums(checksums)
+    except (GovernanceError, UnicodeDecodeError) as exc:
+        report.fail(name, "checksum", f"unreadable: {exc}")
+        listed = {}
+
+    # 1. the signature over the statement
+    statement: dict[str, Any] | None = None
+    try:
+        if isinstance(key, Ed25519PublicKey):
+            trusted = key
+        elif key is not None:
+            trusted = load_public_key(key)
+        else:
+            bundled = base / PUBLIC_KEY_FILE
+            if not bundled.is_file():
+                raise GovernanceError(PUBLIC_KEY_FILE, "not found and no --key given",
+                                      fix="pass the signer's public key with --key KEY.pub")
+            trusted = load_public_key(bundled)
+            report.notes.append(f"checked against the bundled {PUBLIC_KEY_FILE} (keyid {key_id(trusted)[:16]}...): "
+                                "this proves nothing changed after signing, not who signed; pin the key with --key")
+        if not env_path.is_file():
+            raise GovernanceError(env_path.name, "signature envelope not found",
+                                  fix="sign the files with `plyx governance sign`")
+        try:
+            envelope = json.loads(env_path.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise GovernanceError(env_path.name, f"not UTF-8 JSON: {exc}", fix="re-sign the files") from exc
+        statement = parse_statement(verify_envelope(envelope, [trusted]))
+        report.passed.append(f"{env_path.name}: Ed25519 signature valid (keyid {key_id(trusted)[:16]}...)")
+        signer = statement.get("predicate", {}).get("signer", {})
+        if isinstance(signer, dict) and signer.get("ephemeral"):
+            report.notes.append(f"{env_path.name}: signed with an ephemeral key generated for this release; set "
+                                "PLYX_SIGNING_KEY to a kept key to make signatures attributable")
+    except GovernanceError as exc:
+        report.fail(env_path.name, "signature", str(exc))
+
+    # 2. the signed subjects must be exactly the checksums file's entries
+    if statement is not None:
+        signed = {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}
+        if signed != listed:
+            changed = sorted(set(signed.items()) ^ set(listed.items()))
+            names = sorted({n for n, _ in changed})
+            report.fail(name, "signature", f"entries differ from the signed statement for {', '.join(names)}: "
+                        "the checksums file was edited after signing; re-sign if that was intended")
+        else:
+            report.passed.append(f"{name}: matches the signed statement ({len(listed)} files)")
+
+    # 3. every listed file against its digest
+    for rel, want in sorted(listed.items()):
+        path = base / rel
+        if not path.is_file():
+            report.fail(rel, "missing", f"listed in {name} but not found")
+            continue
+        got = digest_file(path)
+        if got != want:
+            report.fail(rel, "checksum", f"sha256 {got[:16]}... but {name} says {want[:16]}...: the file changed "
+                        "after signing")
+        else:
+            report.passed.append(f"{rel}: sha256 matches")
+    return report

@@ -1,0 +1,45 @@
+"""One function per kernel name that selects from the default registry and calls: what model code uses.
+
+Each has the kernel name's signature (documented in ``plyx.kernel``'s README);
+selection is cached, so the per-call cost is a dictionary lookup plus the query.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plyx.kernel._default import registry
+
+__all__ = ["matmul", "rmsnorm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy"]
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b``: a ``[..., M, K]``, b ``[K, N]``."""
+    return registry().get("matmul", a, b)(a, b)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6, residual: torch.Tensor | None = None) -> Any:
+    """RMSNorm of ``x`` (or of ``x + residual``, returning ``(y, x + residual)``)."""
+    return registry().get("rmsnorm", x, weight)(x, weight, eps=eps, residual=residual)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``."""
+    return registry().get("swiglu", gate, up)(gate, up)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
+    """Rotate the first ``2 * cos.shape[-1]`` dims of ``x [B, T, H, Dh]``."""
+    return registry().get("rope", x, cos, sin)(x, cos, sin, interleaved=interleaved)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **options: Any) -> Any:
+    """Cross-entropy of ``logits [N, V]``; options as the ``cross_entropy`` kernel."""
+    return registry().get("cross_entropy", logits, targets)(logits, targets, **options)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, **options: Any) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits."""
+    return registry().get("linear_cross_entropy", hidden, weight, targets)(hidden, weight, targets, **options)

@@ -1,0 +1,382 @@
+"""``Registry``: plyx-kernel's implementation of the ``plyx.specs.kernels.KernelRegistry`` contract.
+
+Selection for ``(name, query)``:
+
+1. an override (innermost ``registry.override(...)`` block, then ``PLYX_KERNELS``,
+   then ``KernelConfig.overrides``) names the implementation; if its predicates
+   refuse the query, strict mode raises and otherwise the registry warns and
+   falls back to step 2;
+2. otherwise the accepted implementation of highest priority, ties broken by
+   implementation name, so the choice never depends on registration order.
+
+Implementations listed in ``KernelConfig.disabled`` are never chosen.
+Implementations from other distributions than plyx-kernel are checked by the
+conformance kit (``plyx.specs.testing.kernels``) on small random inputs the first
+time they would be chosen for a device and dtype; one that fails is refused with
+the failure as its reason and a ``KernelConformanceWarning``, never silently used
+(``PLYX_KERNELS_VERIFY=0`` turns this off).
+
+Choices are cached per (name, device, dtype, compute capability, shape class,
+requires_grad, overrides); a cached choice is re-checked against the exact
+shape, since a shape class spans sizes a shape limit may split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from plyx.specs.config import KernelConfig
+from plyx.specs.kernels import (
+    Candidate,
+    KernelImpl,
+    KernelNotFoundError,
+    KernelQuery,
+    KernelUnavailableError,
+)
+from plyx.specs.tensorspec import dtype_name
+
+__all__ = ["Registry", "KernelFallbackWarning", "KernelConformanceWarning", "BUILTIN_SOURCE"]
+
+#: the distribution whose implementations are trusted without a conformance probe
+BUILTIN_SOURCE = "plyx-kernel"
+
+
+class KernelFallbackWarning(UserWarning):
+    """An override could not be honoured and the registry fell back (strict mode raises instead)."""
+
+
+class KernelConformanceWarning(UserWarning):
+    """An implementation failed the conformance probe and is refused."""
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "") not in ("", "0", "false", "False", "no")
+
+
+def _shape_refusal(impl: KernelImpl, query: KernelQuery) -> str | None:
+    """Re-check only the shape-dependent predicates (cheap) of a cached choice."""
+    cap = impl.capability
+    if not (cap.shape_limits or cap.shape_multiple_of or cap.shape_in or cap.check):
+        return None
+    return cap.refusal(query)
+
+
+class Registry:
+    """Kernel implementations under symbolic names, chosen by capability and priority.
+
+    Args:
+        config: overrides, disabled implementations and strictness; see ``configure``.
+        verify: probe third-party implementations with the conformance kit before
+            first use; defaults to ``PLYX_KERNELS_VERIFY`` (on unless ``0``).
+
+    Example::
+
+        reg = Registry()
+        reg.register(KernelImpl("rmsnorm", "reference", rmsnorm))
+        fn = reg.get("rmsnorm", x)          # chosen for x's device and dtype
+        with reg.override(rmsnorm="reference"):
+            ...
+    """
+
+    def __init__(self, config: KernelConfig | None = None, *, verify: bool | None = None) -> None:
+        self._lock = threading.RLock()
+        self._impls: dict[str, dict[str, KernelImpl]] = {}
+        self._cache: dict[tuple[Any, ...], KernelImpl] = {}
+        self._verified: dict[tuple[str, str, str], str | None] = {}  # (qualname, device, dtype) -> failure
+        self._scoped: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(f"plyx_kernel_override_{id(self)}", default={})
+        self._config = KernelConfig()
+        self._verify = _truthy(os.environ.get("PLYX_KERNELS_VERIFY", "1")) if verify is None else verify
+        if config is not None:
+            self.configure(config)
+
+    # -- registration -----------------------------------------------------
+    def register(self, impl: KernelImpl, *, source: str = "") -> None:
+        """Add ``impl``; a second (name, impl) pair is an error naming both sources."""
+        if not isinstance(impl, KernelImpl):
+            raise TypeError(f"register() takes a plyx.specs.kernels.KernelImpl, got {type(impl).__name__}; "
+                            "wrap the function as KernelImpl(name, impl, fn, capability, priority)")
+        if not impl.name or not impl.impl or ":" in impl.impl:
+            raise ValueError(f"kernel implementation needs a name and an impl name without ':', got {impl.name!r}:{impl.impl!r}")
+        if not callable(impl.fn):
+            raise TypeError(f"kernel {impl.qualname}: fn must be callable, got {type(impl.fn).__name__}")
+        if source and not impl.source:
+            impl = _evolve(impl, source=source)
+        with self._lock:
+            existing = self._impls.setdefault(impl.name, {}).get(impl.impl)
+            if existing is not None:
+                if existing.fn is impl.fn and existing.source == impl.source:
+                    return  # re-entrant: the same plugin registering twice is harmless
+                raise KernelUnavailableError(
+                    f"kernel {impl.qualname} is registered twice: by {existing.source or '<unknown>'} and by "
+                    f"{impl.source or '<unknown>'}; uninstall one of them or give one a different impl name"
+                )
+            self._impls[impl.name][impl.impl] = impl
+            self._cache.clear()
+
+    def unregister(self, name: str, impl: str) -> None:
+        """Remove one implementation (tests, or an application replacing a built-in)."""
+        with self._lock:
+            self._known(name)
+            if impl not in self._impls[name]:
+                raise KernelNotFoundError(self._missing_impl(name, impl))
+            del self._impls[name][impl]
+            if not self._impls[name]:
+                del self._impls[name]
+            self._cache.clear()
+
+    # -- policy --------------------------------------------------------------
+    def configure(self, config: KernelConfig) -> None:
+        """Apply a ``KernelConfig``: overrides, disabled implementations and strict mode."""
+        config.check()
+        with self._lock:
+            self._config = config
+            self._cache.clear()
+
+    @property
+    def config(self) -> KernelConfig:
+        return self._config
+
+    @property
+    def strict(self) -> bool:
+        """Strict mode (``KernelConfig.strict`` or ``PLYX_KERNELS_STRICT=1``): an override never falls back."""
+        return self._config.strict or _truthy(os.environ.get("PLYX_KERNELS_STRICT"))
+
+    @contextlib.contextmanager
+    def override(self, **choices: str) -> Iterator[None]:
+        """Force ``name=impl`` inside the block (nested blocks win; per thread and task)."""
+        for name, impl in choices.items():
+            if not isinstance(impl, str) or not impl:
+                raise ValueError(f"override {name}={impl!r}: the implementation must be a name such as 'reference'")
+        token = self._scoped.set({**self._scoped.get(), **choices})
+        try:
+            yield
+        finally:
+            self._scoped.reset(token)
+
+    def overrides(self) -> dict[str, tuple[str, str]]:
+        """The overrides in force now: name -> (impl, where it comes from)."""
+        out = {name: (impl, "KernelConfig.overrides") for name, impl in self._config.overrides.items()}
+        env = os.environ.get("PLYX_KERNELS", "")
+        if env:
+            out.update({name: (impl, "PLYX_KERNELS") for name, impl in KernelConfig.parse_env(env).items()})
+        out.update({name: (impl, "registry.override()") for name, impl in self._scoped.get().items()})
+        return out
+
+    # -- queries -------------------------------------------------------------
+    def names(self) -> list[str]:
+        return sorted(self._impls)
+
+    def implementations(self, name: str) -> list[KernelImpl]:
+        self._known(name)
+        return sorted(self._impls[name].values(), key=lambda i: (-i.priority, i.impl))
+
+    def __iter__(self) -> Iterator[KernelImpl]:
+        for name in self.names():
+            yield from self.implementations(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._impls
+
+    def select(self, name: str, query: KernelQuery) -> KernelImpl:
+        """The implementation used for ``query``; cached per shape class."""
+        overrides = self.overrides()
+        key = (name, query.cache_key(), tuple(sorted(overrides.items())), self.strict)
+        hit = self._cache.get(key)
+        if hit is not None and _shape_refusal(hit, query) is None:
+            return hit
+        candidates = self._decide(name, query, overrides, warn=True)
+        chosen = next(c.impl for c in candidates if c.taken)
+        if hit is None:  # keep the first choice of the class; exact re-checks handle the rest
+            with self._lock:
+                self._cache[key] = chosen
+        return chosen
+
+    def explain(self, name: str, query: KernelQuery) -> list[Candidate]:
+        """Every implementation of ``name``, highest priority first, with taken/refused and why."""
+        return self._decide(name, query, self.overrides(), warn=False, explaining=True)
+
+    def get(self, name: str, *tensors: Any, **shape: int) -> Callable[..., Any]:
+        """The callable chosen for the device and dtype of ``tensors`` (the first one's dtype) and ``shape``."""
+        return self.select(name, query_for(name, *tensors, **shape)).fn
+
+    def __call__(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Select for the tensor arguments and call: ``registry("rmsnorm", x, w, eps=1e-5)``."""
+        tensors = [a for a in args if hasattr(a, "device")]
+        return self.get(name, *tensors)(*args, **kwargs)
+
+    # -- internals -------------------------------------------------------------
+    def _known(self, name: str) -> None:
+        if name not in self._impls:
+            known = ", ".join(self.names()) or "none"
+            raise KernelNotFoundError(
+                f"kernel {name!r} not found. It is either misspelled or not installed (known kernels: {known}); "
+                f"`plyx kernels list` shows every implementation"
+            )
+
+    def _missing_impl(self, name: str, impl: str) -> str:
+        have = ", ".join(sorted(self._impls[name]))
+        return (f"kernel {name!r} has no implementation {impl!r}. It is either misspelled or not installed "
+                f"(implementations of {name}: {have})")
+
+    def _refusal(self, impl: KernelImpl, query: KernelQuery) -> str | None:
+        disabled = set(self._config.disabled)
+        if impl.impl in disabled or impl.qualname in disabled:
+            return "disabled by KernelConfig.disabled"
+        reason = impl.capability.refusal(query)
+        if reason is None and self._verify and impl.source and impl.source.split()[0] != BUILTIN_SOURCE:
+            reason = self._conformance(impl, query)
+        return reason
+
+    def _conformance(self, impl: KernelImpl, query: KernelQuery) -> str | None:
+        key = (impl.qualname, query.device_type, query.dtype)
+        if key not in self._verified:
+            from plyx.specs.testing.kernels import KERNEL_CASES, check_kernel
+
+            if impl.name not in KERNEL_CASES:
+                failure = None  # no conformance case for this name: nothing to probe with
+            else:
+                report = check_kernel(impl.name, impl.fn, device=_device_of(query), dtypes=(query.dtype,),
+                                      grad=query.requires_grad and impl.capability.backward, quick=True)
+                failure = None if report.ok else f"failed conformance: {report.failures[0]}"
+                if failure:
+                    warnings.warn(f"kernel {impl.qualname} from {impl.source} {failure}; it is refused",
+                                  KernelConformanceWarning, stacklevel=4)
+            self._verified[key] = failure
+        return self._verified[key]
+
+    def _decide(self, name: str, query: KernelQuery, overrides: Mapping[str, tuple[str, str]], *, warn: bool,
+                explaining: bool = False) -> list[Candidate]:
+        impls = self.implementations(name)
+        refusals = {i.impl: self._refusal(i, query) for i in impls}
+        forced, where = overrides.get(name, (None, ""))
+        chosen: KernelImpl | None = None
+        forced_note = ""
+        if forced is not None:
+            if forced not in refusals:
+                raise KernelNotFoundError(self._missing_impl(name, forced) + f"; named by {where}")
+            if refusals[forced] is None:
+                chosen = self._impls[name][forced]
+            else:
+                problem = (f"kernel {name}: {where} forces {forced!r}, which refuses "
+                           f"{_describe(query)}: {refusals[forced]}")
+                if self.strict and not explaining:
+                    raise KernelUnavailableError(problem + "; remove the override or run where its predicates hold "
+                                                 "(strict mode does not fall back)")
+                forced_note = f"; {where} forced {forced!r} but it refuses this query" + (
+                    " (strict mode would raise)" if self.strict else "")
+                if warn:
+                    warnings.warn(problem + "; falling back to the best accepted implementation "
+                                  "(set KernelConfig.strict or PLYX_KERNELS_STRICT=1 to raise)",
+                                  KernelFallbackWarning, stacklevel=4)
+        if chosen is None:
+            chosen = next((i for i in impls if refusals[i.impl] is None), None)
+        if chosen is None and not explaining:
+            lines = "; ".join(f"{i.impl}: {refusals[i.impl]}" for i in impls)
+            raise KernelUnavailableError(f"no implementation of kernel {name!r} accepts {_describe(query)} ({lines})")
+        out = []
+        for impl in impls:
+            refusal = refusals[impl.impl]
+            if chosen is not None and impl.impl == chosen.impl:
+                why = (f"forced by {where}" if forced == impl.impl else f"highest priority ({impl.priority}) among accepted")
+                out.append(Candidate(impl, True, why + forced_note))
+            elif refusal is not None:
+                out.append(Candidate(impl, False, f"refused: {refusal}"))
+            elif forced is not None and forced == (chosen.impl if chosen else None):
+                out.append(Candidate(impl, False, f"accepted, but {where} forces {forced!r}"))
+            else:
+                out.append(Candidate(impl, False, f"accepted, lower priority ({impl.priority}) than {chosen.impl if chosen else '?'}"))
+        return out
+
+
+def _evolve(impl: KernelImpl, **changes: Any) -> KernelImpl:
+    import attrs
+
+    return attrs.evolve(impl, **changes)
+
+
+def _describe(query: KernelQuery) -> str:
+    parts = [query.device_type, query.dtype]
+    if query.compute_capability:
+        parts.append(f"sm{query.compute_capability[0]}{query.compute_capability[1]}")
+    parts += [f"{k}={v}" for k, v in sorted(query.shape.items())]
+    if query.requires_grad:
+        parts.append("with grad")
+    return " ".join(parts)
+
+
+def _device_of(query: KernelQuery) -> str:
+    return query.device_type
+
+
+_CAPABILITIES: dict[Any, tuple[int, int]] = {}
+
+
+def _capability(device: Any) -> tuple[int, int] | None:
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else _current_cuda()
+    if index not in _CAPABILITIES:
+        import torch
+
+        _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))  # type: ignore[assignment]
+    return _CAPABILITIES[index]
+
+
+def _current_cuda() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def default_sizes(name: str, tensors: tuple[Any, ...]) -> dict[str, int]:
+    """The named sizes predicates look at, read off a kernel's positional tensors."""
+    t = [x for x in tensors if hasattr(x, "shape")]
+    if not t or not t[0].dim():
+        return {}
+    last = int(t[0].shape[-1])
+    if name == "rope" or name.endswith("attention"):
+        return {"head_dim": last}
+    if name == "cross_entropy":
+        return {"vocab": last}
+    if name == "linear_cross_entropy" and len(t) > 1:
+        return {"hidden": last, "vocab": int(t[1].shape[0])}
+    if name == "matmul" and len(t) > 1 and t[1].dim() == 2:
+        return {"m": int(t[0].numel() // max(last, 1)), "k": last, "n": int(t[1].shape[-1])}
+    return {"hidden": last}
+
+
+def query_for(name: str, *tensors: Any, **shape: int) -> KernelQuery:
+    """The ``KernelQuery`` for tensors: device and dtype of the first, grad if any needs one.
+
+    Every tensor must live on the first one's device; sizes not given in
+    ``shape`` are read off the tensors (``default_sizes``).
+    """
+    if not tensors:
+        raise KernelUnavailableError(f"kernel {name}: get() needs at least one tensor to choose for its device and dtype, "
+                                     f"e.g. registry().get({name!r}, x)")
+    import torch
+
+    first = tensors[0]
+    if not isinstance(first, torch.Tensor):
+        raise TypeError(f"kernel {name}: get() takes tensors, got {type(first).__name__} as the first argument")
+    for i, t in enumerate(tensors[1:], start=1):
+        if isinstance(t, torch.Tensor) and t.device != first.device:
+            from plyx.kernel._errors import KernelInputError
+
+            raise KernelInputError(name, f"tensors[{i}]", f"is on {t.device} but tensors[0] is on {first.device}",
+                                   f"move it with `.to({str(first.device)!r})`")
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    sizes = {**default_sizes(name, tensors), **shape}
+    return KernelQuery(
+        device_type=first.device.type,
+        dtype=dtype_name(first.dtype),
+        compute_capability=_capability(first.device),
+        shape=sizes,
+        requires_grad=grad,
+    )

@@ -1,0 +1,51 @@
+"""Attention kernels of plyx-kernel: ``attention`` and ``paged_attention``.
+
+Implementations (all follow the contracts documented on ``attention_reference``
+and ``paged_attention_reference``):
+
+- ``reference``: plain torch, any device and dtype, float64 gradcheck-able (priority 0);
+- ``sdpa``: torch's scaled_dot_product_attention (priority 10);
+- ``triton``: FlashAttention-2 style forward and backward and a paged
+  split-K decode kernel, CUDA only (priority 20), imported on first call.
+
+``register(registry)`` adds them to a ``KernelRegistry``; the kernel plugin
+calls it from its ``plyx_register_attention_backends`` hook. Selection query
+sizes understood by the predicates: ``head_dim``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plyx.kernel.attention._reference import attention_reference, paged_attention_reference
+from plyx.kernel.attention._sdpa import attention_sdpa
+
+__all__ = [
+    "attention_reference",
+    "attention_sdpa",
+    "attention_triton",
+    "paged_attention_reference",
+    "paged_attention_triton",
+    "register",
+]
+
+
+def attention_triton(*args: Any, **kwargs: Any) -> Any:
+    """The Triton flash attention (``attention`` contract); imports Triton on first call."""
+    from plyx.kernel.attention._flash import flash_attention
+
+    return flash_attention(*args, **kwargs)
+
+
+def paged_attention_triton(*args: Any, **kwargs: Any) -> Any:
+    """The Triton paged decode attention (``paged_attention`` contract); imports Triton on first call."""
+    from plyx.kernel.attention._paged import paged_attention
+
+    return paged_attention(*args, **kwargs)
+
+
+def register(registry: Any) -> None:
+    """Register every attention implementation on ``registry`` (a ``plyx.specs.KernelRegistry``)."""
+    from plyx.kernel.attention._register import register_all
+
+    register_all(registry)

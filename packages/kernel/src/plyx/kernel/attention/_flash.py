@@ -1,0 +1,668 @@
+"""Triton flash attention, forward and backward (FlashAttention-2 style).
+
+Forward (one program per block of BLOCK_M queries of one head)::
+
+    for each block of BLOCK_N keys j:
+        s    = (q @ k_j^T) * scale * log2(e)               # [BM, BN], base-2 logits
+        m'   = max(m, rowmax(s));  p = exp2(s - m')
+        l    = l * exp2(m - m') + rowsum(p)
+        acc  = acc * exp2(m - m') + p @ v_j
+    o = acc / l;  lse2 = m + log2(l)                         # saved for the backward
+
+No [T, S] matrix exists in memory; only o and lse2 [B, H, T] are written.
+
+Backward (Dao 2023, Algorithm 2), with D = rowsum(dO * O)::
+
+    P  = exp2(s - lse2)                 dV = P^T dO
+    dP = dO V^T                         dS = P * (dP - D)
+    dQ = scale * dS K                   dK = scale * dS^T Q
+
+Two kernels, neither with atomics: one program per key block of a key/value
+head accumulates dK and dV over every query head of its GQA group (so the
+repeated K/V heads are never materialised), one program per query block
+accumulates dQ.
+
+Key blocks fall in three kinds per query block: fully visible (no masking
+work), partially visible (causal diagonal, window edge, sequence end) and
+invisible (skipped). Documents and user masks make every block "partial".
+Masked logits are -inf; rows that see nothing keep l = 0 and give o = 0, and
+their lse2 is stored as +inf so that the backward's P = exp2(s - lse2) is 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from plyx.kernel.attention._checks import check_attention
+
+__all__ = ["flash_attention", "FlashAttentionFunction"]
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _autotuning() -> bool:
+    # PLYX_ATTENTION_AUTOTUNE=0 keeps the default configs (tests, quick runs);
+    # the interpreter never tunes (it would time numpy).
+    return not _interpreting() and os.environ.get("PLYX_ATTENTION_AUTOTUNE", "1") != "0"
+
+
+# --------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_blocks(
+    acc, l_i, m_i, q,
+    k_base, v_base, stride_ks, stride_vs,
+    bias_base, stride_bias_t, stride_bias_s,
+    docs_base, doc_q,
+    offs_m, pos_m, offs_d,
+    lo, hi, T, S, qk_scale, window,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_n0
+        kt_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [D, BN]
+        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BN, D]
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < S, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+        s = tl.dot(q, kt) * qk_scale  # [BM, BN], base-2 logits
+        if MASKED:
+            allowed = offs_n[None, :] < S
+            if CAUSAL:
+                allowed = allowed & (offs_n[None, :] <= pos_m[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & ((pos_m[:, None] - offs_n[None, :]) < window)
+            if HAS_DOCS:
+                doc_k = tl.load(docs_base + offs_n, mask=offs_n < S, other=-1)
+                allowed = allowed & (doc_q[:, None] == doc_k[None, :])
+            if HAS_BIAS:
+                bias = tl.load(
+                    bias_base + offs_m[:, None] * stride_bias_t + offs_n[None, :] * stride_bias_s,
+                    mask=(offs_m[:, None] < T) & (offs_n[None, :] < S),
+                    other=0.0,
+                )
+                s = s + bias.to(tl.float32) * 1.4426950408889634
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # a row that has seen only masked keys keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < S, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _key_range(start_m, T, S, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, ALL_MASKED: tl.constexpr):
+    """[lo, full_lo) partial, [full_lo, full_hi) fully visible, [full_hi, hi) partial key blocks."""
+    p0 = start_m * BLOCK_M + (S - T)  # position of the block's first query
+    p1 = p0 + BLOCK_M - 1  # position of its last (possibly padding) query
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum(S, p1 + 1)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(0, p0 - window + 1) // BLOCK_N * BLOCK_N
+    if ALL_MASKED:
+        full_lo = hi
+        full_hi = hi
+    else:
+        full_lo = lo
+        if HAS_WINDOW:
+            full_lo = tl.maximum(lo, (tl.maximum(p1 - window + 1, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+        full_hi = S // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            full_hi = tl.minimum(full_hi, (p0 + 1) // BLOCK_N * BLOCK_N)
+        full_lo = tl.minimum(full_lo, hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE2, BIAS, DOCS,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_bias_b, stride_bias_h, stride_bias_t, stride_bias_s,
+    stride_docs_b,
+    T, S, H, qk_scale, window, TUNE_T, TUNE_S,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    kvh = h // GROUP  # GQA: the key/value head this query head reads
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos_m = offs_m + (S - T)  # queries are the last T of the S positions
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)  # [BM, D]
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    bias_base = BIAS + b * stride_bias_b + h * stride_bias_h
+    docs_base = DOCS + b * stride_docs_b
+    doc_q = offs_m  # placeholder when there are no documents
+    if HAS_DOCS:
+        doc_q = tl.load(docs_base + offs_m, mask=offs_m < T, other=-2)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _key_range(start_m, T, S, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW,
+                                          HAS_DOCS or HAS_BIAS)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs,
+                                bias_base, stride_bias_t, stride_bias_s, docs_base, doc_q,
+                                offs_m, pos_m, offs_d, lo, full_lo, T, S, qk_scale, window,
+                                BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs,
+                                bias_base, stride_bias_t, stride_bias_s, docs_base, doc_q,
+                                offs_m, pos_m, offs_d, full_lo, full_hi, T, S, qk_scale, window,
+                                BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs,
+                                bias_base, stride_bias_t, stride_bias_s, docs_base, doc_q,
+                                offs_m, pos_m, offs_d, full_hi, hi, T, S, qk_scale, window,
+                                BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+
+    empty = l_i == 0.0  # rows with nothing to attend to: o = 0, lse2 = +inf (see module docstring)
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse2 = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(LSE2 + off_bh * T + offs_m, lse2, mask=offs_m < T)
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=offs_m[:, None] < T)
+
+
+# --------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh,
+                    T, H, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    # DELTA[b, h, t] = sum_d dO * O  (the D of the backward), float32
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    rows = offs_m[:, None] < T
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :], mask=rows, other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :], mask=rows,
+                 other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + off_bh * T + offs_m, delta, mask=offs_m < T)
+
+
+@triton.jit
+def _dkdv_blocks(
+    dk, dv, k, v,
+    q_base, do_base, stride_qt, stride_dot,
+    lse_base, delta_base,
+    bias_base, stride_bias_t, stride_bias_s,
+    docs_base, doc_k,
+    offs_n, offs_d,
+    lo, hi, T, S, qk_scale, window,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        offs_m = start_m + offs_m0
+        q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+        do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+        if MASKED:
+            rows = offs_m < T
+            q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)
+            lse2 = tl.load(lse_base + offs_m, mask=rows, other=float("inf"))
+        else:
+            q = tl.load(q_ptrs)
+            lse2 = tl.load(lse_base + offs_m)
+        st = tl.dot(k, tl.trans(q)) * qk_scale  # [BN, BM] = s^T, base 2
+        if MASKED:
+            pos_m = offs_m + (S - T)
+            allowed = (offs_n[:, None] < S) & (offs_m[None, :] < T)
+            if CAUSAL:
+                allowed = allowed & (offs_n[:, None] <= pos_m[None, :])
+            if HAS_WINDOW:
+                allowed = allowed & ((pos_m[None, :] - offs_n[:, None]) < window)
+            if HAS_DOCS:
+                doc_q = tl.load(docs_base + offs_m, mask=offs_m < T, other=-2)
+                allowed = allowed & (doc_k[:, None] == doc_q[None, :])
+            if HAS_BIAS:
+                bias = tl.load(
+                    bias_base + offs_m[None, :] * stride_bias_t + offs_n[:, None] * stride_bias_s,
+                    mask=(offs_m[None, :] < T) & (offs_n[:, None] < S),
+                    other=0.0,
+                )
+                st = st + bias.to(tl.float32) * 1.4426950408889634
+            st = tl.where(allowed, st, float("-inf"))
+        pt = tl.math.exp2(st - lse2[None, :])  # P^T [BN, BM]
+        if MASKED:
+            do = tl.load(do_ptrs, mask=rows[:, None], other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=rows, other=0.0)
+        else:
+            do = tl.load(do_ptrs)
+            delta = tl.load(delta_base + offs_m)
+        dv = tl.dot(pt.to(do.dtype), do, dv)  # dV += P^T dO
+        dpt = tl.dot(v, tl.trans(do))  # dP^T = V dO^T  [BN, BM]
+        dst = pt * (dpt - delta[None, :])  # dS^T
+        dk = tl.dot(dst.to(q.dtype), q, dk)  # dK += dS^T Q  (scale applied at the end)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE2, DELTA, DK, DV, BIAS, DOCS,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    stride_dkb, stride_dks, stride_dkh,
+    stride_dvb, stride_dvs, stride_dvh,
+    stride_bias_b, stride_bias_h, stride_bias_t, stride_bias_s,
+    stride_docs_b,
+    T, S, H, KV, qk_scale, sm_scale, window, TUNE_T, TUNE_S,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    start_n = tl.program_id(0)
+    off_bkv = tl.program_id(1)
+    b = off_bkv // KV
+    kvh = off_bkv % KV
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    cols = offs_n[:, None] < S
+    k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :], mask=cols,
+                other=0.0)
+    v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :], mask=cols,
+                other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    docs_base = DOCS + b * stride_docs_b
+    doc_k = offs_n  # placeholder when there are no documents
+    if HAS_DOCS:
+        doc_k = tl.load(docs_base + offs_n, mask=offs_n < S, other=-1)
+
+    # Query blocks that see this key block: index m at position p = m + S - T.
+    off = S - T
+    n0 = start_n * BLOCK_N
+    n1 = n0 + BLOCK_N - 1
+    lo = 0
+    if CAUSAL:
+        lo = tl.maximum(n0 - off, 0) // BLOCK_M * BLOCK_M
+    hi = T
+    if HAS_WINDOW:
+        hi = tl.minimum(T, tl.maximum(n1 + window - off, 0))  # p <= n1 + window - 1
+    if HAS_DOCS or HAS_BIAS:
+        full_lo = hi
+        full_hi = hi
+    else:
+        full_lo = lo
+        if CAUSAL:  # every query of the block at or after the block's last key
+            full_lo = tl.maximum(lo, (tl.maximum(n1 - off, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
+        full_hi = T // BLOCK_M * BLOCK_M
+        if HAS_WINDOW:  # the block's last query within the window of its first key
+            full_hi = tl.minimum(full_hi, tl.maximum(window + n0 - off, 0) // BLOCK_M * BLOCK_M)
+        full_lo = tl.where(n1 >= S, hi, full_lo)  # the sequence ends inside this key block: all partial
+        full_lo = tl.minimum(full_lo, hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+    for g in range(GROUP):  # every query head of this key/value head's group
+        h = kvh * GROUP + g
+        off_bh = b * H + h
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        lse_base = LSE2 + off_bh * T
+        delta_base = DELTA + off_bh * T
+        bias_base = BIAS + b * stride_bias_b + h * stride_bias_h
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lse_base, delta_base,
+                              bias_base, stride_bias_t, stride_bias_s, docs_base, doc_k, offs_n, offs_d,
+                              lo, full_lo, T, S, qk_scale, window,
+                              BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lse_base, delta_base,
+                              bias_base, stride_bias_t, stride_bias_s, docs_base, doc_k, offs_n, offs_d,
+                              full_lo, full_hi, T, S, qk_scale, window,
+                              BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lse_base, delta_base,
+                              bias_base, stride_bias_t, stride_bias_s, docs_base, doc_k, offs_n, offs_d,
+                              full_hi, hi, T, S, qk_scale, window,
+                              BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+
+    dk = dk * sm_scale
+    tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
+             dk.to(DK.dtype.element_ty), mask=cols)
+    tl.store(DV + b * stride_dvb + kvh * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=cols)
+
+
+@triton.jit
+def _dq_blocks(
+    dq, q, do, lse2, delta,
+    k_base, v_base, stride_ks, stride_vs,
+    bias_base, stride_bias_t, stride_bias_s,
+    docs_base, doc_q,
+    offs_m, pos_m, offs_d,
+    lo, hi, T, S, qk_scale, window,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_n0
+        kt_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [D, BN]
+        vt_ptrs = v_base + offs_n[None, :] * stride_vs + offs_d[:, None]  # [D, BN]
+        if MASKED:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < S, other=0.0)
+            vt = tl.load(vt_ptrs, mask=offs_n[None, :] < S, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
+        s = tl.dot(q, kt) * qk_scale  # [BM, BN]
+        if MASKED:
+            allowed = offs_n[None, :] < S
+            if CAUSAL:
+                allowed = allowed & (offs_n[None, :] <= pos_m[:, None])
+            if HAS_WINDOW:
+                allowed = allowed & ((pos_m[:, None] - offs_n[None, :]) < window)
+            if HAS_DOCS:
+                doc_k = tl.load(docs_base + offs_n, mask=offs_n < S, other=-1)
+                allowed = allowed & (doc_q[:, None] == doc_k[None, :])
+            if HAS_BIAS:
+                bias = tl.load(
+                    bias_base + offs_m[:, None] * stride_bias_t + offs_n[None, :] * stride_bias_s,
+                    mask=(offs_m[:, None] < T) & (offs_n[None, :] < S),
+                    other=0.0,
+                )
+                s = s + bias.to(tl.float32) * 1.4426950408889634
+            s = tl.where(allowed, s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, vt)  # dP = dO V^T  [BM, BN]
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq)  # dQ += dS K  (scale applied at the end)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, LSE2, DELTA, DQ, BIAS, DOCS,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_dob, stride_dot, stride_doh,
+    stride_dqb, stride_dqt, stride_dqh,
+    stride_bias_b, stride_bias_h, stride_bias_t, stride_bias_s,
+    stride_docs_b,
+    T, S, H, qk_scale, sm_scale, window, TUNE_T, TUNE_S,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    b = off_bh // H
+    h = off_bh % H
+    kvh = h // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos_m = offs_m + (S - T)
+    rows = offs_m < T
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :],
+                mask=rows[:, None], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + offs_d[None, :],
+                 mask=rows[:, None], other=0.0)
+    lse2 = tl.load(LSE2 + off_bh * T + offs_m, mask=rows, other=float("inf"))
+    delta = tl.load(DELTA + off_bh * T + offs_m, mask=rows, other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    bias_base = BIAS + b * stride_bias_b + h * stride_bias_h
+    docs_base = DOCS + b * stride_docs_b
+    doc_q = offs_m
+    if HAS_DOCS:
+        doc_q = tl.load(docs_base + offs_m, mask=rows, other=-2)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = _key_range(start_m, T, S, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW,
+                                          HAS_DOCS or HAS_BIAS)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bias_t,
+                    stride_bias_s, docs_base, doc_q, offs_m, pos_m, offs_d, lo, full_lo, T, S, qk_scale, window,
+                    BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bias_t,
+                    stride_bias_s, docs_base, doc_q, offs_m, pos_m, offs_d, full_lo, full_hi, T, S, qk_scale, window,
+                    BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bias_t,
+                    stride_bias_s, docs_base, doc_q, offs_m, pos_m, offs_d, full_hi, hi, T, S, qk_scale, window,
+                    BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+    dq = dq * sm_scale
+    tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=rows[:, None])
+
+
+# --------------------------------------------------------------------------- launch configs
+
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on a GPU
+_FWD_CONFIGS = [
+    (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+    (64, 64, 4, 3), (128, 32, 4, 4), (64, 128, 4, 3), (128, 64, 8, 4),
+]
+_DKDV_CONFIGS = [
+    (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 2), (64, 128, 8, 3),
+    (32, 64, 4, 4), (64, 64, 4, 3), (16, 128, 4, 4), (32, 128, 4, 5),
+]
+_DQ_CONFIGS = [
+    (128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+    (64, 64, 4, 3), (64, 32, 4, 4), (128, 16, 4, 4), (128, 32, 4, 5),
+]
+#: defaults when not tuning (H100 guesses; the benchmark's tuned winners replace them)
+_DEFAULTS = {"fwd": (128, 64, 8, 3), "dkdv": (64, 128, 8, 2), "dq": (128, 64, 8, 2)}
+_INTERPRET_DEFAULTS = {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
+_TUNE_KEY = ["TUNE_T", "TUNE_S", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "HAS_DOCS", "HAS_BIAS"]
+
+
+def _configs(table: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in table]
+
+
+_attn_fwd_tuned = triton.autotune(_configs(_FWD_CONFIGS), key=_TUNE_KEY)(_attn_fwd)
+_attn_bwd_dkdv_tuned = triton.autotune(_configs(_DKDV_CONFIGS), key=_TUNE_KEY)(_attn_bwd_dkdv)
+_attn_bwd_dq_tuned = triton.autotune(_configs(_DQ_CONFIGS), key=_TUNE_KEY)(_attn_bwd_dq)
+
+
+def _launch(kernel, tuned, which: str, grid_of, args: tuple, meta: dict) -> None:
+    """Launch ``kernel`` tuned or with the default config of ``which``."""
+    if _autotuning():
+        tuned[lambda cfg: grid_of(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **meta)
+        return
+    m, n, w, s = (_INTERPRET_DEFAULTS if _interpreting() else _DEFAULTS)[which]
+    kernel[grid_of(m, n)](*args, **meta, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+
+
+def _bucket(n: int) -> int:
+    # autotune key: the next power of two, so every new length does not re-tune
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def best_configs() -> dict[str, dict[str, object]]:
+    """The autotuner's choice per key, for the benchmark's report."""
+    out: dict[str, dict[str, object]] = {}
+    for name, tuner in (("fwd", _attn_fwd_tuned), ("dkdv", _attn_bwd_dkdv_tuned), ("dq", _attn_bwd_dq_tuned)):
+        for key, cfg in getattr(tuner, "cache", {}).items():
+            out[f"{name} {key}"] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+    return out
+
+
+# --------------------------------------------------------------------------- torch glue
+
+
+def _bias_args(bias: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    if bias is None:
+        return q, (0, 0, 0, 0)  # never read: HAS_BIAS is False
+    strides = tuple(bias.stride(i) if bias.shape[i] > 1 else 0 for i in range(4))
+    return bias, strides  # type: ignore[return-value]
+
+
+def _forward(q, k, v, bias, docs, *, causal, scale, window):
+    B, T, H, D = q.shape
+    S, KV = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse2 = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
+    bias_t, bias_strides = _bias_args(bias, q)
+    docs_t = docs if docs is not None else q
+    meta = dict(GROUP=H // KV, HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=window is not None,
+                HAS_DOCS=docs is not None, HAS_BIAS=bias is not None)
+    args = (
+        q, k, v, o, lse2, bias_t, docs_t,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        *bias_strides,
+        docs.stride(0) if docs is not None else 0,
+        T, S, H, scale * LOG2E, window or 0, _bucket(T), _bucket(S),
+    )
+    _launch(_attn_fwd, _attn_fwd_tuned, "fwd", lambda bm, bn: (triton.cdiv(T, bm), B * H), args, meta)
+    return o, lse2
+
+
+def _backward(do, q, k, v, o, lse2, bias, docs, *, causal, scale, window):
+    B, T, H, D = q.shape
+    S, KV = k.shape[1], k.shape[2]
+    do = do.contiguous() if do.stride(-1) != 1 else do
+    delta = torch.empty_like(lse2)
+    pre_m = 16 if _interpreting() else 64
+    _bwd_preprocess[(triton.cdiv(T, pre_m), B * H)](
+        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        T, H, HEAD_DIM=D, BLOCK_M=pre_m,
+    )
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    bias_t, bias_strides = _bias_args(bias, q)
+    docs_t = docs if docs is not None else q
+    docs_stride = docs.stride(0) if docs is not None else 0
+    meta = dict(GROUP=H // KV, HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=window is not None,
+                HAS_DOCS=docs is not None, HAS_BIAS=bias is not None)
+    common_tail = (*bias_strides, docs_stride)
+    dkdv_args = (
+        q, k, v, do, lse2, delta, dk, dv, bias_t, docs_t,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        *common_tail,
+        T, S, H, KV, scale * LOG2E, scale, window or 0, _bucket(T), _bucket(S),
+    )
+    _launch(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, "dkdv", lambda bm, bn: (triton.cdiv(S, bn), B * KV),
+            dkdv_args, meta)
+    dq_args = (
+        q, k, v, do, lse2, delta, dq, bias_t, docs_t,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        *common_tail,
+        T, S, H, scale * LOG2E, scale, window or 0, _bucket(T), _bucket(S),
+    )
+    _launch(_attn_bwd_dq, _attn_bwd_dq_tuned, "dq", lambda bm, bn: (triton.cdiv(T, bm), B * H), dq_args, meta)
+    return dq, dk, dv
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: saves q, k, v, o and lse2; the mask and documents get no gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bias, docs, causal, scale, window):  # type: ignore[override]
+        o, lse2 = _forward(q, k, v, bias, docs, causal=causal, scale=scale, window=window)
+        ctx.save_for_backward(q, k, v, o, lse2, bias, docs)
+        ctx.causal, ctx.scale, ctx.window = causal, scale, window
+        ctx.mark_non_differentiable(lse2)
+        return o, lse2
+
+    @staticmethod
+    def backward(ctx, do, _dlse2):  # type: ignore[override]
+        q, k, v, o, lse2, bias, docs = ctx.saved_tensors
+        dq, dk, dv = _backward(do, q, k, v, o, lse2, bias, docs, causal=ctx.causal, scale=ctx.scale,
+                               window=ctx.window)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The ``attention`` contract (see ``attention_reference``) in Triton, with gradients for q, k, v.
+
+    Supports head_dim in {16, 32, 64, 128} (registered for 64 and 128), bfloat16
+    and float16 (float32 accumulation), GQA/MQA, causal/full, T <= S (bottom-right),
+    packed documents, sliding windows and bool/additive masks (no gradient to the mask).
+    """
+    a = check_attention(q, k, v, scale=scale, mask=mask, document_ids=document_ids, window=window)
+    if a.D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"flash_attention: head_dim={a.D} is not one of {SUPPORTED_HEAD_DIMS}; use the `sdpa` or `reference` "
+            f"implementation (registry.override(attention='sdpa'))"
+        )
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"flash_attention: dtype {q.dtype} is not supported; use bfloat16 or float16")
+    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
+    bias = None
+    if mask is not None:
+        # one additive float32 bias [B|1, H|1, T, S]; a bool mask becomes 0 / -inf
+        bias = (
+            torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, float("-inf"))
+            if mask.dtype == torch.bool
+            else mask.to(torch.float32)
+        )
+    docs = document_ids.to(torch.int32).contiguous() if document_ids is not None else None
+    o, lse2 = FlashAttentionFunction.apply(q, k, v, bias, docs, causal, a.scale, window)
+    if not return_lse:
+        return o
+    # base-2 and +inf for empty rows inside the kernels; natural log and -inf outside
+    lse = torch.where(torch.isinf(lse2), torch.full_like(lse2, float("-inf")), lse2 * LN2)
+    return o, lse

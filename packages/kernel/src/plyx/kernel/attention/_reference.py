@@ -1,0 +1,152 @@
+"""Pure-torch reference attention: the specification every other backend must match.
+
+Materialises the [B, H, T, S] score matrix, so it is for checking and for
+small problems only. It runs on any device and dtype; half-precision inputs are
+computed in float32 and cast back, float64 stays float64 (``gradcheck``).
+
+Math (per batch b, head h, query i, key j; g = H // KV is the GQA group)::
+
+    s[i, j]  = scale * q[i, h] . k[j, h // g]            (+ additive mask)
+    allowed  = causal:   j <= i + (S - T)                 (bottom-right alignment)
+               window:   (i + S - T) - j < window
+               docs:     doc[i] == doc[j]
+               bool mask[i, j]
+    lse[i]   = log sum_{j allowed} exp(s[i, j])           (-inf when nothing is allowed)
+    o[i]     = sum_j exp(s[i, j] - lse[i]) v[j, h // g]   (0 when nothing is allowed)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from plyx.kernel.attention._checks import check_attention, check_paged
+
+__all__ = ["allowed_mask", "attention_reference", "paged_attention_reference"]
+
+
+def allowed_mask(
+    T: int,
+    S: int,
+    *,
+    causal: bool,
+    window: int | None,
+    document_ids: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The structural mask as bool [B|1, 1, T, S] (True = attend), or None when everything is allowed."""
+    if not causal and window is None and document_ids is None:
+        return None
+    q_pos = torch.arange(S - T, S, device=device)[:, None]  # (T, 1): queries are the last T positions
+    k_pos = torch.arange(S, device=device)[None, :]  # (1, S)
+    allowed = torch.ones(T, S, dtype=torch.bool, device=device)
+    if causal:
+        allowed &= k_pos <= q_pos
+    if window is not None:
+        allowed &= (q_pos - k_pos) < window
+    allowed = allowed[None, None]  # (1, 1, T, S)
+    if document_ids is not None:
+        docs = document_ids.to(device)
+        allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])  # (B, 1, T, S)
+    return allowed
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention, the plyx ``attention`` contract, in plain torch.
+
+    Args:
+        q: [B, T, H, Dh] queries; the last T of the S key positions.
+        k, v: [B, S, KV, Dh]; H must be a multiple of KV (GQA/MQA).
+        causal: mask keys after each query (bottom-right aligned when T < S).
+        scale: softmax scale, default Dh ** -0.5.
+        mask: bool [B|1, H|1, T, S] (True = attend) or additive float mask.
+        document_ids: [B, T] ids of packed documents (T == S); no attention across them.
+        window: sliding window; keys with q_pos - k_pos >= window are masked.
+        return_lse: also return the log-sum-exp [B, H, T] in float32.
+
+    Returns:
+        o [B, T, H, Dh] in q's dtype (rows with nothing to attend to are 0),
+        and lse [B, H, T] float32 when ``return_lse``.
+
+    Example:
+        >>> q = torch.randn(1, 5, 4, 8); k = v = torch.randn(1, 5, 2, 8)
+        >>> attention_reference(q, k, v).shape
+        torch.Size([1, 5, 4, 8])
+    """
+    a = check_attention(q, k, v, scale=scale, mask=mask, document_ids=document_ids, window=window)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = a.H // a.KV
+    qh = q.transpose(1, 2).to(compute)  # (B, H, T, Dh)
+    kh = k.transpose(1, 2).to(compute).repeat_interleave(group, dim=1)  # (B, H, S, Dh)
+    vh = v.transpose(1, 2).to(compute).repeat_interleave(group, dim=1)  # (B, H, S, Dh)
+    scores = (qh @ kh.transpose(-1, -2)) * a.scale  # (B, H, T, S)
+    allowed = allowed_mask(a.T, a.S, causal=causal, window=window, document_ids=document_ids, device=q.device)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed = mask if allowed is None else allowed & mask
+        else:
+            scores = scores + mask.to(compute)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    # Softmax written out so that rows with nothing allowed give exactly 0 (and
+    # finite gradients) instead of the NaN of softmax over all -inf.
+    row_max = scores.amax(dim=-1, keepdim=True).detach()  # (B, H, T, 1)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(scores - row_max)  # exp(-inf) = 0 for masked keys
+    total = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(total > 0, total, torch.ones_like(total))
+    o = (p @ vh).transpose(1, 2).to(q.dtype)  # (B, T, H, Dh)
+    if not return_lse:
+        return o
+    lse = (row_max + torch.log(total)).squeeze(-1).to(torch.float32)  # (B, H, T); -inf for empty rows
+    return o, lse
+
+
+def paged_attention_reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Attention of a few new tokens per sequence against a paged KV cache, in plain torch.
+
+    Args:
+        q: [B, Tq, H, Dh]; the last Tq positions of each sequence (causal among themselves).
+        k_pool, v_pool: [num_blocks, block_size, KV, Dh], the cache's pools.
+        block_tables: int32 [B, max_blocks]; entry j holds tokens j*block_size ... of the sequence.
+        context_lens: int32 [B], tokens stored per sequence, the Tq new ones included.
+        scale: softmax scale, default Dh ** -0.5.
+        window: sliding window as in ``attention``.
+
+    Returns:
+        o [B, Tq, H, Dh] in q's dtype.
+    """
+    B, Tq, H, KV, D, block_size = check_paged(q, k_pool, v_pool, block_tables, context_lens)
+    lens = context_lens.tolist()  # host sync: fine for a reference
+    out = []
+    for b, length in enumerate(lens):
+        if length < Tq:
+            raise ValueError(
+                f"paged_attention: context_lens[{b}]={length} is smaller than Tq={Tq}; context_lens counts the "
+                f"new query tokens too, so reserve them in the cache before attending"
+            )
+        n_blocks = -(-length // block_size)
+        blocks = block_tables[b, :n_blocks].long()
+        k = k_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]  # (L, KV, Dh)
+        v = v_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]
+        out.append(attention_reference(q[b : b + 1], k[None], v[None], causal=True, scale=scale, window=window))
+    return torch.cat(out, dim=0)

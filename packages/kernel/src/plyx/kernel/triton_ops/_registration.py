@@ -1,0 +1,57 @@
+"""Declarations of the Triton implementations: capability predicates, priorities, lazy callables."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from plyx.specs.kernels import Capability, KernelImpl
+
+__all__ = ["register_all", "TRITON_CAPABILITY"]
+
+#: bf16 needs sm80; older GPUs keep the references
+TRITON_CAPABILITY = dict(devices={"cuda"}, dtypes={"float32", "bfloat16", "float16"}, min_compute_capability=(8, 0),
+                         requires=("triton",))
+
+
+_LAZY: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
+def _lazy(module: str, attr: str) -> Callable[..., Any]:
+    """A callable that imports ``plyx.kernel.triton_ops.<module>`` (and triton) on its first call.
+
+    One object per op, so registering again (a second registry, a re-run hook) stays re-entrant.
+    """
+    if (module, attr) in _LAZY:
+        return _LAZY[(module, attr)]
+    target: list[Callable[..., Any]] = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not target:
+            target.append(getattr(importlib.import_module(f"plyx.kernel.triton_ops.{module}"), attr))
+        return target[0](*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = attr
+    call.__doc__ = f"plyx.kernel.triton_ops.{module}.{attr} (imported on first call)"
+    _LAZY[(module, attr)] = call
+    return call
+
+
+# name -> (priority, extra capability, description)
+_OPS: dict[str, tuple[int, dict[str, Any], str]] = {
+    "rmsnorm": (10, {"shape_limits": {"hidden": (1, 65536)}}, "Triton fused RMSNorm (+ residual add), one row per program"),
+    "swiglu": (10, {}, "Triton fused silu(gate) * up, forward and backward"),
+    "rope": (10, {"shape_limits": {"head_dim": (2, 1024)}}, "Triton RoPE, rotate-half or interleaved, in place of a copy"),
+    "cross_entropy": (10, {}, "Triton online-softmax cross-entropy, gradient in the forward pass"),
+    "linear_cross_entropy": (10, {}, "chunked cuBLAS lm-head + Triton cross-entropy, gradients in the forward pass"),
+    # below the cuBLAS reference: measured slower at the benchmark shapes (bench/results); force it to use it
+    "matmul": (-10, {}, "Triton tiled GEMM (forward and backward through the same kernel)"),
+}
+
+
+def register_all(registry: Any) -> None:
+    for name, (priority, extra, description) in _OPS.items():
+        capability = Capability(**{**TRITON_CAPABILITY, **extra})
+        registry.register(KernelImpl(name, "triton", _lazy(name, name), capability=capability,
+                                     priority=priority, description=description))

@@ -1,0 +1,269 @@
+"""``TransformerLM``: a Llama / Qwen2 / Qwen3 / Mistral decoder built from ``ModelConfig``.
+
+One residual stream of width D through ``n_layers`` pre-norm blocks::
+
+    h = embed(ids)                                   # (B, T, D)
+    for block in layers:
+        h = h + attn(rmsnorm(h))                     # RoPE, GQA, QK-norm (qwen3), window (mistral)
+        h = h + down(swiglu(gate(rmsnorm(h)), up(rmsnorm(h))))
+    logits = rmsnorm(h) @ lm_head.T                  # (B, T, V), float32
+
+Every op with a kernel (``rmsnorm``, ``swiglu``, ``rope``, ``attention``,
+``paged_attention``) is resolved by name from the kernel registry. Model code
+is single-device; parallelism is applied from outside (plyx-dist).
+Parameter names follow Hugging Face's without the ``model.`` prefix, so the
+two layouts map one to one (``plyx.model._hf``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from plyx.attn import Attention, RMSNorm, begin_step
+from plyx.specs.config.model import ModelConfig
+from plyx.specs.kvcache import KVCache
+
+__all__ = ["DecoderLayer", "MLP", "TransformerLM", "torch_dtype"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(_DTYPES)}") from None
+
+
+def _kernel(name: str, *tensors: Any, **shape: int) -> Any:
+    from plyx.kernel import registry
+
+    return registry().get(name, *tensors, **shape)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with ``gate``/``up`` ``[F, D]`` and ``down`` ``[D, F]``."""
+
+    def __init__(self, d_model: int, d_ff: int, *, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=False, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=False, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, F) each
+        return self.down_proj(_kernel("swiglu", gate, up, hidden=gate.shape[-1])(gate, up))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block: attention then SwiGLU, each behind an RMSNorm, both residual."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.d_model, c.norm_eps, device=device, dtype=dtype)
+        self.self_attn = Attention(
+            d_model=c.d_model,
+            n_heads=c.n_heads,
+            n_kv_heads=c.kv_heads,
+            head_dim=c.dim_per_head,
+            qkv_bias=c.qkv_bias,
+            qk_norm=c.qk_norm,
+            norm_eps=c.norm_eps,
+            sliding_window=c.sliding_window,
+            layer_idx=layer_idx,
+            device=device,
+            dtype=dtype,
+        )
+        self.post_attention_layernorm = RMSNorm(c.d_model, c.norm_eps, device=device, dtype=dtype)
+        self.mlp = MLP(c.d_model, c.d_ff, device=device, dtype=dtype)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **attn: Any) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, **attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class TransformerLM(nn.Module):
+    """A decoder-only language model of ``config``.
+
+    Args:
+        config: the architecture (``plyx.specs.ModelConfig``).
+        device: where to build the parameters (``"meta"`` builds no storage).
+
+    Example::
+
+        model = TransformerLM(ModelConfig(arch="qwen3", d_model=256, n_layers=4, n_heads=4, qk_norm=True))
+        logits = model(torch.randint(0, 32000, (2, 16)))          # (2, 16, 32000) float32
+    """
+
+    def __init__(self, config: ModelConfig, *, device: Any = None) -> None:
+        super().__init__()
+        if not isinstance(config, ModelConfig):
+            raise TypeError(
+                f"TransformerLM needs a plyx.specs.ModelConfig (got {type(config).__name__}); "
+                f"build one with ModelConfig(...) or ModelConfig.from_dict(d)"
+            )
+        self.config = config
+        dtype = torch_dtype(config.dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, device=device, dtype=dtype) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
+        if config.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device, dtype=dtype)
+        rotary = int(config.dim_per_head * config.partial_rotary) // 2 * 2
+        self.rotary_dim = max(rotary, 2)
+        if torch.device(device or "cpu").type != "meta":
+            self.reset_parameters()
+
+    # -- parameters ------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 * n_layers) (GPT-2)."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, std)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The ``[V, D]`` output projection (the input embedding when tied)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def num_params(self, *, non_embedding: bool = False) -> int:
+        """Parameters, each shared tensor counted once; ``non_embedding`` leaves out the input embedding."""
+        total = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            total -= self.embed_tokens.weight.numel() if self.lm_head is not None else 0
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward) at context ``seq_len``, for MFU.
+
+        ``6 N + 12 L H Dh T`` (PaLM, appendix B): 6 FLOPs per weight per token for
+        the matmuls (N excludes the input embedding lookup, includes the LM head),
+        plus the attention scores and values, not halved for causality.
+        """
+        c = self.config
+        return 6.0 * self.num_params(non_embedding=True) + 12.0 * c.n_layers * c.n_heads * c.dim_per_head * seq_len
+
+    # -- forward ---------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        seq_ids: Sequence[int] | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, V]`` (float32), or the final-norm hidden states ``[B, T, D]``.
+
+        Args:
+            input_ids: ``[B, T]`` token ids.
+            position_ids: ``[B, T]`` or ``[T]``; default: 0.. per row, restarting at each
+                document of ``document_ids``, skipping left padding, and continuing
+                from each sequence's cached length when a cache is given.
+            document_ids: ``[B, T]`` packed documents (training); tokens attend only within theirs.
+            attention_mask: ``[B, T]`` with 1 for real tokens, 0 for left padding.
+            cache: any ``plyx.specs.KVCache``; the step reserves room for each row's real
+                tokens (``cache.reserve(seq_ids, counts)``), appends every layer's keys and
+                values, and attends over everything cached. Unknown ``seq_ids`` are allocated.
+            seq_ids: cache sequence id of each row (default ``0..B-1``).
+            return_hidden: return the final-norm hidden states instead of logits
+                (the trainer feeds them to ``linear_cross_entropy`` with ``lm_head_weight``).
+        """
+        h, cos, sin, attn = self._prologue(input_ids, position_ids, document_ids, attention_mask, cache, seq_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, **attn)
+        return self._epilogue(h, attention_mask, return_hidden)
+
+    def _prologue(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        cache: KVCache | None,
+        seq_ids: Sequence[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """Embeddings, RoPE tables and the attention arguments shared by every layer."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, T] (got shape {list(input_ids.shape)}); add a batch dim with ids[None]")
+        B, T = input_ids.shape
+        device = self.embed_tokens.weight.device
+        input_ids = input_ids.to(device)
+        if document_ids is not None and cache is not None:
+            raise ValueError("document_ids (packed training) and cache (inference) cannot be combined; pass one")
+        attn: dict[str, Any] = {}
+        real = None if attention_mask is None else attention_mask.to(device=device, dtype=torch.bool)
+        if cache is not None:
+            step = begin_step(cache, seq_ids, B, T, real, device)
+            attn["step"] = step
+            if position_ids is None:
+                offsets = step.lengths_before[:, None]  # (B, 1)
+                position_ids = offsets + (_within_row(real, B, T, device) if real is not None else
+                                          torch.arange(T, device=device)[None, :])
+        else:
+            if real is not None:
+                attn["key_mask"] = real[:, None, None, :]  # (B, 1, 1, T)
+            if document_ids is not None:
+                document_ids = document_ids.to(device)
+                attn["document_ids"] = document_ids
+            if position_ids is None:
+                if document_ids is not None:
+                    position_ids = _document_positions(document_ids)
+                elif real is not None:
+                    position_ids = _within_row(real, B, T, device)
+                else:
+                    position_ids = torch.arange(T, device=device)
+        position_ids = position_ids.to(device)
+        h = self.embed_tokens(input_ids)  # (B, T, D)
+        from plyx.kernel import rope_tables
+
+        c = self.config
+        cos, sin = rope_tables(position_ids, self.rotary_dim, c.rope_theta, c.rope_scaling, dtype=h.dtype)
+        return h, cos, sin, attn
+
+    def _epilogue(self, h: torch.Tensor, attention_mask: torch.Tensor | None, return_hidden: bool) -> torch.Tensor:
+        h = self.norm(h)  # (B, T, D)
+        if return_hidden:
+            return h
+        return torch.matmul(h, self.lm_head_weight.t()).float()  # (B, T, V)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return f"arch={c.arch}, params={self.num_params():,}, tie_embeddings={c.tie_embeddings}"
+
+
+def _within_row(real: torch.Tensor, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """Position of each real token among its row's real tokens (padding gets 0): ``[B, T]``."""
+    return (real.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def _document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions restarting at 0 where ``document_ids`` changes along each row: ``[B, T]``."""
+    B, T = document_ids.shape
+    idx = torch.arange(T, device=document_ids.device).expand(B, T)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    # index of the most recent document start at or before each token
+    last_start = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - last_start
