@@ -29,7 +29,7 @@ from pathlib import Path
 import nox
 
 sys.path.insert(0, str(Path(__file__).parent / "tools"))
-import workspace  # noqa: E402  (tools/ is not a package)
+import workspace
 
 ROOT = Path(__file__).parent
 DATA, MEMBERS = workspace.load(ROOT)
@@ -132,10 +132,12 @@ def integration(session: nox.Session) -> None:
     _pytest(session, str(ROOT / "integration" / "tests"), env={"TRITON_INTERPRET": "1"})
 
 
-@nox.session(python=False, tags=["ci"])
+@nox.session(python=WS["torch-pythons"][0], tags=["ci"])
 def workspace_check(session: nox.Session) -> None:
-    """pyprojects agree with workspace.toml; the graph holds; no plyx/__init__.py."""
-    session.run(sys.executable, str(ROOT / "tools" / "workspace.py"), "check")
+    """pyprojects agree with workspace.toml; the graph holds; no plyx/__init__.py; the check's own tests."""
+    session.install("pytest>=8", str(MEMBERS["specs"].path), env=ENV)
+    session.run("python", str(ROOT / "tools" / "workspace.py"), "check")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tools" / "tests"))
 
 
 @nox.session(python=WS["torch-pythons"][0], tags=["ci"])

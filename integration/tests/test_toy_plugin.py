@@ -6,8 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from plyx.specs import plugins
 
 PLYX = [sys.executable, "-m", "plyx.specs"]

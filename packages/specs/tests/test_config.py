@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from plyx.specs import ConfigError, KernelConfig, ModelConfig, ServeConfig, TrainConfig, dump_config, load_config
 from plyx.specs.config import migrations_for
 

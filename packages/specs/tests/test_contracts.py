@@ -6,7 +6,6 @@ import json
 from typing import Any, Protocol
 
 import pytest
-
 from plyx.specs import contracts
 
 

@@ -9,7 +9,6 @@ import sys
 import warnings
 
 import pytest
-
 from plyx.specs import Component, PluginConflictError, plugins
 from plyx.specs.cli import main
 from plyx.specs.errors import IncompatiblePluginError, PluginError

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from plyx.specs import Batch, TensorSpec, TensorSpecError, bind, dtype_name
 
 Q = TensorSpec(("B", "T", "H", "Dh"), dtype=("float32", "float16"), layout="contiguous", name="q")

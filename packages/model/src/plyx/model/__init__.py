@@ -1,3 +1,35 @@
-"""TransformerLM (Llama, Qwen2/3, Mistral), checkpoints and Hugging Face interop for plyx."""
+"""plyx-model: the TransformerLM (Llama, Qwen2/3, Mistral), checkpoints, layer streaming and Hugging Face interop."""
 
-__all__: list[str] = []
+from plyx.model._checkpoint import (
+    CheckpointDir,
+    load_checkpoint,
+    load_hf,
+    open_checkpoint,
+    save_checkpoint,
+    save_hf,
+)
+from plyx.model._errors import (
+    CheckpointError,
+    CheckpointIntegrityError,
+    CheckpointMismatchError,
+    UnsupportedArchitectureError,
+)
+from plyx.model._hf_config import ARCHITECTURES, config_from_hf, config_to_hf
+from plyx.model._model import TransformerLM
+
+__all__ = [
+    "ARCHITECTURES",
+    "CheckpointDir",
+    "CheckpointError",
+    "CheckpointIntegrityError",
+    "CheckpointMismatchError",
+    "TransformerLM",
+    "UnsupportedArchitectureError",
+    "config_from_hf",
+    "config_to_hf",
+    "load_checkpoint",
+    "load_hf",
+    "open_checkpoint",
+    "save_checkpoint",
+    "save_hf",
+]

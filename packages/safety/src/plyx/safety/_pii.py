@@ -281,10 +281,16 @@ class PiiDetector:
         self.parts = [PII_ENTITIES[e]() for e in chosen]
 
     def detect(self, text, context=None):  # type: ignore[no-untyped-def]
-        found = []
-        for part in self.parts:
-            found += [f.__class__(self.name, f.label, f.start, f.end, f.score, f.detail) for f in part.detect(text, context)]
-        return found
+        found = [f for part in self.parts for f in part.detect(text, context)]
+        # one span, one entity: a checksum-validated IBAN wins over the phone
+        # number its digits also look like (highest score, then longest, first)
+        found.sort(key=lambda f: (-f.score, f.start - f.end, f.start))
+        kept: list = []
+        for f in found:
+            if all(f.end <= k.start or f.start >= k.end for k in kept):
+                kept.append(f)
+        kept.sort(key=lambda f: f.start)
+        return [f.__class__(self.name, f.label, f.start, f.end, f.score, f.detail) for f in kept]
 
     def pending(self, text: str) -> int:
         return min((part.pending(text) for part in self.parts), default=len(text))

@@ -31,8 +31,8 @@ from plyx.specs.errors import (
 )
 from plyx.specs.hookspecs import hookimpl, hookspec
 from plyx.specs.kernels import (
-    Capability,
     Candidate,
+    Capability,
     KernelImpl,
     KernelNotFoundError,
     KernelQuery,

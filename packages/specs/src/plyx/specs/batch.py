@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
-
 from plyx.specs.tensorspec import TensorSpec, bind
 
 __all__ = ["CONTRACT_VERSION", "Batch", "BATCH_SPECS"]

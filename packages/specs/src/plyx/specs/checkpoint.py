@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
-
-from plyx.specs.config._base import ConfigBase
+from plyx.specs.config._base import ConfigBase, migration
 from plyx.specs.config.model import ModelConfig
 
 __all__ = ["CONTRACT_VERSION", "Checkpoint", "ModelCard", "TensorEntry", "CARD_FILE", "INDEX_FILE"]
@@ -36,10 +35,16 @@ class TensorEntry(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
 
 class ModelCard(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Machine-readable description of a checkpoint (the human card is written by plyx-governance)."""
+    """Machine-readable description of a checkpoint (the human card is written by plyx-governance).
+
+    Version 2 added ``shard_bytes`` (the size of each shard, so a truncated file
+    is named with both sizes before any hashing) and ``num_params``; v1 cards
+    are migrated on load (``num_params`` is computed from ``tensors``; sizes of
+    a migrated card are unknown, so only the digests are checked).
+    """
 
     SCHEMA = "model_card"
-    VERSION = 1
+    VERSION = 2
 
     name: str = "plyx-model"
     """Model name."""
@@ -53,6 +58,10 @@ class ModelCard(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=Tru
     """Every tensor by name."""
     shards: dict[str, str] = {}
     """Shard file name -> sha256 hex digest, verified on load."""
+    shard_bytes: dict[str, int] = {}
+    """Shard file name -> size in bytes (v2); empty when unknown (a migrated v1 card)."""
+    num_params: int = 0
+    """Number of parameters stored (each tensor once) (v2)."""
     created: str = ""
     """ISO 8601 UTC time of writing."""
     producers: dict[str, str] = {}
@@ -96,3 +105,19 @@ class Checkpoint(Protocol):
     def verify(self) -> None:
         """Recompute shard digests; raise naming the shard that does not match."""
         ...
+
+
+@migration("model_card", 1)
+def _model_card_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
+    """v2 added ``shard_bytes`` (unknown for v1: left empty) and ``num_params`` (summed from ``tensors``)."""
+    out = dict(doc)
+    out.setdefault("shard_bytes", {})
+    if "num_params" not in out:
+        total = 0
+        for entry in (out.get("tensors") or {}).values():
+            count = 1
+            for size in entry.get("shape", []) if isinstance(entry, dict) else []:
+                count *= int(size)
+            total += count
+        out["num_params"] = total
+    return out

@@ -16,7 +16,6 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
-
 from plyx.specs.errors import PlyxError
 
 __all__ = [

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
-
 from plyx.specs.errors import PlyxError
 
 __all__ = ["CONTRACT_VERSION", "BlockTable", "CacheFullError", "CacheLayout", "CacheUsage", "KVCache"]

@@ -25,7 +25,6 @@ from typing import Any, Literal
 
 import attrs
 import pluggy
-
 from plyx.specs import hookspecs
 from plyx.specs.components import CliCommand, Component
 from plyx.specs.errors import IncompatiblePluginError, PluginConflictError, PluginError

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any, Literal, Union
 
 import attrs
-
 from plyx.specs.errors import TensorSpecError
 
 __all__ = ["TensorSpec", "Dim", "bind", "dtype_name", "CONTRACT_VERSION"]
@@ -119,7 +118,7 @@ class TensorSpec:
                 label, f"expected {len(spec)} dims {self._fmt(spec)}, got {len(actual)} dims (shape {list(actual)})"
             )
         bound = dict(bindings or {})
-        for axis, (want, got) in enumerate(zip(spec, actual)):
+        for axis, (want, got) in enumerate(zip(spec, actual, strict=True)):
             if want is None:
                 continue
             if isinstance(want, int):

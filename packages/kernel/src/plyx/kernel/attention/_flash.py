@@ -47,6 +47,11 @@ LN2 = 0.6931471805599453
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 
 
+def _empty(shape, *, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every output and workspace comes from here, so tests can poison them (each element must be written)."""
+    return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -537,8 +542,8 @@ def _bias_args(bias: torch.Tensor | None, q: torch.Tensor) -> tuple[torch.Tensor
 def _forward(q, k, v, bias, docs, *, causal, scale, window):
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
-    o = torch.empty_like(q)
-    lse2 = torch.empty((B, H, T), device=q.device, dtype=torch.float32)
+    o = _empty(q.shape, like=q)
+    lse2 = _empty((B, H, T), like=q, dtype=torch.float32)
     bias_t, bias_strides = _bias_args(bias, q)
     docs_t = docs if docs is not None else q
     meta = dict(GROUP=H // KV, HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=window is not None,
@@ -561,13 +566,13 @@ def _backward(do, q, k, v, o, lse2, bias, docs, *, causal, scale, window):
     B, T, H, D = q.shape
     S, KV = k.shape[1], k.shape[2]
     do = do.contiguous() if do.stride(-1) != 1 else do
-    delta = torch.empty_like(lse2)
+    delta = _empty(lse2.shape, like=lse2)
     pre_m = 16 if _interpreting() else 64
     _bwd_preprocess[(triton.cdiv(T, pre_m), B * H)](
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         T, H, HEAD_DIM=D, BLOCK_M=pre_m,
     )
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = _empty(q.shape, like=q), _empty(k.shape, like=k), _empty(v.shape, like=v)
     bias_t, bias_strides = _bias_args(bias, q)
     docs_t = docs if docs is not None else q
     docs_stride = docs.stride(0) if docs is not None else 0

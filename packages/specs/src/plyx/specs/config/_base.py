@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import msgspec
-
 from plyx.specs.errors import ConfigError
 
 __all__ = ["ConfigBase", "migration", "migrations_for", "load_config", "dump_config", "FORMATS"]

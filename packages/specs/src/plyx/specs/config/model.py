@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 import msgspec
-
 from plyx.specs.config._base import ConfigBase, migration
 from plyx.specs.errors import ConfigError
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import msgspec
-
 from plyx.specs.config._base import ConfigBase
 from plyx.specs.errors import ConfigError
 

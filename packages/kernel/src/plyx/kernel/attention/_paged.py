@@ -1,0 +1,240 @@
+"""Triton paged decode attention with split-K (flash-decoding).
+
+The cache stores keys and values in pools ``[num_blocks, block_size, KV, Dh]``;
+sequence b's token n lives in pool block ``block_tables[b, n // block_size]``
+at slot ``n % block_size``.
+
+One program per (sequence, key/value head, split). Its M rows are the
+``GROUP * Tq`` queries that read that key/value head (every query head of the
+GQA group times every new token), so each key/value byte is read once per
+sequence and used by the whole group; M is padded to 16 for the tensor cores,
+which costs nothing here because decode is bound by reading the cache.
+
+Split-K: with few sequences the (sequence, head) grid would leave most of the
+GPU idle on long contexts, so the context is cut into ``num_splits`` chunks.
+Each split writes its unnormalised partial ``acc`` with its base-2 max and sum;
+a second kernel combines them::
+
+    m = max_s m_s;  l = sum_s l_s * 2^(m_s - m);  o = sum_s acc_s * 2^(m_s - m) / l
+
+The number of splits depends only on B, KV, the table width and the GPU, so
+no device-to-host sync (no ``context_lens.max()``) is needed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from plyx.kernel.attention._checks import check_paged
+
+__all__ = ["paged_attention", "num_splits_for"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_fwd(
+    Q, K_POOL, V_POOL, BLOCK_TABLES, CONTEXT_LENS, O, PART_ACC, PART_ML,
+    stride_qb, stride_qt, stride_qh,
+    stride_kblk, stride_kslot, stride_kh,
+    stride_vblk, stride_vslot, stride_vh,
+    stride_bt_b,
+    stride_ob, stride_ot, stride_oh,
+    Tq, KV, qk_scale, window, chunk,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    L = tl.load(CONTEXT_LENS + b)
+
+    # row r = g * Tq + t: head kvh * GROUP + g, new token t at position L - Tq + t
+    offs_r = tl.arange(0, BLOCK_M)
+    g = offs_r // Tq
+    t = offs_r % Tq
+    row_ok = offs_r < GROUP * Tq
+    h = kvh * GROUP + g
+    pos = L - Tq + t
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)  # [BM, D]
+
+    start = split * chunk
+    end = tl.minimum(start + chunk, L)
+    if HAS_WINDOW:  # no key of this split is visible to any row: skip to the window's start
+        start = tl.maximum(start, (L - Tq - window + 1) // BLOCK_N * BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        valid = offs_n < end
+        blk = tl.load(BLOCK_TABLES + b * stride_bt_b + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        kt = tl.load(K_POOL + blk[None, :] * stride_kblk + slot[None, :] * stride_kslot + kvh * stride_kh
+                     + offs_d[:, None], mask=valid[None, :], other=0.0)  # [D, BN]
+        s = tl.dot(q, kt) * qk_scale  # [BM, BN], base 2
+        allowed = valid[None, :] & (offs_n[None, :] <= pos[:, None])  # causal among the new tokens
+        if HAS_WINDOW:
+            allowed = allowed & ((pos[:, None] - offs_n[None, :]) < window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V_POOL + blk[:, None] * stride_vblk + slot[:, None] * stride_vslot + kvh * stride_vh
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BN, D]
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    if SPLIT:
+        # partials: PART_ACC [B, KV, splits, BM, D], PART_ML [B, KV, splits, 2, BM]
+        base = ((b * KV + kvh) * num_splits + split)
+        tl.store(PART_ACC + base * BLOCK_M * HEAD_DIM + offs_r[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        tl.store(PART_ML + base * 2 * BLOCK_M + offs_r, m_i)
+        tl.store(PART_ML + base * 2 * BLOCK_M + BLOCK_M + offs_r, l_i)
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(O + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(O.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _paged_combine(
+    PART_ACC, PART_ML, O,
+    stride_ob, stride_ot, stride_oh,
+    Tq, KV, num_splits,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # one program per (sequence, key/value head, row)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    r = tl.program_id(2)
+    g = r // Tq
+    t = r % Tq
+    h = kvh * GROUP + g
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < num_splits
+    base = (b * KV + kvh) * num_splits + offs_s  # [BLOCK_S]
+    m = tl.load(PART_ML + base * 2 * BLOCK_M + r, mask=split_ok, other=float("-inf"))
+    l = tl.load(PART_ML + base * 2 * BLOCK_M + BLOCK_M + r, mask=split_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)  # 0 for empty splits
+    l_tot = tl.sum(l * w, 0)
+    acc = tl.load(PART_ACC + base[:, None] * BLOCK_M * HEAD_DIM + r * HEAD_DIM + offs_d[None, :],
+                  mask=split_ok[:, None], other=0.0)  # [BLOCK_S, D]
+    o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
+    tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
+
+
+def _empty(shape, *, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every output and workspace comes from here, so tests can poison them (each element must be written)."""
+    return torch.empty(shape, device=like.device, dtype=dtype or like.dtype)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter: small, so that tests exercise the split path
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def num_splits_for(batch: int, kv_heads: int, max_context: int, block_n: int, sm_count: int) -> int:
+    """Splits so that about two programs run per multiprocessor, each with at least 4 key tiles."""
+    programs = batch * kv_heads
+    tiles = triton.cdiv(max_context, block_n)
+    if programs >= sm_count or tiles < 8:
+        return 1
+    return max(1, min(triton.cdiv(2 * sm_count, programs), tiles // 4, 64))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """The ``paged_attention`` contract (see ``paged_attention_reference``) in Triton.
+
+    ``num_splits`` forces the split-K factor (1 = no split); by default it is
+    chosen from the batch, the heads, the table width and the GPU's size.
+    Context lengths are trusted (no host sync): each must be >= Tq and fit the table.
+    """
+    B, Tq, H, KV, D, block_size = check_paged(q, k_pool, v_pool, block_tables, context_lens)
+    if D not in (16, 32, 64, 128, 256):
+        raise ValueError(f"paged_attention: head_dim={D} must be a power of two in [16, 256]; use the reference")
+    if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
+        raise ValueError("paged_attention: k_pool/v_pool need a unit stride on head_dim; pass the cache's own pools")
+    if block_size & (block_size - 1):
+        raise ValueError(f"paged_attention: block_size={block_size} must be a power of two")
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention: `window` must be >= 1, got {window}")
+    group = H // KV
+    block_m = max(16, triton.next_power_of_2(group * Tq))
+    if block_m > 128:
+        raise ValueError(
+            f"paged_attention: {group} heads per key/value head x Tq={Tq} new tokens = {group * Tq} rows per "
+            f"program, above 128; pass fewer new tokens per call (prefill with `attention`)"
+        )
+    scale = float(D**-0.5 if scale is None else scale)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    block_tables = block_tables.to(torch.int32) if block_tables.dtype != torch.int32 else block_tables
+    context_lens = context_lens.to(torch.int32) if context_lens.dtype != torch.int32 else context_lens
+    interp = _interpreting()
+    block_n = 16 if interp else (64 if D <= 128 else 32)
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = num_splits_for(B, KV, max_context, block_n, _sm_count(q.device))
+    num_splits = max(1, min(int(num_splits), triton.cdiv(max_context, block_n)))
+    chunk = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    o = _empty(q.shape, like=q)
+    split = num_splits > 1
+    if split:
+        part_acc = _empty((B, KV, num_splits, block_m, D), like=q, dtype=torch.float32)
+        part_ml = _empty((B, KV, num_splits, 2, block_m), like=q, dtype=torch.float32)
+    else:
+        part_acc = part_ml = o  # never touched: SPLIT is False
+    warps = 4
+    _paged_fwd[(B, KV, num_splits)](
+        q, k_pool, v_pool, block_tables, context_lens, o, part_acc, part_ml,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
+        v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        block_tables.stride(0),
+        o.stride(0), o.stride(1), o.stride(2),
+        Tq, KV, scale * LOG2E, window or 0, chunk,
+        GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        SPLIT=split, HAS_WINDOW=window is not None, num_warps=warps, num_stages=1 if interp else 3,
+    )
+    if split:
+        _paged_combine[(B, KV, group * Tq)](
+            part_acc, part_ml, o, o.stride(0), o.stride(1), o.stride(2), Tq, KV, num_splits,
+            GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return o

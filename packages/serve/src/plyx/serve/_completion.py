@@ -1,0 +1,153 @@
+"""One completion being decoded: its tokens, incremental text, stop rules and finish reason."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from plyx.serve._outputs import CompletionOutput, RequestMetrics, StreamEvent, TokenLogprob
+from plyx.serve._params import SamplingParams
+from plyx.serve._tokenizer import TokenizerView
+
+__all__ = ["Completion"]
+
+
+class Completion:
+    """Host-side state of one row: what was generated and whether it is finished.
+
+    Args:
+        request_index, index: the prompt and which of its ``n`` completions.
+        prompt_ids: the prompt's token ids.
+        params: its ``SamplingParams``.
+        stop_ids: ids that end it (EOS unless ignore_eos, plus ``params.stop_token_ids``).
+        context: the model's context length (prompt + generated never exceeds it).
+        tokenizer: for text and stop strings, or None.
+        seq_id: the row's sequence id in the runner's cache.
+        generator: its seeded generator, or None.
+        matcher: its xgrammar matcher, or None.
+    """
+
+    def __init__(self, *, request_index: int, index: int, prompt_ids: Sequence[int], params: SamplingParams,
+                 stop_ids: Sequence[int], context: int, tokenizer: TokenizerView | None, seq_id: int,
+                 generator: torch.Generator | None, matcher: Any = None) -> None:
+        self.request_index = request_index
+        self.index = index
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.stop_ids = frozenset(stop_ids)
+        self.limit = min(params.max_new_tokens, context - len(prompt_ids))
+        self.tokenizer = tokenizer
+        self.seq_id = seq_id
+        self.generator = generator
+        self.matcher = matcher
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.text = ""  # final text emitted so far
+        self._final_text: str | None = None
+        self.model_steps = 0
+        self.draft_proposed = 0
+        self.draft_accepted = 0
+        self._hold = max((len(s) for s in params.stop), default=0)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> StreamEvent | None:
+        """Take new tokens (stops at the first that finishes the completion); the event to stream, if any."""
+        taken: list[int] = []
+        taken_lp: list[TokenLogprob] = []
+        for j, tok in enumerate(tokens):
+            if self.finished:
+                break
+            self.token_ids.append(int(tok))
+            taken.append(int(tok))
+            if logprobs is not None and self.logprobs is not None:
+                self.logprobs.append(logprobs[j])
+                taken_lp.append(logprobs[j])
+                self.cumulative_logprob += logprobs[j].logprob
+            if self.matcher is not None and not self.matcher.is_terminated():
+                self.matcher.accept_token(int(tok))
+            if tok in self.stop_ids:
+                self.finish_reason, self.stop_reason = "stop", int(tok)
+            elif self.matcher is not None and self.matcher.is_terminated():
+                self.finish_reason = "stop"  # the grammar accepted its stop token
+            elif len(self.token_ids) >= self.limit:
+                self.finish_reason = "length"
+            if self.params.stop and self.tokenizer is not None and not self.finished:
+                self._check_stop_strings()
+        if not taken:
+            return None
+        delta = self._text_delta()
+        return StreamEvent(
+            request_index=self.request_index,
+            index=self.index,
+            token_ids=tuple(taken),
+            text=delta,
+            logprobs=tuple(taken_lp) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+            stop_reason=self.stop_reason,
+        )
+
+    # -- text ------------------------------------------------------------------------
+    def _decode(self) -> str:
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=self.params.skip_special_tokens)
+
+    def _check_stop_strings(self) -> None:
+        full = self._decode()
+        # only the tail can hold a new match: the last token adds at most its own characters
+        start = max(0, len(self.text) - self._hold)
+        hits = [(full.find(s, start), s) for s in self.params.stop]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if hits:
+            pos, s = min(hits)
+            self.finish_reason, self.stop_reason = "stop", s
+            self._final_text = full[: pos + len(s)] if self.params.include_stop_str_in_output else full[:pos]
+
+    def _text_delta(self) -> str | None:
+        if self.tokenizer is None:
+            return None
+        if self._final_text is not None:
+            full = self._final_text
+        else:
+            full = self._decode()
+            if not self.finished:
+                safe = len(full)
+                while safe and full[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence may still change
+                    safe -= 1
+                hold = 0
+                for s in self.params.stop:  # hold back a suffix that may be the start of a stop string
+                    for k in range(min(len(s) - 1, safe), 0, -1):
+                        if full[safe - k: safe] == s[:k]:
+                            hold = max(hold, k)
+                            break
+                safe -= hold
+                full = full[:safe]
+        if not full.startswith(self.text):  # decoding changed earlier characters: emit nothing new
+            return ""
+        delta, self.text = full[len(self.text):], full
+        return delta
+
+    # -- result ------------------------------------------------------------------------
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            token_ids=tuple(self.token_ids),
+            text=self.text if self.tokenizer is not None else None,
+            finish_reason=self.finish_reason or "length",  # type: ignore[arg-type]
+            stop_reason=self.stop_reason,
+            logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            metrics=RequestMetrics(
+                num_generated=len(self.token_ids),
+                model_steps=self.model_steps,
+                draft_proposed=self.draft_proposed,
+                draft_accepted=self.draft_accepted,
+            ),
+        )

@@ -1,0 +1,152 @@
+"""How the decode loops call a model: with a KV cache (prefill + one-token steps) or without (full recompute).
+
+A model is anything with ``config`` (a ``plyx.specs.ModelConfig``) called as
+``model(input_ids [B, T], *, attention_mask=None, cache=None, seq_ids=None) -> logits [B, T, V]``,
+``plyx.model.TransformerLM`` first among them. With a cache the model reserves each row's real
+tokens and positions continue from each sequence's cached length, so rows of different lengths
+decode together with no padding in the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from plyx.specs.errors import ConfigError
+from plyx.specs.kvcache import KVCache
+
+__all__ = ["Runner", "model_device", "model_dtype"]
+
+
+def model_device(model: Any) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def model_dtype(model: Any) -> torch.dtype:
+    for p in model.parameters():
+        return p.dtype
+    return torch.float32
+
+
+def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[B, T]`` ids and mask (None when no row is padded), rows right-aligned (left padding with 0)."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.as_tensor(list(r), dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    padded = bool((mask == 0).any())
+    return ids.to(device), (mask.to(device) if padded else None)
+
+
+class Runner:
+    """One model and (optionally) its KV cache; sequence ids are allocated here and evicted on ``close``.
+
+    Args:
+        model: the model.
+        cache: a KV-cache kind name (``contiguous``, ``paged``, a plugin's), a ``KVCache`` instance (ids
+            already live in it are left alone), or None to recompute the whole sequence at every step.
+        num_sequences: most sequences alive at once (sizes a cache built from a kind name).
+        max_seq_len: most tokens per sequence (prompt + generated).
+    """
+
+    def __init__(self, model: Any, cache: str | KVCache | None, *, num_sequences: int, max_seq_len: int,
+                 where: str = "cache") -> None:
+        self.model = model
+        self.device = model_device(model)
+        self.owned = isinstance(cache, str)
+        if isinstance(cache, str):
+            from plyx.attn import cache_kinds, make_cache
+
+            kinds = cache_kinds()
+            if cache not in kinds:
+                raise ConfigError(
+                    where, f"KV-cache kind {cache!r} not found. It is either misspelled or not installed",
+                    value=cache, fix=f"use one of {', '.join(sorted(kinds)) or '(none installed)'} or use_cache=False",
+                )
+            cache = make_cache(cache, model.config, batch_size=num_sequences, max_seq_len=max_seq_len,
+                               device=self.device, dtype=model_dtype(model))
+        elif cache is not None and not isinstance(cache, KVCache):
+            raise ConfigError(where, "cache must be a KV-cache kind name or an object satisfying plyx.specs.KVCache",
+                              value=type(cache).__name__, fix='pass cache="contiguous", cache="paged" or a KVCache')
+        self.cache: KVCache | None = cache
+        self._next_id = 1 + max(cache.sequences(), default=-1) if cache is not None else 0
+        self._ids: set[int] = set()
+        # without a cache: the full token list of each live sequence, recomputed every step
+        self._tokens: dict[int, list[int]] = {}
+
+    # -- sequence ids ----------------------------------------------------------------
+    def new_id(self) -> int:
+        sid = self._next_id
+        self._next_id += 1
+        self._ids.add(sid)
+        return sid
+
+    def fork(self, src: int) -> int:
+        """A new sequence sharing ``src``'s tokens (``KVCache.fork``: prefix sharing)."""
+        dst = self.new_id()
+        if self.cache is not None:
+            self.cache.fork(src, dst)
+        else:
+            self._tokens[dst] = list(self._tokens[src])
+        return dst
+
+    def release(self, sid: int) -> None:
+        if sid in self._ids:
+            self._ids.discard(sid)
+            if self.cache is not None:
+                if sid in self.cache.sequences():
+                    self.cache.evict(sid)
+            else:
+                self._tokens.pop(sid, None)
+
+    def close(self) -> None:
+        for sid in list(self._ids):
+            self.release(sid)
+
+    def length(self, sid: int) -> int:
+        if self.cache is not None:
+            return self.cache.length(sid) if sid in self.cache.sequences() else 0
+        return len(self._tokens.get(sid, ()))
+
+    def crop(self, sid: int, length: int) -> None:
+        if self.cache is not None:
+            self.cache.crop(sid, length)
+        else:
+            del self._tokens[sid][length:]
+
+    # -- forward passes ------------------------------------------------------------------
+    def extend(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], *, all_logits: bool = False) -> Any:
+        """Feed each sequence its new tokens (ragged lengths allowed); returns logits.
+
+        Returns ``[B, V]`` (the last new position of each row) or, with ``all_logits``, a list of
+        ``[T_i, V]`` (every new position).
+        """
+        if self.cache is None:
+            for sid, new in zip(seq_ids, tokens):
+                self._tokens.setdefault(sid, []).extend(int(t) for t in new)
+            return self._recompute(seq_ids, [len(t) for t in tokens], all_logits)
+        ids, mask = left_pad(tokens, self.device)
+        logits = self.model(ids, attention_mask=mask, cache=self.cache, seq_ids=list(seq_ids))  # [B, T, V]
+        if all_logits:
+            return [logits[i, logits.shape[1] - len(t):] for i, t in enumerate(tokens)]
+        return logits[:, -1]
+
+    def step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
+        """One token per sequence (``tokens`` [B] on device, no host copy); returns ``[B, V]``."""
+        if self.cache is None:
+            return self.extend(seq_ids, [[t] for t in tokens.tolist()])
+        return self.model(tokens[:, None], cache=self.cache, seq_ids=list(seq_ids))[:, -1]
+
+    def _recompute(self, seq_ids: Sequence[int], new_counts: Sequence[int], all_logits: bool) -> Any:
+        rows = [self._tokens[s] for s in seq_ids]
+        ids, mask = left_pad(rows, self.device)
+        logits = self.model(ids, attention_mask=mask)  # [B, T, V]
+        if all_logits:
+            return [logits[i, logits.shape[1] - n:] for i, n in enumerate(new_counts)]
+        return logits[:, -1]

@@ -1,0 +1,101 @@
+"""Run every GPU test and benchmark of plyx in one call on a GPU machine with no registry.
+
+Here (with network):     python tools/gpu_run.py build      # wheels into .whl-plyx/
+There (the GPU machine): python3 tools/gpu_run.py run [--out DIR] [--bench-only|--tests-only]
+
+``build`` makes wheels of every plane and of the in-repo plugin distributions
+with ``pip wheel --no-deps`` (plyx is pure Python), plus the peers the
+benchmarks compare against (liger-kernel) for the GPU machine's Python.
+``run`` installs them with ``--no-index --no-deps`` into a private target
+directory put first on PYTHONPATH (the machine's torch and triton stay as they
+are), runs the GPU tests of the torch planes, then each benchmark listed in
+workspace.toml's ``matrix.gpu-benchmarks``, writing logs and results to --out.
+Without CUDA it says so and exits 0: GPU sessions skip cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELS = ROOT / ".whl-plyx"
+PEERS = ["liger-kernel"]
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def build() -> int:
+    import workspace
+
+    _, members = workspace.load(ROOT)
+    WHEELS.mkdir(exist_ok=True)
+    for old in WHEELS.glob("plyx*.whl"):
+        old.unlink()
+    paths = [str(m.path) for m in members.values()] + [str(p) for p in sorted((ROOT / "integration").glob("plyx-*"))]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(WHEELS), *paths], check=True)
+    subprocess.run([
+        sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+        "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
+        "-d", str(WHEELS), *PEERS,
+    ], check=True)
+    print("\n".join(sorted(p.name for p in WHEELS.glob("*.whl"))))
+    return 0
+
+
+def _run(cmd: list[str], log: Path, env: dict[str, str]) -> int:
+    start = time.time()
+    with log.open("w") as fh:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+    print(f"[{proc.returncode:>3}] {time.time() - start:6.1f}s  {' '.join(cmd[1:])}  -> {log.name}")
+    tail = log.read_text(errors="replace").splitlines()[-15:]
+    print("      " + "\n      ".join(tail))
+    return proc.returncode
+
+
+def run(out: Path, bench: bool, tests: bool, bench_args: list[str]) -> int:
+    import tomllib
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: GPU tests and benchmarks skipped")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    site = Path("/tmp/plyx-site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--upgrade", "--target", str(site), *map(str, WHEELS.glob("*.whl"))], check=True)
+    env = {**os.environ, "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    matrix = tomllib.loads((ROOT / "workspace.toml").read_text())["matrix"]
+    status = 0
+    if tests:
+        for plane in matrix.get("gpu-planes", []):
+            status |= _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                            f"packages/{plane}/tests"], out / f"tests-{plane}.log", env)
+    if bench:
+        for script in matrix.get("gpu-benchmarks", []):
+            name = Path(script).stem
+            status |= _run([sys.executable, script, "--out", str(out), *bench_args], out / f"bench-{name}.log", env)
+    return status
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["build", "run"])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-results")))
+    parser.add_argument("--bench-only", action="store_true")
+    parser.add_argument("--tests-only", action="store_true")
+    parser.add_argument("bench_args", nargs="*", help="passed to every benchmark")
+    args = parser.parse_args()
+    if args.action == "build":
+        return build()
+    return run(args.out, bench=not args.tests_only, tests=not args.bench_only, bench_args=args.bench_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The workspace check catches each way a plane can disagree with workspace.toml."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+import workspace  # noqa: E402
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A copy of the workspace's declarative files and plane sources."""
+    shutil.copy(ROOT / "workspace.toml", tmp_path / "workspace.toml")
+    for pyproject in ROOT.glob("packages/*/pyproject.toml"):
+        plane = pyproject.parent
+        dest = tmp_path / "packages" / plane.name
+        shutil.copytree(plane / "src", dest / "src", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copy(pyproject, dest / "pyproject.toml")
+    return tmp_path
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} not in {path}"
+    path.write_text(text.replace(old, new, 1))
+
+
+def test_the_real_workspace_is_consistent():
+    assert workspace.check(ROOT) == []
+
+
+def test_the_copy_is_consistent(tree):
+    assert workspace.check(tree) == []
+
+
+def test_version_disagreement(tree):
+    _edit(tree / "packages/attn/pyproject.toml", 'version = "1.0.0"', 'version = "1.1.0"')
+    problems = workspace.check(tree)
+    assert any("packages/attn/pyproject.toml: version is '1.1.0'" in p for p in problems)
+
+
+def test_internal_range_disagreement(tree):
+    _edit(tree / "packages/model/pyproject.toml", "'plyx-attn>=1.0,<2'", "'plyx-attn>=1.0,<3'")
+    assert any("plyx-attn>=1.0,<3 disagrees" in p for p in workspace.check(tree))
+
+
+def test_undeclared_internal_dependency(tree):
+    _edit(tree / "packages/governance/pyproject.toml", "'plyx-specs>=1.0,<2'", "'plyx-specs>=1.0,<2', 'plyx-kernel>=1.0,<2'")
+    problems = workspace.check(tree)
+    assert any("depends on plyx-kernel, which workspace.toml does not list for governance" in p for p in problems)
+
+
+def test_upward_edge_in_workspace(tree):
+    _edit(tree / "workspace.toml", 'depends = { specs = ">=1.0,<2", kernel = ">=1.0,<2" }',
+          'depends = { specs = ">=1.0,<2", kernel = ">=1.0,<2", train = ">=1.0,<2" }')
+    problems = workspace.check(tree)
+    assert any("attn (layer 2) depends on train (layer 4)" in p for p in problems)
+
+
+def test_torch_pin_and_torch_in_a_torch_free_plane(tree):
+    _edit(tree / "packages/kernel/pyproject.toml", "'torch>=2.4'", "'torch==2.13.0'")
+    _edit(tree / "packages/safety/pyproject.toml", "dependencies = [", "dependencies = ['torch>=2.4', ")
+    problems = workspace.check(tree)
+    assert any("torch is pinned" in p for p in problems)
+    assert any("safety is torch-free" in p for p in problems)
+
+
+def test_stray_namespace_init(tree):
+    (tree / "packages/serve/src/plyx/__init__.py").write_text("")
+    assert any("PEP 420" in p for p in workspace.check(tree))
+
+
+def test_import_of_an_undeclared_plane(tree):
+    target = tree / "packages/governance/src/plyx/governance/_sneaky.py"
+    target.write_text("import plyx.train\n")
+    problems = workspace.check(tree)
+    assert any("_sneaky.py:1: imports plyx.train, which plyx-governance does not depend on" in p for p in problems)
+
+
+def test_closure_orders_dependencies_first():
+    _, members = workspace.load(ROOT)
+    order = workspace.closure(members, ["train"])
+    assert order.index("specs") < order.index("kernel") < order.index("model") < order.index("train")
