@@ -227,3 +227,28 @@ def test_planes_add_subcommands_through_the_hook(site, only, capsys):
     only("nothing")
     with pytest.raises(SystemExit):
         main(["hello"])
+
+
+def test_conformance_kit_for_plugins_accepts_a_good_one_and_names_problems():
+    import types
+
+    from plyx.specs.testing.plugins import check_plugin
+
+    good = types.SimpleNamespace(
+        plyx_contracts={"hooks": "1.0"},
+        plyx_samplers=lambda: [Component("a", lambda: 1)],
+        plyx_on_train_step_end=lambda step: None,  # a subset of the spec's parameters is fine
+    )
+    assert check_plugin(good) == ["plyx_on_train_step_end", "plyx_samplers"]
+    bad = types.SimpleNamespace(
+        plyx_contracts={"hooks": "3.0"},
+        plyx_samplers=lambda: [Component("a", lambda: 1), Component("a", lambda: 2), "junk"],
+        plyx_on_train_step_end=lambda step, extra: None,
+        plyx_nonsense=lambda: None,
+    )
+    with pytest.raises(AssertionError) as info:
+        check_plugin(bad)
+    text = str(info.value)
+    for needle in ("hooks contract 3.0", "duplicate names ['a']", "'junk' is not a Component",
+                   "parameters ['extra']", "plyx_nonsense: not a plyx hook"):
+        assert needle in text, needle

@@ -106,6 +106,8 @@ class Attention(nn.Module):
         rope = kernel("rope", q, cos, sin, head_dim=self.head_dim)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if step is None:
+            if key_mask is not None:  # the kernels take [B|1, H|1, T, S]: a broadcast view, no copy
+                key_mask = key_mask.expand(B, 1, T, key_mask.shape[-1])
             out = kernel("attention", q, k, v, head_dim=self.head_dim)(
                 q, k, v, causal=True, scale=self.scale, mask=key_mask, document_ids=document_ids,
                 window=self.sliding_window,
@@ -124,8 +126,11 @@ class Attention(nn.Module):
             return fn(q, k_pool, v_pool, tables, lens, scale=self.scale, window=self.sliding_window)
         keys, values = step.gather(self.layer_idx)  # (B, S, KV, Dh), left-padded
         q = q.to(keys.dtype)
+        mask = step.key_mask
+        if mask is not None:
+            mask = mask.expand(q.shape[0], 1, q.shape[1], keys.shape[1])  # (B, 1, T, S) view
         fn = kernel("attention", q, keys, values, head_dim=self.head_dim)
-        return fn(q, keys, values, causal=True, scale=self.scale, mask=step.key_mask, window=self.sliding_window)
+        return fn(q, keys, values, causal=True, scale=self.scale, mask=mask, window=self.sliding_window)
 
     def extra_repr(self) -> str:
         return (

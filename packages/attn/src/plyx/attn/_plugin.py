@@ -9,9 +9,13 @@ from plyx.specs import Component, hookimpl
 plyx_contracts = {"hooks": "1.0", "kvcache": "1.0"}
 
 
-def _contiguous(layout: Any, *, max_batch: int = 1) -> Any:
+def _contiguous(layout: Any, *, max_batch: int | None = None) -> Any:
+    """``max_batch`` defaults to the rows a paged layout's token capacity fills (or 1)."""
     from plyx.attn._contiguous import ContiguousKVCache
 
+    if max_batch is None:
+        tokens = (layout.num_blocks or 0) * (layout.block_size or 0)
+        max_batch = max(1, tokens // layout.max_seq_len)
     return ContiguousKVCache(layout, max_batch=max_batch)
 
 

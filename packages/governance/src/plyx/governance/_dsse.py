@@ -21,7 +21,6 @@ from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-
 from plyx.governance._canonical import canonical_json
 from plyx.governance._errors import GovernanceError
 from plyx.governance._keys import key_id
@@ -34,6 +33,7 @@ __all__ = [
     "sign_envelope",
     "verify_envelope",
     "b64decode_any",
+    "parse_statement",
 ]
 
 INTOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -147,5 +147,3 @@ def parse_statement(body: bytes) -> dict[str, Any]:
             raise GovernanceError(f"statement.subject[{i}]", "expected {name, digest: {sha256}}", value=s)
     return statement
 
-
-__all__ += ["parse_statement"]

@@ -7,6 +7,8 @@ the accelerator comes from the caller's metadata when given, else from
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import platform
 import re
@@ -14,10 +16,9 @@ import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
-
-from importlib import metadata
 
 __all__ = ["Distribution", "installed_distributions", "normalize_name", "system_info", "python_info",
            "accelerator_info", "git_info"]
@@ -112,7 +113,16 @@ def python_info() -> dict[str, Any]:
 
 
 def accelerator_info(timeout_s: float = 5.0) -> dict[str, Any]:
-    """GPUs from ``nvidia-smi`` when present, else ``{"kind": "none detected"}``."""
+    """GPUs from ``nvidia-smi`` when present, else ``{"kind": "none detected"}``.
+
+    Probed once per process: devices do not change during a run, and the
+    checkpoint hook runs at every save.
+    """
+    return copy.deepcopy(_accelerator_probe(timeout_s))
+
+
+@functools.cache
+def _accelerator_probe(timeout_s: float) -> dict[str, Any]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return {"kind": "none detected", "probe": "nvidia-smi not on PATH"}

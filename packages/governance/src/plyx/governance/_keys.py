@@ -15,7 +15,6 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-
 from plyx.governance._errors import GovernanceError, KeyPermissionError
 from plyx.governance._files import write_bytes_atomic
 

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from plyx.governance._canonical import CONTENT_ID_FIELD, content_id
+from plyx.governance._clock import utc_now
 from plyx.governance._environment import accelerator_info, git_info, installed_distributions, python_info, system_info
 from plyx.governance._errors import GovernanceError
 from plyx.governance._files import digest_file, digest_tree, portable_relpath, write_text_atomic
 from plyx.governance._report import Report
-from plyx.governance._sign import _now
 
 __all__ = ["RECEIPT_FILE", "RECEIPT_SCHEMA", "make_receipt", "write_receipt", "load_receipt", "verify_receipt",
            "jsonable"]
@@ -112,7 +112,7 @@ def make_receipt(*, base: str | os.PathLike[str], kind: str = "artifacts",
     receipt: dict[str, Any] = {
         "schema": RECEIPT_SCHEMA,
         "kind": kind,
-        "created": _now(),
+        "created": utc_now(),
         "run_id": run_id,
         "step": step,
         "format": format,
@@ -155,11 +155,19 @@ def load_receipt(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def verify_receipt(path: str | os.PathLike[str], *, report: Report | None = None) -> Report:
+def verify_receipt(path: str | os.PathLike[str], *, report: Report | None = None,
+                   require_inputs: bool = True) -> Report:
     """Replay a receipt: recompute its content id and every input and output digest.
 
     Each artifact gets a line: byte-equal, changed, missing, or not checkable
     (recorded as absent). Problems name the artifact.
+
+    Args:
+        path: the receipt.
+        report: add findings to this report instead of a new one.
+        require_inputs: a missing input is a problem; when False (a release
+            directory shipped without its training data) it is only a note.
+            A present input that differs is always a problem.
     """
     path = Path(path)
     report = report if report is not None else Report(f"receipt {path}")
@@ -201,6 +209,9 @@ def verify_receipt(path: str | os.PathLike[str], *, report: Report | None = None
                 got = digest_file(target)
             elif kind == "dir" and target.is_dir():
                 got = digest_tree(target, exclude=exclude if role == "outputs" else ())
+            elif role == "inputs" and not require_inputs:
+                report.notes.append(f"{rel}: input not present here; not checked")
+                continue
             else:
                 report.fail(rel, "receipt", f"{role[:-1]} recorded in {name} is missing")
                 continue

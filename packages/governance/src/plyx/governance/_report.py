@@ -43,11 +43,6 @@ class Report:
     def fail(self, artifact: str, check: str, message: str) -> None:
         self.problems.append(Problem(artifact, check, message))
 
-    def extend(self, other: Report) -> None:
-        self.problems.extend(other.problems)
-        self.passed.extend(other.passed)
-        self.notes.extend(other.notes)
-
     def lines(self) -> list[str]:
         out = [f"ok   {p}" for p in self.passed]
         out += [f"note {n}" for n in self.notes]

@@ -24,12 +24,12 @@ from typing import Any
 from urllib.parse import quote
 
 from plyx.governance._canonical import canonical_json
+from plyx.governance._clock import utc_now
 from plyx.governance._environment import Distribution, installed_distributions, normalize_name
 from plyx.governance._errors import GovernanceError
 from plyx.governance._files import digest_file, portable_relpath, write_text_atomic
 from plyx.governance._licenses import declared_license
 from plyx.governance._report import Report
-from plyx.governance._sign import _now
 
 __all__ = [
     "SBOM_FILE",
@@ -168,7 +168,7 @@ def build_spdx(name: str, *, files: Sequence[str | os.PathLike[str]] = (), base:
         "SPDXID": "SPDXRef-DOCUMENT",
         "name": name,
         "documentNamespace": f"https://plyx.dev/spdx/{safe}-{namespace}",
-        "creationInfo": {"created": _now(), "creators": [f"Tool: {_tool()}"]},
+        "creationInfo": {"created": utc_now(), "creators": [f"Tool: {_tool()}"]},
         "packages": packages,
         "files": spdx_files,
         "relationships": relationships,
@@ -204,7 +204,7 @@ def build_cyclonedx(name: str, *, files: Sequence[str | os.PathLike[str]] = (), 
         "serialNumber": f"urn:uuid:{uuid.uuid5(_NAMESPACE_ROOT, seed.decode('utf-8'))}",
         "version": 1,
         "metadata": {
-            "timestamp": _now(),
+            "timestamp": utc_now(),
             "tools": {"components": [{"type": "application", "name": "plyx-governance",
                                       "version": _tool().rpartition("-")[2]}]},
             "component": {"type": "machine-learning-model", "bom-ref": root_ref, "name": name,

@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-
+from plyx.governance._clock import utc_now
 from plyx.governance._dsse import make_statement, parse_statement, sign_envelope, verify_envelope
 from plyx.governance._errors import GovernanceError
 from plyx.governance._files import (
@@ -55,13 +54,6 @@ def envelope_path(checksums: str | os.PathLike[str]) -> Path:
     """Where the DSSE envelope of a checksums file lives."""
     checksums = Path(checksums)
     return checksums.with_name(checksums.name + ENVELOPE_SUFFIX)
-
-
-def _now() -> str:
-    # SOURCE_DATE_EPOCH (reproducible-builds.org) pins timestamps for byte-identical reruns
-    epoch = os.environ.get("SOURCE_DATE_EPOCH")
-    when = datetime.fromtimestamp(int(epoch), timezone.utc) if epoch else datetime.now(timezone.utc)
-    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def sign_files(files: Sequence[str | os.PathLike[str]], key: Ed25519PrivateKey, out: str | os.PathLike[str], *,
@@ -98,7 +90,7 @@ def sign_files(files: Sequence[str | os.PathLike[str]], key: Ed25519PrivateKey, 
     body = {
         "checksums": {"name": out.name, "sha256": digest_file(out)},
         "signer": {"keyid": key_id(public), "algorithm": "ed25519", "ephemeral": bool(ephemeral)},
-        "created": _now(),
+        "created": utc_now(),
         **dict(predicate or {}),
     }
     envelope = sign_envelope(make_statement(subjects, PREDICATE_TYPE, body), key)

@@ -16,6 +16,7 @@ from plyx.model._errors import (
 )
 from plyx.model._hf_config import ARCHITECTURES, config_from_hf, config_to_hf
 from plyx.model._model import TransformerLM
+from plyx.model._streaming import LayerStreamer, stream_forward
 
 __all__ = [
     "ARCHITECTURES",
@@ -23,6 +24,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointIntegrityError",
     "CheckpointMismatchError",
+    "LayerStreamer",
     "TransformerLM",
     "UnsupportedArchitectureError",
     "config_from_hf",
@@ -32,4 +34,5 @@ __all__ = [
     "open_checkpoint",
     "save_checkpoint",
     "save_hf",
+    "stream_forward",
 ]

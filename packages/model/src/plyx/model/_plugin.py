@@ -2,4 +2,15 @@
 
 from __future__ import annotations
 
-plyx_contracts = {"hooks": "1.0"}
+from typing import Any
+
+from plyx.specs import hookimpl
+
+plyx_contracts = {"hooks": "1.0", "checkpoint": "1.0"}
+
+
+@hookimpl
+def plyx_cli_commands() -> list[Any]:
+    from plyx.model._cli import command
+
+    return [command()]

@@ -23,6 +23,7 @@ _HEX = re.compile(r"(?<![0-9A-Za-z])(?:0x)?[0-9A-Fa-f]{2}(?:[\s:,]?[0-9A-Fa-f]{2
 _HEX_ESC = re.compile(r"(?:\\x[0-9A-Fa-f]{2}){6,}")
 _SPACED = re.compile(r"(?<!\w)(?:\w[ .\-]){3,}\w(?!\w)")
 _LEET_TABLE = str.maketrans(LEET)
+_ENCODED = re.compile(r"[0-9A-Fa-f\s:,x\\]{16,}|[A-Za-z0-9+/_\-]{16,}={0,2}")
 
 
 def printable(s: str) -> bool:
@@ -38,7 +39,9 @@ def _as_text(raw: bytes) -> str | None:
         s = raw.decode("utf-8")
     except UnicodeDecodeError:
         return None
-    return s if printable(s) else None
+    if printable(s) or (s.isascii() and _ENCODED.fullmatch(s.strip())):
+        return s  # text, or another encoded layer (hex inside base64) to peel next
+    return None
 
 
 def _base64(text: str) -> list[tuple[str, int, int, str]]:
@@ -74,7 +77,10 @@ def _hex(text: str) -> list[tuple[str, int, int, str]]:
 
 
 def _spaced(text: str) -> list[tuple[str, int, int, str]]:
-    return [("spaced", m.start(), m.end(), re.sub(r"[ .\-]", "", m.group())) for m in _SPACED.finditer(text)]
+    # collapse every letter-spaced run in place, so words spaced out one by one
+    # ("i g n o r e   a l l") are rescanned together as a sentence
+    collapsed = _SPACED.sub(lambda m: re.sub(r"[ .\-]", "", m.group()), text)
+    return [("spaced", 0, len(text), collapsed)] if collapsed != text else []
 
 
 def decode_all(text: str) -> list[tuple[str, int, int, str]]:

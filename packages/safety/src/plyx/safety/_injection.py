@@ -34,11 +34,12 @@ MOVES: list[tuple[str, float, str]] = [
     ("override", 0.9, rf"\b(?:ignore|disregard|forget)\s+(?:everything|all)\s+(?:above|before|previously|you\s+were\s+told)"),
     ("override", 0.7, rf"\b(?:do\s+not|don't|dont|stop)\s+(?:follow|obey)(?:ing)?\b{_W}?{_OBJ}"),
     ("new_instructions", 0.6, r"\b(?:new|updated|real|actual|true|revised)\s+(?:instructions?|task|objective|system\s+prompt|rules)\s*[:\-]"),
-    ("persona", 0.6, r"\byou\s+are\s+(?:now|no\s+longer)\b"),
+    ("persona", 0.45, r"\byou\s+are\s+(?:now|no\s+longer)\b"),
     ("persona", 0.9,
-     r"\b(?:act|behave|respond|answer|roleplay|role-play)\s+(?:as|like)\s+(?:if\s+you\s+(?:were|are)\s+)?(?:an?\s+)?"
+     r"\b(?:act|behave|respond|answer|roleplay|role-play|pretend)\s+(?:as|like|to\s+be|(?:that\s+)?you\s+are)\s+"
+     r"(?:if\s+you\s+(?:were|are)\s+)?(?:an?\s+)?"
      r"(?:unfiltered|unrestricted|uncensored|evil|jailbroken|amoral|unethical|rogue|unaligned)"),
-    ("persona", 0.5, r"\bpretend\s+(?:that\s+)?(?:you\s+are|to\s+be|you're|youre)\b"),
+    ("persona", 0.35, r"\bpretend\s+(?:that\s+)?(?:you\s+are|to\s+be|you're|youre)\b"),
     ("persona", 0.3, r"\b(?:from\s+now\s+on|henceforth|for\s+the\s+rest\s+of\s+this\s+conversation)\b"),
     ("roleplay", 0.3, r"\b(?:role-?play|let's\s+play\s+a\s+game|stay\s+in\s+character|never\s+break\s+character)\b"),
     ("jailbreak_name", 0.8, r"\b(?:dan|do\s+anything\s+now)\b.{0,80}\b(?:mode|prompt|jailbreak|can|will|must|now)\b"),
@@ -88,9 +89,11 @@ class PromptInjectionDetector:
     def _moves_in(self, text: str) -> dict[str, tuple[float, int, int]]:
         """move -> (weight, start, end) of its strongest cue, on raw offsets."""
         norm = normalize(text)
+        # "ignore_all_previous_instructions": underscores separate words too (same length: offsets hold)
+        subject = norm.text.replace("_", " ")
         found: dict[str, tuple[float, int, int]] = {}
         for name, weight, rx in self._moves:
-            m = rx.search(norm.text)
+            m = rx.search(subject)
             if m and weight > found.get(name, (0.0, 0, 0))[0]:
                 found[name] = (weight, *norm.span(m.start(), m.end()))
         return found

@@ -108,6 +108,8 @@ def normalize(text: str, *, fold_case: bool = True, strip_marks: bool = True, ho
             if ord(p[0]) in ZERO_WIDTH:
                 continue
             folded = p.casefold() if fold_case else p
+            if homoglyphs and folded != p:  # "Đ" folds to "đ", which has a Latin lookalike
+                folded = "".join(HOMOGLYPHS.get(c, c) for c in folded)
             out.append(folded)
             index.extend([i] * len(folded))
     index.append(len(text))

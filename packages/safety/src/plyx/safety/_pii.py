@@ -36,7 +36,7 @@ class EmailDetector(SpanDetector):
     alphabet = r"[\w.%+\-@]"
     # a plain address is one run of address characters; an obfuscated one may
     # contain spaces once a bracket follows the local part ("john [at] ex")
-    tail = r"[\w.%+\-@]*(?:\s*[\[({<][\w\s\[\](){}<>.@\-]*)?\Z"
+    tail = r"[\w.%+\-@]*(?:[ \t]*(?:[\[({<][\w\s\[\](){}<>.@\-]*)?)?\Z"
     max_len = 254
     _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
     _PLAIN = re.compile(
@@ -65,6 +65,7 @@ class PhoneDetector(SpanDetector):
 
     name = "phone"
     alphabet = r"[\d\s().+\-]"
+    tail = r"[+(\d][\d\s().+\-]*\Z"  # a number starts with a digit, "+" or "("
     max_len = 24
     _INTL = re.compile(r"(?<![\w+])(?:\+|00)[1-9]\d{0,2}(?:[ .\-]?\(?\d{1,5}\)?){2,6}(?![\w])")
     _NANP = re.compile(
@@ -97,6 +98,7 @@ class CreditCardDetector(SpanDetector):
 
     name = "credit_card"
     alphabet = r"[\d .\-]"
+    tail = r"\d[\d .\-]*\Z"
     max_len = 23
     _CANDIDATE = re.compile(r"(?<![\d.\-])\d(?:[ .\-]?\d){12,18}(?![\d])")
     _IIN = re.compile(r"^(?:4|5[1-5]|2(?:2[2-9]|[3-6]\d|7[01]|720)|3[47]|3(?:0[0-5]|[68])|6(?:011|5|4[4-9]|22)|35|62|81)")
@@ -155,7 +157,7 @@ class NationalIdDetector(SpanDetector):
     name = "national_id"
     alphabet = r"[A-Za-z0-9 \-]"
     # prefixes of every kind: up to 2 letters, digits with separators, a final letter
-    tail = r"(?<![A-Za-z0-9])[A-Za-z]{0,2}[\d \-]*[A-Za-z]?\Z"
+    tail = r"(?<![A-Za-z0-9])(?:[A-Za-z]{1,2}|\d)[\d \-]*[A-Za-z]?\Z"
     max_len = 16
     KINDS = ("us_ssn", "uk_nino", "es_dni", "in_aadhaar")
     _SSN = re.compile(r"(?<![\d\-])(\d{3})([ \-])(\d{2})\2(\d{4})(?![\d\-])")
@@ -211,6 +213,7 @@ class IpAddressDetector(SpanDetector):
 
     name = "ip_address"
     alphabet = r"[0-9A-Fa-f.:%]"
+    tail = r"(?<![\w.:])[0-9A-Fa-f:][0-9A-Fa-f.:%]*\Z"
     max_len = 45
     _V4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?!\.?\d|\w)")
     _V6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|(?:\d{1,3}\.){3}\d{1,3})?(?![\w:])")

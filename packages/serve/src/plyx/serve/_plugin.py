@@ -1,5 +1,20 @@
-"""The built-in plugin of plyx-serve, registered under the `plyx` entry-point group."""
+"""The built-in plugin of plyx-serve, registered under the `plyx` entry-point group.
+
+Contributes every built-in logits processor and sampler through ``plyx_samplers``; the
+generation loop finds them by name exactly as it finds a third party's.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from plyx.specs import Component, hookimpl
+
 plyx_contracts = {"hooks": "1.0"}
+
+
+@hookimpl
+def plyx_samplers() -> list[Any]:
+    from plyx.serve._pipeline import BUILTIN_COMPONENTS
+
+    return [Component(name, factory, description) for name, (factory, description) in BUILTIN_COMPONENTS.items()]

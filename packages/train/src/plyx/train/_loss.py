@@ -20,7 +20,7 @@ from plyx.specs import Batch
 __all__ = ["lm_loss", "linear_cross_entropy_fn"]
 
 
-def linear_cross_entropy_fn(hidden: torch.Tensor, weight: torch.Tensor, **shape: int) -> Callable[..., torch.Tensor]:
+def linear_cross_entropy_fn(*tensors: torch.Tensor, **shape: int) -> Callable[..., torch.Tensor]:
     """The ``linear_cross_entropy`` implementation the kernel registry selects for these tensors.
 
     plyx-model exposes the registry's choice as ``plyx.model.linear_cross_entropy_fn`` when it
@@ -29,9 +29,9 @@ def linear_cross_entropy_fn(hidden: torch.Tensor, weight: torch.Tensor, **shape:
     model_api = importlib.import_module("plyx.model")
     helper = getattr(model_api, "linear_cross_entropy_fn", None)
     if helper is not None:
-        return helper(hidden, weight, **shape)  # type: ignore[no-any-return]
+        return helper(*tensors, **shape)  # type: ignore[no-any-return]
     kernel = importlib.import_module("plyx.kernel")  # a dependency of plyx-model, always present with it
-    return kernel.registry().get("linear_cross_entropy", hidden, weight, **shape)  # type: ignore[no-any-return]
+    return kernel.registry().get("linear_cross_entropy", *tensors, **shape)  # type: ignore[no-any-return]
 
 
 def lm_loss(
@@ -49,7 +49,7 @@ def lm_loss(
     flat = hidden.reshape(-1, hidden.shape[-1])  # (B T, D)
     if flat.dtype != weight.dtype:  # under autocast the hidden states may be bf16 while weights stay fp32
         flat = flat.to(weight.dtype)
-    fn = linear_cross_entropy_fn(flat, weight, hidden=flat.shape[-1], vocab=weight.shape[0])
+    fn = linear_cross_entropy_fn(flat, weight)
     return fn(flat, weight, batch.targets.reshape(-1), ignore_index=-100, label_smoothing=label_smoothing,
               z_loss=z_loss, reduction="mean")
 

@@ -1,5 +1,35 @@
-"""The built-in plugin of plyx-train, registered under the `plyx` entry-point group."""
+"""The built-in plugin of plyx-train, registered under the `plyx` entry-point group.
+
+Provides the ``adamw`` and ``sgd`` optimizers (``plyx_optimizers``) and the
+``plyx train`` / ``plyx data`` commands (``plyx_cli_commands``).
+"""
 
 from __future__ import annotations
 
-plyx_contracts = {"hooks": "1.0"}
+from typing import Any
+
+from plyx.specs import CliCommand, Component, hookimpl
+
+plyx_contracts = {"hooks": "1.0", "batch": "1.0", "checkpoint": "1.0"}
+
+
+@hookimpl
+def plyx_optimizers() -> list[Any]:
+    from plyx.train._optim import adamw, sgd
+
+    return [
+        Component("adamw", adamw, "AdamW with decoupled weight decay; torch's fused kernel on CPU and CUDA"),
+        Component("sgd", sgd, "SGD with Nesterov momentum betas[0]; fused where torch has it"),
+    ]
+
+
+@hookimpl
+def plyx_cli_commands() -> list[Any]:
+    from plyx.train import _cli
+
+    return [
+        CliCommand("train", "train a model (no CONFIG: a small model on the bundled Tiny Shakespeare)",
+                   _cli.configure_train, _cli.run_train),
+        CliCommand("data", "prepare a corpus: tokenizer + memory-mapped token shards", _cli.configure_data,
+                   _cli.run_data),
+    ]

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from plyx.kernel.attention._checks import check_paged
+from plyx.kernel.attention._tl import mm, mma
 
 __all__ = ["paged_attention", "num_splits_for"]
 
@@ -81,7 +82,7 @@ def _paged_fwd(
         slot = offs_n % BLOCK_SIZE
         kt = tl.load(K_POOL + blk[None, :] * stride_kblk + slot[None, :] * stride_kslot + kvh * stride_kh
                      + offs_d[:, None], mask=valid[None, :], other=0.0)  # [D, BN]
-        s = tl.dot(q, kt) * qk_scale  # [BM, BN], base 2
+        s = mm(q, kt) * qk_scale  # [BM, BN], base 2
         allowed = valid[None, :] & (offs_n[None, :] <= pos[:, None])  # causal among the new tokens
         if HAS_WINDOW:
             allowed = allowed & ((pos[:, None] - offs_n[None, :]) < window)
@@ -93,7 +94,7 @@ def _paged_fwd(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_POOL + blk[:, None] * stride_vblk + slot[:, None] * stride_vslot + kvh * stride_vh
                     + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BN, D]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
     if SPLIT:

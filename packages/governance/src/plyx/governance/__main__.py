@@ -1,0 +1,5 @@
+import sys
+
+from plyx.governance._cli import main
+
+sys.exit(main())

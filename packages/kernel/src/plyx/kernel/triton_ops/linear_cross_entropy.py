@@ -1,0 +1,162 @@
+"""Fused linear cross-entropy: cuBLAS lm-head chunk by chunk + the Triton cross-entropy kernel.
+
+Never holds the ``[N, V]`` logits. For each chunk of ``C`` token rows::
+
+    z   = hidden[c] @ W^T (+ b)          [C, V] in the input dtype (one reused buffer)
+    dz  = dL/dz, written over z in place (cross_entropy's kernel, scaled by 1/n_valid for mean)
+    d_hidden[c] = dz @ W                 [C, D]
+    d_weight   += dz^T @ hidden[c]       [V, D]
+    d_bias     += sum_rows dz
+
+so the gradients are ready when the forward returns and the backward only
+multiplies them by the incoming gradient (skipped when it is exactly 1). Peak
+extra memory is ``d_weight + d_hidden + one [C, V] chunk``; ``d_weight`` is
+accumulated in float32 for float32 weights and in the weight's dtype otherwise
+(as Liger-Kernel does: a float32 accumulator would double the peak).
+
+Without a gradient (eval) only the loss is computed. ``reduction="none"`` is
+supported the same way (per-row gradient factors applied in the backward would
+need the logits again, so the rows are scaled by 1 in the forward and the
+backward recomputes nothing: ``d_hidden`` rows scale exactly, ``d_weight`` does
+not, so for ``none`` with a non-uniform incoming gradient the backward
+recomputes the chunks; see ``_Recompute``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from plyx.kernel._errors import check_last_dim_contiguous
+from plyx.kernel.reference.cross_entropy import reduce_loss
+from plyx.kernel.reference.linear_cross_entropy import check_linear_cross_entropy
+from plyx.kernel.triton_ops._common import empty
+from plyx.kernel.triton_ops.cross_entropy import ce_rows, row_scale
+
+__all__ = ["linear_cross_entropy", "default_chunk_rows", "CHUNK_ELEMENTS"]
+
+_NAME = "linear_cross_entropy:triton"
+
+#: logits per chunk: 2^26 (128 MiB in bfloat16) gives 512 rows at a 128k vocabulary
+CHUNK_ELEMENTS = 1 << 26
+
+
+def default_chunk_rows(n: int, vocab: int, budget: int | None = None) -> int:
+    rows = max(1, (budget or CHUNK_ELEMENTS) // max(vocab, 1))
+    rows = 1 << (rows.bit_length() - 1)
+    return max(1, min(rows, n))
+
+
+def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+            ignore_index: int, eps: float, z_loss: float, chunk: int, scale: torch.Tensor | None,
+            grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None) -> torch.Tensor:
+    """Loss rows [N] (float32); accumulates scaled gradients into ``grads`` when given."""
+    n, v = hidden.shape[0], weight.shape[0]
+    rows = empty((n,), dtype=torch.float32, device=hidden.device)
+    buffer = torch.empty((min(chunk, n), v), dtype=hidden.dtype, device=hidden.device)  # reused for every chunk
+    for start in range(0, n, chunk):
+        h = hidden[start:start + chunk]
+        z = buffer[: h.shape[0]]
+        torch.matmul(h, weight.T, out=z)
+        if bias is not None:
+            z += bias
+        if grads is None:
+            rows[start:start + h.shape[0]] = ce_rows(z, targets[start:start + chunk], ignore_index=ignore_index,
+                                                     eps=eps, z_loss=z_loss, scale=None, dz=None)[0]
+            continue
+        d_hidden, d_weight, d_bias = grads
+        rows[start:start + h.shape[0]] = ce_rows(z, targets[start:start + chunk], ignore_index=ignore_index, eps=eps,
+                                                 z_loss=z_loss, scale=scale, dz=z)[0]
+        torch.matmul(z, weight, out=d_hidden[start:start + chunk])  # (C, V) @ (V, D)
+        d_weight.addmm_(z.T.to(d_weight.dtype), h.to(d_weight.dtype))  # (V, C) @ (C, D)
+        if d_bias is not None:
+            d_bias += z.sum(0, dtype=torch.float32).to(d_bias.dtype)
+    return rows
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                ignore_index: int, eps: float, z_loss: float, reduction: str, chunk: int) -> torch.Tensor:
+        valid = targets != ignore_index
+        need = ctx.needs_input_grad[:3]
+        if not any(need):
+            rows = _chunks(hidden, weight, bias, targets, ignore_index, eps, z_loss, chunk, None, None)
+            return reduce_loss(rows, valid, reduction)
+        if reduction == "none":
+            # per-row factors arrive only in the backward: keep the inputs and recompute there
+            rows = _chunks(hidden, weight, bias, targets, ignore_index, eps, z_loss, chunk, None, None)
+            ctx.save_for_backward(hidden, weight, bias, targets)
+            ctx.options = (ignore_index, eps, z_loss, chunk)
+            ctx.recompute = True
+            return rows
+        acc = torch.float32 if weight.dtype == torch.float32 else weight.dtype
+        d_hidden = empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        d_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        d_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        rows = _chunks(hidden, weight, bias, targets, ignore_index, eps, z_loss, chunk, row_scale(valid, reduction),
+                       (d_hidden, d_weight, d_bias))
+        ctx.save_for_backward(d_hidden, d_weight, d_bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.recompute = False
+        return reduce_loss(rows, valid, reduction)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        if ctx.recompute:
+            hidden, weight, bias, targets = ctx.saved_tensors
+            ignore_index, eps, z_loss, chunk = ctx.options
+            d_hidden = empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+            d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            d_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+            n = hidden.shape[0]
+            for start in range(0, n, chunk):
+                sl = slice(start, start + chunk)
+                h = hidden[sl]
+                z = torch.matmul(h, weight.T)
+                if bias is not None:
+                    z += bias
+                ce_rows(z, targets[sl], ignore_index=ignore_index, eps=eps, z_loss=z_loss,
+                        scale=torch.ones(1, dtype=torch.float32, device=z.device), dz=z)
+                z *= grad[sl, None].to(z.dtype)
+                torch.matmul(z, weight, out=d_hidden[sl])
+                d_weight.addmm_(z.T.float(), h.float())
+                if d_bias is not None:
+                    d_bias += z.sum(0, dtype=torch.float32)
+            return (d_hidden, d_weight.to(weight.dtype), None if bias is None else d_bias.to(bias.dtype),
+                    None, None, None, None, None, None)
+        d_hidden, d_weight, d_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        # a scalar incoming gradient of exactly 1 (loss.backward()) needs no rescale: one host sync saves a pass
+        if not bool(grad == 1):
+            d_hidden = d_hidden * grad.to(d_hidden.dtype)
+            d_weight = d_weight * grad.to(d_weight.dtype)
+            d_bias = None if d_bias is None else d_bias * grad
+        return (d_hidden, d_weight.to(weight_dtype), None if d_bias is None else d_bias.to(bias_dtype),
+                None, None, None, None, None, None)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Fused lm-head + cross-entropy; same contract as ``plyx.kernel.reference.linear_cross_entropy``.
+
+    ``chunk_size``: token rows per chunk (default: ``CHUNK_ELEMENTS`` logits per chunk).
+    """
+    check_linear_cross_entropy(_NAME, hidden, weight, targets, bias, ignore_index, label_smoothing, z_loss, reduction,
+                               check_values=False)
+    check_last_dim_contiguous(_NAME, "hidden", hidden)
+    check_last_dim_contiguous(_NAME, "weight", weight)
+    chunk = int(chunk_size or default_chunk_rows(hidden.shape[0], weight.shape[0]))
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, int(ignore_index), float(label_smoothing),
+                                          float(z_loss), reduction, chunk)

@@ -1,0 +1,98 @@
+"""Triton SwiGLU ``silu(gate) * up``, forward and backward.
+
+Works on ``[rows, F]`` views with any row stride, so ``gate, up = gu.chunk(2, -1)``
+of a fused projection is read in place, without a copy. With s = sigmoid(g)::
+
+    y  = g * s * u
+    du = dy * g * s
+    dg = dy * u * s * (1 + g * (1 - s))
+
+The backward recomputes s from g instead of saving it (one read instead of a
+saved ``[rows, F]`` float32 tensor).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from plyx.kernel._errors import check_last_dim_contiguous
+from plyx.kernel.reference.swiglu import check_swiglu
+from plyx.kernel.triton_ops._common import empty, interpreting
+
+__all__ = ["swiglu"]
+
+_NAME = "swiglu:triton"
+
+
+@triton.jit
+def _swiglu_fwd(G, U, Y, stride_g, stride_u, stride_y, F, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    y = g * tl.sigmoid(g) * u
+    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd(DY, G, U, DG, DU, stride_dy, stride_g, stride_u, stride_d, F, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < F
+    dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    tl.store(DU + row * stride_d + cols, (dy * g * s).to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + row * stride_d + cols, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
+
+
+def _block(f: int) -> int:
+    return 128 if interpreting() else 1024
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        g2, u2 = _rows(gate), _rows(up)
+        n, f = g2.shape
+        y = empty((n, f), dtype=gate.dtype, device=gate.device)
+        block = _block(f)
+        if n and f:
+            _swiglu_fwd[(n, triton.cdiv(f, block))](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), f,
+                                                    BLOCK=block, num_warps=4)
+        ctx.save_for_backward(gate, up)
+        return y.view(gate.shape)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        gate, up = ctx.saved_tensors
+        g2, u2 = _rows(gate), _rows(up)
+        dy2 = _rows(dy)
+        if dy2.stride(-1) != 1:
+            dy2 = dy2.contiguous()
+        n, f = g2.shape
+        dg = empty((n, f), dtype=gate.dtype, device=gate.device)
+        du = empty((n, f), dtype=up.dtype, device=up.device)
+        block = _block(f)
+        if n and f:
+            _swiglu_bwd[(n, triton.cdiv(f, block))](dy2, g2, u2, dg, du, dy2.stride(0), g2.stride(0), u2.stride(0),
+                                                    dg.stride(0), f, BLOCK=block, num_warps=4)
+        return dg.view(gate.shape), du.view(up.shape)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Triton ``silu(gate) * up``; same contract as ``plyx.kernel.reference.swiglu``."""
+    check_swiglu(_NAME, gate, up)
+    check_last_dim_contiguous(_NAME, "gate", gate)
+    check_last_dim_contiguous(_NAME, "up", up)
+    return _SwiGLU.apply(gate, up)

@@ -1,0 +1,97 @@
+"""Fused linear cross-entropy (Triton) against the float64 unfused definition, and its chunking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plyx.kernel import KernelInputError
+from plyx.kernel.reference import cross_entropy as ce_reference
+from plyx.kernel.reference import linear_cross_entropy as reference
+from plyx.kernel.triton_ops import linear_cross_entropy as fused_module
+from plyx.kernel.triton_ops.linear_cross_entropy import linear_cross_entropy
+
+from .conftest import GPU, TRITON_DEVICE
+
+# (N, D, V, chunk): chunks that divide N, that leave a partial last chunk, and one chunk for all
+SHAPES = [(9, 24, 67, 4), (13, 40, 300, 5), (6, 16, 257, 64)]
+if GPU:
+    SHAPES += [(1000, 512, 32003, None), (257, 1024, 50257, 64)]
+
+OPTIONS = [{}, {"label_smoothing": 0.1, "z_loss": 1e-3, "bias": True}, {"reduction": "sum"}, {"reduction": "none", "bias": True}]
+
+
+def unfused(h, w, t, *, bias=None, **options):
+    """The definition: materialised logits, then cross-entropy."""
+    z = h @ w.T
+    return ce_reference(z if bias is None else z + bias, t, **options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_matches_unfused_definition(parity, make, shape, dtype, options):
+    n, d, v, chunk = shape
+    options = dict(options)
+    with_bias = options.pop("bias", False)
+    t = torch.randint(0, v, (n,))
+    t[torch.rand(n) < 0.2] = -100
+    t = t.to(TRITON_DEVICE)
+    h = make(n, d, dtype=dtype)
+    w = make(v, d, dtype=dtype, scale=2 * d ** -0.5)
+    args = [h, w] + ([make(v, dtype=dtype, scale=0.5)] if with_bias else [])
+
+    def fused(h, w, b=None):
+        return linear_cross_entropy(h, w, t, bias=b, chunk_size=chunk, **options)
+
+    def definition(h, w, b=None):
+        return unfused(h, w, t, bias=b, **options)
+
+    parity(fused, definition, args, grad=tuple(range(len(args))), dtype=dtype, label=f"linear_ce {shape} {options}")
+
+
+def test_reference_is_chunked_and_matches_definition(make):
+    h, w = make(10, 8, dtype=torch.float64), make(50, 8, dtype=torch.float64)
+    t = torch.randint(0, 50, (10,), device=TRITON_DEVICE)
+    for chunk in (1, 3, 10, 64):
+        assert torch.allclose(reference(h, w, t, chunk_size=chunk), unfused(h, w, t), rtol=1e-12, atol=0)
+
+
+def test_never_materialises_full_logits(make, monkeypatch):
+    """Every logits buffer the fused kernel multiplies into holds at most chunk_size rows."""
+    shapes = []
+    real = torch.matmul
+
+    def spy(a, b, *args, **kwargs):
+        if b.dim() == 2 and b.shape[-1] == 300:  # hidden @ W^T: the logits
+            shapes.append(tuple(a.shape[:-1]) + (b.shape[-1],))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(fused_module.torch, "matmul", spy)
+    h, w = make(20, 16).requires_grad_(True), make(300, 16).requires_grad_(True)
+    t = torch.randint(0, 300, (20,), device=TRITON_DEVICE)
+    linear_cross_entropy(h, w, t, chunk_size=8).backward()
+    assert shapes and max(s[0] for s in shapes) <= 8, shapes
+
+
+def test_no_gradient_path_returns_the_same_loss(make):
+    h, w = make(9, 16), make(70, 16)
+    t = torch.randint(0, 70, (9,), device=TRITON_DEVICE)
+    with torch.no_grad():
+        a = linear_cross_entropy(h, w, t, chunk_size=4)
+    b = linear_cross_entropy(h.requires_grad_(True), w, t, chunk_size=4)
+    assert torch.allclose(a, b.detach(), rtol=1e-6)
+
+
+def test_bad_inputs_name_kernel_and_argument():
+    h = torch.randn(4, 8, device=TRITON_DEVICE)
+    w = torch.randn(10, 8, device=TRITON_DEVICE)
+    t = torch.zeros(4, dtype=torch.long, device=TRITON_DEVICE)
+    with pytest.raises(KernelInputError, match=r"linear_cross_entropy:triton.*`weight`.*\[V, D=8\]"):
+        linear_cross_entropy(h, w[:, :7], t)
+    with pytest.raises(KernelInputError, match=r"`weight`.*dtype"):
+        linear_cross_entropy(h, w.double(), t)
+    with pytest.raises(KernelInputError, match=r"`bias`.*\[V=10\]"):
+        linear_cross_entropy(h, w, t, bias=torch.zeros(9, device=TRITON_DEVICE))
+    with pytest.raises(KernelInputError, match=r"`hidden`.*\[N, D\]"):
+        linear_cross_entropy(h[None], w, t)

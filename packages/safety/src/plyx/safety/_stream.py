@@ -1,0 +1,132 @@
+"""Output rails on streamed text: emit as early as possible, never a blocked or unredacted span.
+
+After each chunk the filter rescans only what it has not released yet (plus a
+little context for word boundaries) and works out the *hold point*: the
+earliest offset from which the text could still grow into a match, i.e. the
+minimum over span detectors of ``pending(text)`` and the start of any finding
+that touches the end of the text (``a@b.co`` may become ``a@b.com``). Text
+before the hold point is settled: it is released with its redactions applied,
+and a settled ``block`` finding stops the stream with nothing more emitted.
+Rules whose detectors judge the whole text (length, classifiers, injection)
+run on everything received so far at each chunk; when they block, what is
+held back is never released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from plyx.safety._engine import Decision, RuleResult, audit_decision, decide, redact, replacement, run_rules
+
+__all__ = ["StreamFilter"]
+
+_CONTEXT = 32  # characters of released text rescanned for word boundaries and look-behinds
+
+
+class StreamFilter:
+    """Implements the ``plyx_output_filters`` contract: ``feed(text) -> str``,
+    ``finish() -> str`` and ``blocked`` (None or a refusal dict).
+
+    ``decision`` holds the combined outcome once the stream is finished or blocked.
+    """
+
+    def __init__(self, guard: Any, context: Mapping[str, Any]) -> None:
+        self.guard = guard
+        self.context = context
+        self.rules = guard.rails["output"]
+        self.text = ""
+        self.released = 0  # offset in self.text up to which text has been emitted
+        self.blocked: dict[str, Any] | None = None
+        self.decision: Decision | None = None
+        self._reported: set[tuple[str, int, int]] = set()
+        self._results: dict[str, RuleResult] = {}
+        self._done = False
+
+    # -- the contract -------------------------------------------------------------
+    def feed(self, text: str) -> str:
+        """Add a chunk; return the text that is safe to emit now (possibly "")."""
+        if self.blocked is not None or self._done:
+            return ""
+        self.text += text
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """The end of the stream: settle and return everything still held."""
+        if self.blocked is not None or self._done:
+            return ""
+        out = self._advance(final=True)
+        self._done = True
+        self._close()
+        return out
+
+    # -- internals ----------------------------------------------------------------
+    def _advance(self, final: bool) -> str:
+        span_rules = [r for r in self.rules if r.span_scoped]
+        text_rules = [r for r in self.rules if not r.span_scoped]
+        base = max(0, self.released - _CONTEXT)
+        window = self.text[base:]
+        results = run_rules(span_rules, window, self.context)
+        for r in results:
+            r.findings = [f.shifted(base) for f in r.findings if f.end + base > self.released]
+        whole = run_rules(text_rules, self.text, self.context)
+
+        end = len(self.text)
+        hold = end
+        if not final:
+            for r in span_rules:
+                pending = getattr(r.detector, "pending", None)
+                hold = min(hold, base + pending(window) if pending else self.released)
+            for r in results:
+                for f in r.findings:
+                    if f.end >= end:  # could still grow: not settled
+                        hold = min(hold, f.start)
+        # a redaction is released whole or not at all
+        changed = True
+        while changed:
+            changed = False
+            for r in results:
+                if r.rule.rule.action != "redact":
+                    continue
+                for f in r.findings:
+                    if f.start < hold < f.end:
+                        hold, changed = f.start, True
+        hold = max(hold, self.released)
+
+        settled = [RuleResult(r.rule, [f for f in r.findings if f.end <= hold or (final and f.end <= end)], r.error)
+                   for r in results]
+        decision = decide(self.guard.policy, "output", self.text, settled + whole)
+        # whole-text findings move with every chunk: record them once, at the end
+        self._record(settled + whole if final or decision.blocked else settled)
+        if decision.blocked:
+            self.blocked = decision.refusal()
+            self._close(decision)
+            return ""
+        spans = [(max(f.start, self.released), f.end, replacement(r.rule.rule, f.label))
+                 for r in settled if r.rule.rule.action == "redact" for f in r.findings]
+        segment = redact(self.text[self.released:hold], [(s - self.released, e - self.released, rep) for s, e, rep in spans])
+        self.released = hold
+        return segment
+
+    def _record(self, results: list[RuleResult]) -> None:
+        """Remember each settled finding once, for the combined decision and the audit log."""
+        for r in results:
+            new = [f for f in r.findings if (r.rule.id, f.start, f.end) not in self._reported]
+            if not new and not r.error:
+                continue
+            for f in new:
+                self._reported.add((r.rule.id, f.start, f.end))
+            acc = self._results.setdefault(r.rule.id, RuleResult(r.rule, []))
+            acc.findings.extend(new)
+            if r.error:
+                acc.error = r.error
+
+    def _close(self, blocking: Decision | None = None) -> None:
+        results = list(self._results.values())
+        combined = decide(self.guard.policy, "output", self.text, results)
+        if blocking is not None:
+            combined = Decision("output", "", True, blocking.rule_id, blocking.message, combined.hits)
+        else:
+            combined = Decision("output", "", False, "", "", combined.hits)
+        self.decision = combined
+        audit_decision(self.guard.audit, self.guard.policy, combined, self.context)

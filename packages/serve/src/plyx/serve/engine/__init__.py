@@ -1,0 +1,24 @@
+"""The continuous-batching engine of plyx-serve: scheduler, chunked prefill, preemption, prefix caching.
+
+Example::
+
+    from plyx.serve.engine import Engine, EngineConfig
+    engine = Engine(model, tokenizer=tok, config=EngineConfig(max_batch_size=32))
+    outs = engine.generate([prompt_ids], SamplingParams(temperature=0, max_new_tokens=32))
+"""
+
+from plyx.serve.engine._async import AsyncEngine, RequestStream
+from plyx.serve.engine._config import EngineConfig
+from plyx.serve.engine._engine import Engine, EngineOutput, EngineStats, QueueFullError
+from plyx.serve.engine._prefix_cache import PrefixCache
+
+__all__ = [
+    "AsyncEngine",
+    "Engine",
+    "EngineConfig",
+    "EngineOutput",
+    "EngineStats",
+    "PrefixCache",
+    "QueueFullError",
+    "RequestStream",
+]

@@ -1,0 +1,218 @@
+"""``AsyncEngine``: the engine on its own thread, fed and read from asyncio.
+
+The engine's state is touched only by its thread: requests and aborts reach it
+through a queue and are applied between two steps, outputs go back to each
+request's ``RequestStream`` through ``loop.call_soon_threadsafe``. Torch releases
+the GIL inside its kernels, so the event loop keeps answering (``/health``,
+new connections) while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from plyx.serve._params import SamplingParams
+from plyx.serve.engine._engine import Engine, EngineOutput
+
+__all__ = ["AsyncEngine", "RequestStream"]
+
+log = logging.getLogger("plyx.serve.engine")
+
+_END = object()
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of ``EngineOutput``.
+
+    Iteration ends after the output with ``request_finished`` (or ``aborted``); an engine failure is raised.
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.finished = False
+        self.created = time.monotonic()
+
+    def _push(self, items: list[Any]) -> None:  # on the event loop
+        for item in items:
+            self._queue.put_nowait(item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> EngineOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if item is _END:
+            self.finished = True
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.request_finished:
+            self._queue.put_nowait(_END)
+        return item
+
+
+class AsyncEngine:
+    """Runs an ``Engine`` on a background thread.
+
+    Args:
+        engine: the engine (owned by the thread from ``start()`` on).
+
+    Example::
+
+        aengine = AsyncEngine(engine).start()
+        stream = await aengine.add("r1", prompt_ids, SamplingParams(max_new_tokens=16))
+        async for out in stream:
+            print(out.event.text)
+        await aengine.shutdown()
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.accepting = True
+        self.error: BaseException | None = None
+
+    def start(self) -> AsyncEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="plyx-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the event-loop side ---------------------------------------------------------------
+    async def add(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> RequestStream:
+        """Queue a request and wait until the engine took it; raises what ``Engine.add_request`` raises."""
+        loop = asyncio.get_running_loop()
+        grammar = None
+        if params.structured is not None:  # compiling may take a while: not on the loop, not on the engine
+            grammar = await asyncio.to_thread(self.engine.compile_grammar, params)
+        stream = RequestStream(request_id, loop)
+        ack: asyncio.Future[None] = loop.create_future()
+        self._inbox.put(("add", request_id, list(prompt_ids), params, grammar, stream, ack))
+        try:
+            await ack
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (client gone); its blocks are freed before the next step. Thread-safe."""
+        self._inbox.put(("abort", request_id))
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop accepting; wait up to ``timeout`` s for in-flight requests; True when all finished."""
+        self.accepting = False
+        deadline = time.monotonic() + timeout
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return not self.engine.has_unfinished()
+
+    async def shutdown(self, timeout: float = 0.0) -> None:
+        """Finish in-flight requests for up to ``timeout`` s, abort the rest (their streams end), stop the thread."""
+        await self.drain(timeout)
+        self._inbox.put(("abort_all",))
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _deliver(self, stream: RequestStream, items: list[Any]) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream._push, items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _resolve(self, stream: RequestStream, fut: asyncio.Future[None], exc: BaseException | None) -> None:
+        def set_result() -> None:
+            if fut.done():
+                return
+            if exc is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(exc)
+
+        try:
+            stream.loop.call_soon_threadsafe(set_result)
+        except RuntimeError:
+            pass
+
+    def _handle(self, cmd: tuple[Any, ...]) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, params, grammar, stream, ack = cmd
+            try:
+                self.engine.add_request(rid, prompt, params, grammar=grammar, arrival=stream.created)
+            except Exception as exc:  # a bad request never stops the engine
+                self._resolve(stream, ack, exc)
+                return
+            self._streams[rid] = stream
+            self._resolve(stream, ack, None)
+        elif kind == "abort":
+            outs = self.engine.abort(cmd[1])
+            stream = self._streams.pop(cmd[1], None)
+            if stream is not None and outs:
+                self._deliver(stream, outs)
+        elif kind == "abort_all":
+            for rid in list(self.engine.requests):
+                self._handle(("abort", rid))
+
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        grouped: dict[str, list[EngineOutput]] = {}
+        for out in outputs:
+            grouped.setdefault(out.request_id, []).append(out)
+        for rid, items in grouped.items():
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if any(o.request_finished for o in items):
+                self._streams.pop(rid, None)
+            self._deliver(stream, items)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A step failed (a bug, or the device): end every request with the error and keep serving."""
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                self._deliver(stream, [exc])
+
+    def _run(self) -> None:
+        while True:
+            if not self.engine.has_unfinished():
+                if self._stop.is_set():
+                    return
+                self._handle(self._inbox.get())  # idle: sleep until a request (or the stop) arrives
+            while True:  # apply every queued request and abort between two steps
+                try:
+                    self._handle(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - reported to every affected client, the engine keeps going
+                log.exception("engine step failed")
+                self.error = exc
+                self._fail_all(RuntimeError(f"the engine failed while running this request: {exc}"))
+                continue
+            self._dispatch(outputs)

@@ -1,0 +1,49 @@
+"""``EngineConfig``: the scheduler's limits and the paged KV cache's geometry."""
+
+from __future__ import annotations
+
+import msgspec
+
+from plyx.specs.errors import ConfigError
+
+__all__ = ["EngineConfig"]
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How the continuous-batching engine schedules work.
+
+    Example:
+        >>> EngineConfig(max_batch_size=32, max_batch_tokens=512, block_size=16, num_blocks=2048)
+    """
+
+    max_batch_size: int = 64
+    """Most sequences in the running batch (decoding or prefilling)."""
+    max_batch_tokens: int = 2048
+    """Token budget of one step: decodes (1 each) plus prefill chunks; a longer prompt is chunked."""
+    block_size: int = 16
+    """Tokens per KV-cache block (and per prefix-cache entry)."""
+    num_blocks: int = 0
+    """Blocks in the KV pool; 0 sizes it for max_batch_size sequences of max_model_len tokens."""
+    max_model_len: int = 0
+    """Longest prompt + completion; 0 means the model's max_seq_len."""
+    prefix_caching: bool = True
+    """Keep full prompt blocks after a request ends and reuse them for identical prefixes (LRU)."""
+    max_queue: int = 256
+    """Most requests waiting for admission; ``Engine.add_request`` raises ``QueueFullError`` beyond it."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_batch_tokens", "block_size", "max_queue"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"EngineConfig.{name}", f"{name} must be >= 1", value=value,
+                                  fix=f"pass a positive {name}")
+        for name in ("num_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ConfigError(f"EngineConfig.{name}", f"{name} must be >= 0", value=value,
+                                  fix="use 0 for the default")
+        if self.max_batch_tokens < self.max_batch_size:
+            raise ConfigError("EngineConfig.max_batch_tokens",
+                              f"max_batch_tokens must be >= max_batch_size ({self.max_batch_size}) so a full "
+                              "decode step fits", value=self.max_batch_tokens,
+                              fix="raise max_batch_tokens or lower max_batch_size")

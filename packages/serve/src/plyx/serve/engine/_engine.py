@@ -1,0 +1,479 @@
+"""``Engine``: continuous batching with chunked prefill, preemption by recompute and prefix caching.
+
+Every ``step()``:
+
+1. **schedule** (vLLM v1's token-budget scheduler): each running sequence asks for
+   its pending tokens — 1 when decoding, the rest of the prompt (chunked to the
+   budget) when prefilling; decodes go first so a long prompt never stalls them.
+   Then waiting requests are admitted while the budget, the batch size and the free
+   blocks allow, each first forking the longest cached prefix of its prompt.
+   When blocks run out: evict unused prefix-cache blocks (LRU), then preempt the
+   latest-arrived running sequence (its cache entry is dropped, its tokens are
+   kept, it is recomputed when resumed: same tokens, same generator, same output).
+2. **execute**: one forward per group of equal new-token counts (decodes form one
+   group and use the paged-attention kernel), so no row is padded.
+3. **sample** the rows that reached the end of their tokens, each with its own
+   processors and seeded generator; completions ``n > 1`` fork completion 0's
+   cache once its prompt is computed.
+
+All state lives on the thread that calls ``step`` (``AsyncEngine`` runs it on its own thread).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence as Seq
+from typing import Any
+
+import torch
+
+from plyx.serve._completion import Completion
+from plyx.serve._outputs import RequestOutput, StreamEvent
+from plyx.serve._params import SamplingParams
+from plyx.serve._tokenizer import TokenizerView
+from plyx.serve.engine._config import EngineConfig
+from plyx.serve.engine._prefix_cache import PrefixCache
+from plyx.serve.engine._sampling import sample_rows
+from plyx.serve.engine._sequence import EngineRequest, Sequence, SeqStatus
+from plyx.specs.errors import ConfigError
+
+__all__ = ["Engine", "EngineOutput", "EngineStats", "QueueFullError"]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_queue`` requests; retry later (the server answers HTTP 429)."""
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        super().__init__(f"the engine queue is full ({max_queue} waiting requests); retry later or raise max_queue")
+
+
+class EngineOutput:
+    """What one step produced for one completion.
+
+    Attributes:
+        request_id, index: the request and which of its ``n`` completions.
+        event: the new tokens and text (``plyx.serve.StreamEvent``), or None for an aborted completion.
+        request_finished: every completion of the request is done (its last output of all).
+        aborted: the request was aborted (``Engine.abort``); no further outputs come.
+    """
+
+    __slots__ = ("aborted", "event", "index", "request_finished", "request_id")
+
+    def __init__(self, request_id: str, index: int, event: StreamEvent | None, *, request_finished: bool = False,
+                 aborted: bool = False) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.event = event
+        self.request_finished = request_finished
+        self.aborted = aborted
+
+
+class EngineStats:
+    """Counters since the engine started, and gauges of the last step."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.prompt_tokens = 0  # prompt tokens computed (recomputes included)
+        self.generated_tokens = 0
+        self.preemptions = 0
+        self.requests_finished = 0
+        self.requests_aborted = 0
+        self.last_batch_tokens = 0
+        self.last_batch_seqs = 0
+
+
+def _model_config(model: Any) -> Any:
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "vocab_size"):
+        raise ConfigError("model", "the model has no plyx ModelConfig at `.config`", value=type(model).__name__,
+                          fix="pass a plyx.model.TransformerLM (or load one with plyx.model.load_checkpoint)")
+    return cfg
+
+
+class Engine:
+    """The continuous-batching engine over one model and one paged KV cache.
+
+    Args:
+        model: a ``plyx.model.TransformerLM`` (any model with its call signature and ``.config``).
+        tokenizer: a ``tokenizers.Tokenizer``, a transformers tokenizer or a ``TokenizerView``; needed for
+            text, stop strings and structured output (token ids work without one).
+        config: scheduler limits and cache geometry.
+        eos_token_id: id (or ids) that end completions (default: the tokenizer's EOS).
+        seed: seed of the generator of unseeded sampled requests.
+
+    Example::
+
+        engine = Engine(model, tokenizer=tok, config=EngineConfig(max_batch_size=16, num_blocks=512))
+        outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_new_tokens=8))
+    """
+
+    def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
+                 eos_token_id: int | Seq[int] | None = None, seed: int = 0) -> None:
+        from plyx.attn import PagedKVCache, cache_layout
+
+        self.model = model.eval()
+        self.config = config or EngineConfig()
+        mcfg = _model_config(model)
+        self.vocab_size = int(mcfg.vocab_size)
+        self.tokenizer = None if tokenizer is None else (
+            tokenizer if isinstance(tokenizer, TokenizerView) else TokenizerView(tokenizer))
+        eos = eos_token_id if eos_token_id is not None else (
+            self.tokenizer.eos_token_id if self.tokenizer is not None else None)
+        self.eos_token_ids: tuple[int, ...] = () if eos is None else (
+            (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos))
+        param = next(iter(model.parameters()))
+        self.device, dtype = param.device, param.dtype
+        c = self.config
+        self.max_model_len = c.max_model_len or int(mcfg.max_seq_len)
+        bs = c.block_size
+        per_seq = -(-self.max_model_len // bs)
+        num_blocks = c.num_blocks or c.max_batch_size * per_seq
+        if num_blocks < per_seq + 1:
+            raise ConfigError("EngineConfig.num_blocks",
+                              f"the pool must hold one sequence of max_model_len={self.max_model_len} tokens "
+                              f"({per_seq} blocks of {bs}) plus one copy-on-write block", value=num_blocks,
+                              fix=f"pass num_blocks >= {per_seq + 1} or lower max_model_len")
+        layout = cache_layout(mcfg, max_seq_len=self.max_model_len, block_size=bs, num_blocks=num_blocks,
+                              device=str(self.device), dtype=dtype)
+        self.cache = PagedKVCache(layout)
+        self.prefix: PrefixCache | None = PrefixCache(self.cache, bs) if c.prefix_caching else None
+        self.requests: dict[str, EngineRequest] = {}
+        self.waiting: list[Sequence] = []  # sorted by priority (arrival order)
+        self.running: list[Sequence] = []
+        self.stats = EngineStats()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._seq_ids = itertools.count()
+        self._order = itertools.count()
+        self._priority: dict[int, tuple[int, int]] = {}  # seq_id -> (request order, index)
+        self._grammar_cache: dict[str, Any] = {}
+        self._lm_head = getattr(model, "lm_head_weight", None) is not None
+
+    # -- requests --------------------------------------------------------------------------
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled xgrammar grammar of ``params.structured`` (cached per constraint), or None.
+
+        Compiling can take tens of milliseconds: servers call this off the engine thread.
+        """
+        if params.structured is None:
+            return None
+        if self.tokenizer is None:
+            raise ConfigError("SamplingParams.structured", "structured output needs a tokenizer", value=None,
+                              fix="build the Engine with tokenizer=...")
+        import msgspec
+
+        from plyx.serve._structured import compile_structured
+
+        stops = self._stop_ids(params)
+        key = msgspec.json.encode(params.structured).decode() + repr(stops)
+        if key not in self._grammar_cache:
+            self._grammar_cache[key] = compile_structured(params.structured, self.tokenizer, self.vocab_size, stops)
+        return self._grammar_cache[key]
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        ids = () if params.ignore_eos else self.eos_token_ids
+        return sorted(set(ids) | set(params.stop_token_ids))
+
+    def check_prompt(self, prompt_ids: Seq[int], where: str = "prompt") -> None:
+        """Raise ``ConfigError`` for an empty prompt, a prompt over the context or an id outside the vocabulary."""
+        if len(prompt_ids) == 0:
+            raise ConfigError(where, "the prompt is empty", value="", fix="send at least one token")
+        if len(prompt_ids) > self.max_model_len:
+            raise ConfigError(where, f"the prompt has {len(prompt_ids)} tokens, more than the model's context "
+                              f"of {self.max_model_len}", value=len(prompt_ids),
+                              fix="shorten the prompt")
+        bad = [t for t in prompt_ids if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ConfigError(where, f"token ids must be in [0, {self.vocab_size})", value=bad[:8],
+                              fix="encode the prompt with the model's tokenizer")
+
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, *,
+                    grammar: Any = None, arrival: float | None = None) -> EngineRequest:
+        """Queue a request; its outputs come from later ``step()`` calls.
+
+        Raises:
+            ConfigError: a bad prompt, or structured output without a tokenizer.
+            QueueFullError: ``max_queue`` requests are already waiting.
+            ValueError: ``request_id`` is already in use.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use; pass a unique id")
+        self.check_prompt(prompt_ids)
+        if len({s.request.request_id for s in self.waiting}) >= self.config.max_queue:
+            raise QueueFullError(self.config.max_queue)
+        if params.structured is not None and grammar is None:
+            grammar = self.compile_grammar(params)
+        req = EngineRequest(request_id, [int(t) for t in prompt_ids], params, arrival)
+        order = next(self._order)
+        stops = self._stop_ids(params)
+        for i in range(params.n):
+            matcher = None
+            if grammar is not None:
+                from plyx.serve._structured import new_matcher
+
+                matcher = new_matcher(grammar, stops)
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+            sid = next(self._seq_ids)
+            completion = Completion(request_index=0, index=i, prompt_ids=req.prompt_ids, params=params,
+                                    stop_ids=stops, context=self.max_model_len, tokenizer=self.tokenizer,
+                                    seq_id=sid, generator=gen, matcher=matcher)
+            seq = Sequence(req, i, sid, completion, gen, matcher)
+            self._priority[sid] = (order, i)
+            req.seqs.append(seq)
+        for seq in req.seqs[1:]:
+            seq.status = SeqStatus.FOLLOWER
+        self._enqueue(req.seqs[0])
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str) -> list[EngineOutput]:
+        """Stop a request now and free its blocks; returns its final (aborted) output, empty if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return []
+        req.aborted = True
+        for seq in req.seqs:
+            self._free(seq)
+            seq.status = SeqStatus.FINISHED
+        req.finish_time = time.monotonic()
+        self.stats.requests_aborted += 1
+        return [EngineOutput(request_id, 0, None, request_finished=True, aborted=True)]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not admitted yet (or preempted back to the queue)."""
+        return len({s.request.request_id for s in self.waiting})
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def cache_usage(self) -> float:
+        """Share of KV blocks held (by running sequences and the prefix cache)."""
+        u = self.cache.usage()
+        return u.blocks_used / u.blocks_total
+
+    # -- the step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[EngineOutput]:
+        """Schedule, run one batched forward and sample; the outputs of this step."""
+        planned = self._schedule()
+        if not planned:
+            return []
+        self.stats.steps += 1
+        self.stats.last_batch_seqs = len(planned)
+        self.stats.last_batch_tokens = sum(n for _, n in planned)
+        finishing: list[Sequence] = []
+        rows: list[torch.Tensor] = []
+        for group in self._groups(planned):
+            rows.extend(self._forward(group, finishing))
+        outputs: list[EngineOutput] = []
+        if finishing:
+            seqs, hidden = self._with_followers(finishing, rows)
+            logits = self._logits(hidden)  # [R, V]
+            tokens, logprobs = sample_rows(seqs, logits, self.generator)
+            for seq, tok, lp in zip(seqs, tokens, logprobs):
+                outputs.extend(self._accept(seq, tok, lp))
+        return outputs
+
+    def _groups(self, planned: list[tuple[Sequence, int]]) -> Iterable[list[tuple[Sequence, int]]]:
+        """Rows of equal new-token counts share a forward (no padding); long chunks also need equal cached
+        lengths, because the gathered-keys attention path would otherwise need a key mask."""
+        from plyx.attn import PAGED_MAX_QUERY
+
+        groups: dict[Any, list[tuple[Sequence, int]]] = {}
+        for seq, n in planned:
+            key = n if n <= PAGED_MAX_QUERY else (n, seq.num_computed)
+            groups.setdefault(key, []).append((seq, n))
+        return groups.values()
+
+    def _forward(self, group: list[tuple[Sequence, int]], finishing: list[Sequence]) -> list[torch.Tensor]:
+        """Feed each row its next ``n`` tokens; the last hidden state (or logits) of rows that reached their end."""
+        n = group[0][1]
+        ids = torch.tensor([s.tokens[s.num_computed:s.num_computed + n] for s, _ in group],
+                           dtype=torch.long, device=self.device)  # [B, n]
+        seq_ids = [s.seq_id for s, _ in group]
+        if self._lm_head:
+            out = self.model(ids, cache=self.cache, seq_ids=seq_ids, return_hidden=True)  # [B, n, D]
+        else:
+            out = self.model(ids, cache=self.cache, seq_ids=seq_ids)  # [B, n, V]
+        rows = []
+        for i, (seq, _) in enumerate(group):
+            first = seq.num_computed
+            seq.num_computed += n
+            if first < len(seq.request.prompt_ids):
+                self.stats.prompt_tokens += min(n, len(seq.request.prompt_ids) - first)
+            self._register_prefix(seq)
+            if seq.pending == 0:
+                finishing.append(seq)
+                rows.append(out[i, -1])
+        return rows
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self._lm_head:
+            return hidden.float()
+        return torch.matmul(hidden, self.model.lm_head_weight.t()).float()  # [R, V]
+
+    def _with_followers(self, seqs: list[Sequence], rows: list[torch.Tensor]) -> tuple[list[Sequence], torch.Tensor]:
+        """Completions 1..n-1 of a request whose prompt was just computed fork its cache and sample from its row."""
+        out_seqs, out_rows = [], []
+        for seq, row in zip(seqs, rows):
+            out_seqs.append(seq)
+            out_rows.append(row)
+            if seq.index == 0 and len(seq.tokens) == len(seq.request.prompt_ids):
+                for f in seq.request.seqs[1:]:
+                    if f.status is SeqStatus.FOLLOWER:
+                        self.cache.fork(seq.seq_id, f.seq_id)  # shares every block; copy-on-write later
+                        f.num_computed = seq.num_computed
+                        f.status = SeqStatus.RUNNING
+                        self.running.append(f)
+                        out_seqs.append(f)
+                        out_rows.append(row)
+        return out_seqs, torch.stack(out_rows)
+
+    def _accept(self, seq: Sequence, token: int, logprob: Any) -> list[EngineOutput]:
+        req = seq.request
+        seq.tokens.append(token)
+        self.stats.generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        event = seq.completion.add([token], [logprob] if logprob is not None else None)
+        if not seq.completion.finished:
+            return [EngineOutput(req.request_id, seq.index, event)]
+        self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        done = req.finished
+        if done:
+            req.finish_time = time.monotonic()
+            self.requests.pop(req.request_id, None)
+            self.stats.requests_finished += 1
+        return [EngineOutput(req.request_id, seq.index, event, request_finished=done)]
+
+    def _register_prefix(self, seq: Sequence) -> None:
+        if self.prefix is None:
+            return
+        computed = min(seq.num_computed, len(seq.request.prompt_ids))
+        if computed // self.config.block_size > seq.prefix_depth:
+            seq.prefix_node = self.prefix.insert(seq.seq_id, seq.tokens, computed, seq.prefix_node, seq.prefix_depth)
+            seq.prefix_depth = computed // self.config.block_size
+
+    # -- scheduling ------------------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        return self._priority[seq.seq_id]
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        keys = [self._key(s) for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, self._key(seq)), seq)
+
+    def _free(self, seq: Sequence) -> None:
+        """Drop a sequence's cache entry and take it out of the queues."""
+        try:
+            self.cache.evict(seq.seq_id)
+        except KeyError:
+            pass  # never admitted, or preempted
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the blocks, keep the tokens (and generator and grammar state)."""
+        self._free(seq)
+        seq.num_computed = 0
+        seq.prefix_node, seq.prefix_depth = None, 0
+        seq.num_preemptions += 1
+        self.stats.preemptions += 1
+        self._enqueue(seq)
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        budget = self.config.max_batch_tokens
+        planned: dict[Sequence, tuple[int, int]] = {}  # seq -> (tokens, blocks)
+        preempted = False
+
+        def free_blocks() -> int:
+            return self.cache.num_free_blocks() - sum(b for _, b in planned.values())
+
+        def make_room(seq: Sequence, need: int) -> bool:
+            """Evict prefix blocks, then preempt lower-priority running sequences, until ``need`` blocks are free."""
+            nonlocal budget, preempted
+            while need > free_blocks():
+                if self.prefix is not None and self.prefix.evict(need - free_blocks()):
+                    continue
+                victims = [s for s in self.running if s is not seq and self._key(s) > self._key(seq)]
+                if not victims:
+                    return False
+                victim = max(victims, key=self._key)
+                if victim in planned:
+                    budget += planned.pop(victim)[0]
+                self._preempt(victim)
+                preempted = True
+            return True
+
+        # 1. running sequences: decodes first, then prefill chunks; by arrival within each
+        for seq in sorted(self.running, key=lambda s: (s.pending > 1, self._key(s))):
+            if seq.status is not SeqStatus.RUNNING or seq in planned:
+                continue
+            if budget == 0:
+                break
+            n = min(seq.pending, budget)
+            need = self.cache.blocks_needed([seq.seq_id], [n])
+            if not make_room(seq, need):
+                self._preempt(seq)
+                preempted = True
+                continue
+            planned[seq] = (n, need)
+            budget -= n
+        # 2. admissions, in arrival order, while nothing had to be preempted this step
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            joining = sum(1 for s in seq.request.seqs if s is seq or s.status is SeqStatus.FOLLOWER)
+            if self.running and len(self.running) + joining > self.config.max_batch_size:
+                break
+            nodes = []
+            if self.prefix is not None:
+                nodes = self.prefix.match(seq.tokens, max_tokens=len(seq.tokens) - 1)
+            if nodes:
+                seq.num_computed = self.prefix.attach(nodes, seq.seq_id)  # type: ignore[union-attr]
+            else:
+                self.cache.allocate(seq.seq_id)
+                seq.num_computed = 0
+            n = min(seq.pending, budget)
+            need = self.cache.blocks_needed([seq.seq_id], [n])
+            if need > free_blocks() and self.prefix is not None:
+                self.prefix.evict(need - free_blocks())
+            if need > free_blocks():
+                self.cache.evict(seq.seq_id)  # undo: the sequence waits for blocks
+                seq.num_computed = 0
+                break
+            if self.prefix is not None:
+                self.prefix.record(len(seq.tokens), len(nodes) * self.config.block_size)
+                seq.prefix_node, seq.prefix_depth = (nodes[-1], len(nodes)) if nodes else (None, 0)
+            self.waiting.pop(0)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            planned[seq] = (n, need)
+            budget -= n
+        return [(s, n) for s, (n, _) in planned.items()]
+
+    # -- convenience ---------------------------------------------------------------------
+    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
+        """Run ``prompts`` (token ids) to completion through the scheduler; one ``RequestOutput`` each, in order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        base = f"gen-{next(self._order)}-"
+        reqs = [self.add_request(f"{base}{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
+        while any(not r.finished for r in reqs):
+            self.step()
+        return [
+            RequestOutput(request_index=i, prompt=None, prompt_token_ids=tuple(r.prompt_ids),
+                          outputs=tuple(s.completion.output() for s in r.seqs))
+            for i, r in enumerate(reqs)
+        ]

@@ -1,0 +1,93 @@
+"""Per-request sampling inside one batch, through plyx-serve's processors, samplers and grammar masks.
+
+Each step samples the rows whose sequences reached the end of their known tokens.
+Rows differ in everything (temperature, penalties, seeds, grammar): the
+``LogitsPipeline`` of ``generate()`` applies each processor to the rows that
+asked for it and each row's seeded generator draws its own noise, so a row's
+token does not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from plyx.serve._outputs import TokenLogprob
+from plyx.serve._pipeline import LogitsPipeline
+from plyx.serve._processors import SamplingState
+from plyx.serve._structured import GrammarMask
+from plyx.serve.engine._sequence import Sequence
+
+__all__ = ["sample_rows"]
+
+
+def _needs_state(seq: Sequence) -> bool:
+    p = seq.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
+def _row_state(seq: Sequence, vocab: int, device: torch.device) -> None:
+    """Build the prompt mask and output counts of a penalised row once (kept across steps and preemption)."""
+    if seq.prompt_mask is None:
+        seq.prompt_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+        seq.prompt_mask[torch.as_tensor(seq.request.prompt_ids, dtype=torch.long, device=device)] = True
+        seq.output_counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+        generated = seq.tokens[len(seq.request.prompt_ids):]
+        if generated:
+            ones = torch.ones(len(generated), dtype=torch.int32, device=device)
+            seq.output_counts.index_add_(0, torch.as_tensor(generated, device=device), ones)
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    p = seq.params
+    return (p.greedy and seq.matcher is None and not p.processors and p.sampler is None and not _needs_state(seq)
+            and not p.logit_bias and not p.banned_token_ids and not p.min_tokens)
+
+
+def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: torch.Generator | None,
+                ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of ``logits`` (``[R, V]`` float32, row i for ``seqs[i]``); and its log-probabilities."""
+    R, V = logits.shape
+    device = logits.device
+    if all(_plain_greedy(s) for s in seqs):
+        tokens = logits.argmax(dim=-1)  # [R]
+    else:
+        params = [s.params for s in seqs]
+        stop_ids = [sorted(s.completion.stop_ids) for s in seqs]
+        matchers = [s.matcher for s in seqs]
+        grammar = GrammarMask(matchers, V) if any(m is not None for m in matchers) else None
+        pipeline = LogitsPipeline(params, stop_ids, grammar)
+        if any(_needs_state(s) for s in seqs):
+            for s in seqs:
+                _row_state(s, V, device)
+            prompt_mask = torch.stack([s.prompt_mask for s in seqs])  # type: ignore[misc]  # [R, V]
+            counts = torch.stack([s.output_counts for s in seqs])  # type: ignore[misc]  # [R, V]
+        else:  # no processor reads them: one shared row of zeros
+            prompt_mask = torch.zeros(1, V, dtype=torch.bool, device=device).expand(R, V)
+            counts = torch.zeros(1, V, dtype=torch.int32, device=device).expand(R, V)
+        generated = torch.tensor([len(s.tokens) - len(s.request.prompt_ids) for s in seqs], device=device)
+        state = SamplingState(prompt_mask, counts, generated, [s.generator for s in seqs], default_generator)
+        tokens = pipeline.sample(pipeline.process(logits, state), state)  # [R]
+    out = tokens.tolist()  # the one host sync of the step
+    for s, t in zip(seqs, out):
+        if s.output_counts is not None:
+            s.output_counts[t] += 1
+    return out, _logprobs(seqs, logits, tokens)
+
+
+def _logprobs(seqs: Seq[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> list[TokenLogprob | None]:
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    result: list[TokenLogprob | None] = [None] * len(seqs)
+    if not rows:
+        return result
+    idx = torch.as_tensor(rows, device=logits.device)
+    logp = logits.index_select(0, idx).log_softmax(dim=-1)  # [r, V]: the model's distribution, before processors
+    chosen = logp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0].tolist()
+    k = max(seqs[i].params.logprobs or 0 for i in rows)
+    top_v, top_i = logp.topk(k, dim=-1) if k else (None, None)
+    for j, i in enumerate(rows):
+        kk = seqs[i].params.logprobs or 0
+        top = tuple(zip(top_i[j, :kk].tolist(), top_v[j, :kk].tolist())) if kk else ()  # type: ignore[index]
+        result[i] = TokenLogprob(token_id=int(tokens[i]), logprob=float(chosen[j]), top=top)
+    return result

@@ -1,0 +1,482 @@
+"""The ASGI app: OpenAI's ``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, plus
+``/tokenize``, ``/detokenize``, ``/health`` and Prometheus ``/metrics``.
+
+Limits, in the order a request meets them: body size (413), API key (401),
+JSON shape (400 naming the field), model name (404), prompt length (400
+``context_length_exceeded``), input rails (the safety hooks), in-flight requests
+and the engine's bounded queue (429). A client that disconnects has its engine
+requests aborted (their blocks freed before the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from plyx.serve.engine import AsyncEngine, Engine, QueueFullError
+from plyx.serve.server._chat import ChatTemplate, ChatTemplateError, load_chat_template
+from plyx.serve.server._errors import APIError, error_response, from_config_error, from_validation_error
+from plyx.serve.server._generation import Job, chat_logprobs, completion_logprobs, sse
+from plyx.serve.server._metrics import ServerMetrics
+from plyx.serve.server._protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    sampling_params,
+)
+from plyx.specs.errors import ConfigError
+
+__all__ = ["ServerSettings", "create_app"]
+
+log = logging.getLogger("plyx.serve.server")
+
+
+class ServerSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What the HTTP layer enforces (the engine's own limits live in ``EngineConfig``)."""
+
+    model_name: str = "plyx"
+    """Name served by /v1/models; requests must name it."""
+    api_key: str = ""
+    """Bearer token required on /v1/*, /tokenize and /detokenize; empty disables auth."""
+    max_request_bytes: int = 1_048_576
+    """Largest request body (413 beyond)."""
+    max_concurrent: int = 512
+    """Most API requests in flight (429 beyond)."""
+    drain_timeout: float = 30.0
+    """On shutdown, seconds in-flight requests get to finish before they are ended."""
+    guardrail_policy: str = ""
+    """Passed to the safety hooks as ``context["guardrail_policy"]``."""
+
+
+class _State:
+    def __init__(self, engine: Engine, settings: ServerSettings, chat_template: ChatTemplate | None) -> None:
+        self.engine = engine
+        self.aengine = AsyncEngine(engine)
+        self.settings = settings
+        self.chat_template = chat_template
+        self.metrics = ServerMetrics(engine)
+        self.inflight = 0
+        self.tokenizer = engine.tokenizer
+
+
+def _pm() -> Any:
+    from plyx.specs.plugins import get_plugin_manager
+
+    return get_plugin_manager().hook
+
+
+def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_template: ChatTemplate | str | None
+               = None, model_dir: str | None = None) -> FastAPI:
+    """The app serving ``engine`` (its thread starts with the app and stops, after draining, with it).
+
+    Args:
+        engine: an ``Engine`` with a tokenizer (text endpoints need one).
+        settings: HTTP limits, served name and API key.
+        chat_template: a ``ChatTemplate``, a builtin name (``chatml``...), a file or Jinja source; default:
+            the template of ``model_dir``'s tokenizer config.
+        model_dir: the model directory (tokenizer config and chat template).
+    """
+    settings = settings or ServerSettings()
+    template = chat_template if isinstance(chat_template, ChatTemplate) else load_chat_template(model_dir, chat_template)
+    state = _State(engine, settings, template)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.aengine.start()
+        yield
+        await state.aengine.shutdown(settings.drain_timeout)
+
+    app = FastAPI(title="plyx-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.plyx = state
+
+    app.add_middleware(_Guard, settings=settings)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("request failed")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
+
+    # -- plain endpoints ----------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.aengine.alive and state.aengine.accepting:
+            return error_response(APIError(503, "the engine thread is not running", code="engine_dead"))
+        return Response(b'{"status":"ok"}', media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "plyx",
+                "root": model_dir or settings.model_name, "max_model_len": engine.max_model_len}
+        return _json({"object": "list", "data": [card]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await _read(request, TokenizeRequest, settings)
+        _check_model(body.model, settings, required=False)
+        tok = _need_tokenizer(state)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of `prompt` (text) or `messages` (chat)", param="prompt")
+        if body.messages is not None:
+            ids = _encode(tok, _render_chat(state, body.messages, None, body.add_generation_prompt), special=False)
+        else:
+            ids = _encode(tok, body.prompt or "", special=body.add_special_tokens)
+        return _json({"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await _read(request, DetokenizeRequest, settings)
+        _check_model(body.model, settings, required=False)
+        tok = _need_tokenizer(state)
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise APIError(400, f"token ids must be in [0, {engine.vocab_size}) (got {bad[:8]})", param="tokens")
+        return _json({"prompt": tok.decode(body.tokens, skip_special_tokens=False)})
+
+    # -- generation ----------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await _read(request, CompletionRequest, settings)
+        _check_model(body.model, settings)
+        if body.echo or body.suffix or (body.best_of is not None and body.best_of != body.n):
+            field = "echo" if body.echo else "suffix" if body.suffix else "best_of"
+            raise APIError(400, f"`{field}` is not supported by this server; leave it out", param=field,
+                           code="unsupported_parameter")
+        prompts, texts = _completion_prompts(state, body.prompt)
+        max_tokens = body.max_tokens
+        params = sampling_params(body, max_tokens=max_tokens, default_max=16, logprobs=body.logprobs)
+        params = _clamp(engine, prompts, params, max_tokens is not None)
+        raw = msgspec.to_builtins(body)
+        return await _generate(request, state, "completion", body.stream, body.stream_options, prompts, params,
+                               raw, "\n".join(texts))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await _read(request, ChatCompletionRequest, settings)
+        _check_model(body.model, settings)
+        tok = _need_tokenizer(state)
+        text = _render_chat(state, body.messages, body.chat_template, body.add_generation_prompt)
+        ids = _encode(tok, text, special=False)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, max_tokens=max_tokens, default_max=max(1, engine.max_model_len - len(ids)),
+                                 logprobs=logprobs)
+        params = _clamp(engine, [ids], params, max_tokens is not None)
+        raw = msgspec.to_builtins(body)
+        return await _generate(request, state, "chat", body.stream, body.stream_options, [ids], params, raw, text)
+
+    return app
+
+
+# -- helpers ------------------------------------------------------------------------------
+class _Guard:
+    """Pure ASGI middleware (no body buffering, disconnects pass through): API key and declared body size."""
+
+    def __init__(self, app: Any, settings: ServerSettings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        err = None
+        protected = path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+        if protected and self.settings.api_key:
+            auth = headers.get("authorization", "")
+            token = auth[7:] if auth.lower().startswith("bearer ") else ""
+            if not hmac.compare_digest(token.encode(), self.settings.api_key.encode()):
+                err = APIError(401, "Incorrect or missing API key: send it as the header "
+                               "`Authorization: Bearer <key>`", code="invalid_api_key")
+        length = headers.get("content-length", "")
+        if err is None and length.isdigit() and int(length) > self.settings.max_request_bytes:
+            err = _too_large(int(length), self.settings.max_request_bytes)
+        if err is not None:
+            return await error_response(err)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status, media_type="application/json")
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the request body has {size} bytes, more than the limit of {limit}; send a smaller "
+                    "request (or raise --max-request-bytes)", code="request_too_large")
+
+
+async def _read(request: Request, kind: type, settings: ServerSettings) -> Any:
+    raw = b""
+    async for chunk in request.stream():  # also bounds bodies sent without Content-Length (chunked)
+        raw += chunk
+        if len(raw) > settings.max_request_bytes:
+            raise _too_large(len(raw), settings.max_request_bytes)
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise from_validation_error(exc) from None
+
+
+def _check_model(name: str | None, settings: ServerSettings, *, required: bool = True) -> None:
+    if name is None and not required:
+        return
+    if name != settings.model_name:
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{settings.model_name}` "
+                       "(see GET /v1/models)", param="model", code="model_not_found")
+
+
+def _need_tokenizer(state: _State) -> Any:
+    if state.tokenizer is None:
+        raise APIError(400, "this server has no tokenizer: send token ids as the prompt", param="prompt")
+    return state.tokenizer
+
+
+def _encode(tok: Any, text: str, *, special: bool) -> list[int]:
+    raw = tok.raw
+    if tok.is_hf:
+        return list(raw.encode(text, add_special_tokens=special))
+    return list(raw.encode(text, add_special_tokens=special).ids)
+
+
+def _content(message: dict[str, Any], i: int) -> dict[str, Any]:
+    role = message.get("role")
+    if role not in ("system", "developer", "user", "assistant", "tool"):
+        raise APIError(400, f"messages[{i}].role must be system, developer, user, assistant or tool (got {role!r})",
+                       param=f"messages[{i}].role")
+    content = message.get("content")
+    if isinstance(content, list):  # [{"type": "text", "text": "..."}]
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported",
+                               param=f"messages[{i}].content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                       param=f"messages[{i}].content")
+    return {**message, "role": role, "content": content}
+
+
+def _render_chat(state: _State, messages: list[dict[str, Any]], override: str | None, add_generation: bool) -> str:
+    if not messages:
+        raise APIError(400, "messages must hold at least one message", param="messages")
+    msgs = [_content(m, i) if isinstance(m, dict) else {} for i, m in enumerate(messages)]
+    template = state.chat_template
+    if override is not None:
+        try:
+            template = load_chat_template(None, override)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="chat_template") from None
+    if template is None:
+        raise APIError(400, "the model has no chat template (none in its tokenizer config); start the server with "
+                       "--chat-template chatml (or a file), or pass chat_template", param="messages",
+                       code="no_chat_template")
+    try:
+        return template.render(msgs, add_generation_prompt=add_generation)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+
+
+def _completion_prompts(state: _State, prompt: Any) -> tuple[list[list[int]], list[str]]:
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if len(items) > 64:
+        raise APIError(400, f"at most 64 prompts per request (got {len(items)})", param="prompt")
+    ids, texts = [], []
+    for item in items:
+        if isinstance(item, str):
+            ids.append(_encode(_need_tokenizer(state), item, special=True))
+            texts.append(item)
+        else:
+            ids.append([int(t) for t in item])
+            texts.append(state.tokenizer.decode(ids[-1], skip_special_tokens=False) if state.tokenizer else "")
+    for i, p in enumerate(ids):
+        try:
+            state.engine.check_prompt(p, where=f"prompt[{i}]")
+        except ConfigError as exc:
+            code = "context_length_exceeded" if "context" in exc.problem else "invalid_value"
+            raise APIError(400, str(exc), param="prompt", code=code) from None
+    return ids, texts
+
+
+def _clamp(engine: Engine, prompts: list[list[int]], params: Any, explicit: bool) -> Any:
+    """Reject an explicit max_tokens that does not fit the context (as OpenAI does); clamp a default one."""
+    longest = max(len(p) for p in prompts)
+    room = engine.max_model_len - longest
+    if params.max_new_tokens > room:
+        if explicit:
+            raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens. However, "
+                           f"you requested {longest + params.max_new_tokens} tokens ({longest} in the prompt, "
+                           f"{params.max_new_tokens} in the completion). Reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        params = msgspec.structs.replace(params, max_new_tokens=max(1, room),
+                                         min_tokens=min(params.min_tokens, max(1, room)))
+    return params
+
+
+async def _generate(request: Request, state: _State, kind: str, stream: bool, stream_options: Any,
+                    prompts: list[list[int]], params: Any, raw: dict[str, Any], prompt_text: str) -> Response:
+    settings = state.settings
+    hook = _pm()
+    context = {"request_id": "", "client": request.client.host if request.client else "", "endpoint":
+               request.url.path, "guardrail_policy": settings.guardrail_policy}
+    hook_request = {**raw, "prompt_text": prompt_text}
+    refusal = hook.plyx_on_request_received(request=hook_request, context=context)
+    if refusal:
+        err = APIError(int(refusal.get("status", 400)), str(refusal.get("message", "refused by a guardrail")),
+                       code=refusal.get("rule_id"), type="content_policy_violation")
+        hook.plyx_on_response(request=hook_request, response={"text": "", "finish_reason": "refused", "usage": {},
+                                                              "status": err.status}, context=context)
+        raise err
+    if not state.aengine.accepting:
+        raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
+    if state.inflight >= settings.max_concurrent:
+        raise APIError(429, f"too many requests in flight ({settings.max_concurrent}); retry later",
+                       code="too_many_requests")
+
+    def make_filters() -> list[Any]:
+        lists = hook.plyx_output_filters(request=hook_request, context=context)
+        return [f for group in lists or () for f in (group or ())]
+
+    job = Job(state.aengine, prompts, params, make_filters, kind)
+    context["request_id"] = job.id
+    state.inflight += 1
+    try:
+        await job.start()
+    except QueueFullError as exc:
+        state.inflight -= 1
+        raise APIError(429, str(exc), code="queue_full") from None
+    except ConfigError as exc:
+        state.inflight -= 1
+        raise from_config_error(exc) from None
+    except BaseException:
+        state.inflight -= 1
+        raise
+
+    def finish(status: int = 200) -> None:
+        state.inflight -= 1
+        end = job.finished_at or time.monotonic()
+        tokens = max((len(c.token_ids) for c in job.choices), default=0)
+        reason = job.choices[0].finish_reason or "abort"
+        state.metrics.observe(arrival=job.arrival, first_token=job.first_token, finish=end, tokens=tokens,
+                              finish_reason=reason, status=status)
+        text = "".join(c.text for c in job.choices)
+        hook.plyx_on_response(request=hook_request, response={"text": text, "finish_reason": reason,
+                                                              "usage": job.usage(), "status": status}, context=context)
+
+    if stream:
+        include_usage = bool(stream_options and stream_options.include_usage)
+        return StreamingResponse(_stream(state, job, kind, include_usage, finish), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await _whole(request, state, job, kind, finish)
+
+
+async def _whole(request: Request, state: _State, job: Job, kind: str, finish: Any) -> Response:
+    async def collect() -> None:
+        async for _ in job.events():
+            pass
+
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                job.abort()
+                finish(499)
+                return Response(status_code=499)
+        task.result()
+    except asyncio.CancelledError:
+        task.cancel()
+        job.abort()
+        finish(499)
+        raise
+    except Exception as exc:
+        finish(500)
+        raise APIError(500, str(exc), code="engine_error") from None
+    tok = state.tokenizer
+    choices = []
+    for c in job.choices:
+        if kind == "chat":
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": chat_logprobs(tok, c.logprobs) if job.params.logprobs is not None else None,
+                            "finish_reason": c.finish_reason})
+        else:
+            choices.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                            "logprobs": completion_logprobs(tok, c.logprobs, 0)
+                            if job.params.logprobs is not None else None})
+    body = {"id": job.id, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": job.created, "model": state.settings.model_name, "system_fingerprint": None,
+            "choices": choices, "usage": job.usage()}
+    finish()
+    return _json(body)
+
+
+async def _stream(state: _State, job: Job, kind: str, include_usage: bool, finish: Any) -> AsyncIterator[bytes]:
+    tok = state.tokenizer
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    base = {"id": job.id, "object": obj, "created": job.created, "model": state.settings.model_name}
+    offsets = [0] * len(job.choices)
+    status = 200
+    try:
+        if kind == "chat":  # the role first, as OpenAI does
+            yield sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None} for c in job.choices]})
+        async for choice, text, lps in job.events():
+            want_lp = job.params.logprobs is not None and lps
+            if kind == "chat":
+                delta = {"content": text} if text else {}
+                entry = {"index": choice.index, "delta": delta,
+                         "logprobs": chat_logprobs(tok, lps) if want_lp else None,
+                         "finish_reason": choice.finish_reason}
+            else:
+                entry = {"index": choice.index, "text": text, "finish_reason": choice.finish_reason,
+                         "logprobs": completion_logprobs(tok, lps, offsets[choice.index]) if want_lp else None}
+                offsets[choice.index] += len(text)
+            if text or choice.finish_reason is not None or want_lp:
+                yield sse({**base, "choices": [entry]})
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": job.usage()})
+        yield b"data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):
+        status = 499  # the client went away: job.events() aborted the engine requests
+        raise
+    except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
+        status = 500
+        yield sse({"error": APIError(500, str(exc), code="engine_error").body()["error"]})
+        yield b"data: [DONE]\n\n"
+    finally:
+        job.abort()
+        finish(status)

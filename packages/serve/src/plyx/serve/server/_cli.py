@@ -1,0 +1,117 @@
+"""``plyx serve PATH --host H --port P [--api-key K]``: the OpenAI-compatible server on uvicorn.
+
+Shutdown (SIGINT / SIGTERM): uvicorn stops accepting connections and waits up to
+``--drain-timeout`` seconds for in-flight responses; then the engine ends whatever is
+left (streams get a final chunk) and its thread stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from plyx.specs.components import CliCommand
+
+__all__ = ["SERVE_COMMAND", "build_server", "serve_config_from_args"]
+
+
+def _configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", metavar="PATH", help="plyx checkpoint or Hugging Face model directory (with tokenizer.json)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=os.environ.get("PLYX_API_KEY", ""),
+                   help="bearer token required on /v1/* (default: $PLYX_API_KEY; empty disables auth)")
+    p.add_argument("--served-name", default="", help="model name of /v1/models (default: the directory name)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-blocks", type=int, default=0, help="KV-cache blocks (0: sized from --memory-fraction)")
+    p.add_argument("--memory-fraction", type=float, default=0.5, help="share of free GPU memory for the KV cache")
+    p.add_argument("--max-batch-size", type=int, default=64, help="most sequences per step")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (prefill chunking)")
+    p.add_argument("--max-model-len", type=int, default=0, help="prompt + completion limit (0: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests before HTTP 429")
+    p.add_argument("--max-request-bytes", type=int, default=1_048_576, help="largest request body (HTTP 413)")
+    p.add_argument("--max-concurrent", type=int, default=512, help="most requests in flight (HTTP 429)")
+    p.add_argument("--chat-template", default=None,
+                   help="chatml | llama3 | plain | a .jinja file (default: the tokenizer config's template)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
+    p.add_argument("--guardrail-policy", default="", help="plyx-safety policy (needs plyx-safety)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def serve_config_from_args(args: argparse.Namespace) -> Any:
+    """A validated ``plyx.specs.ServeConfig`` of the command line (errors name the option and the fix)."""
+    from plyx.specs.config.serve import ServeConfig
+
+    return ServeConfig(
+        model=str(args.path), served_name=args.served_name or Path(args.path).resolve().name, host=args.host,
+        port=args.port, api_key=args.api_key, device=args.device, dtype=args.dtype, block_size=args.block_size,
+        num_blocks=args.num_blocks, memory_fraction=args.memory_fraction, max_batch_size=args.max_batch_size,
+        max_batch_tokens=args.max_batch_tokens, max_model_len=args.max_model_len,
+        prefix_caching=not args.no_prefix_caching, max_queue=args.max_queue,
+        max_request_bytes=args.max_request_bytes, guardrail_policy=args.guardrail_policy,
+    )
+
+
+def _num_blocks(cfg: Any, model: Any, device: Any) -> int:
+    """0 (the engine's default: max_batch_size full sequences) on CPU; a share of free memory on a GPU."""
+    import torch
+
+    if cfg.num_blocks or device.type != "cuda":
+        return cfg.num_blocks
+    free, _ = torch.cuda.mem_get_info(device)
+    c = model.config
+    bytes_per_block = 2 * c.n_layers * cfg.block_size * c.kv_heads * c.dim_per_head * next(model.parameters()).element_size()
+    return max(1, int(free * cfg.memory_fraction) // bytes_per_block)
+
+
+def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: int = 512,
+                 drain_timeout: float = 30.0) -> Any:
+    """The FastAPI app of a ``ServeConfig`` (model loaded, engine built; its thread starts with the app)."""
+    import torch
+
+    from plyx.serve.engine import Engine, EngineConfig
+    from plyx.serve.server._app import ServerSettings, create_app
+    from plyx.serve.server._loading import eos_ids, load_model, load_tokenizer
+
+    device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    model = load_model(cfg.model, device=device, dtype=cfg.dtype)
+    tokenizer = load_tokenizer(cfg.model)
+    engine = Engine(
+        model,
+        tokenizer=tokenizer,
+        eos_token_id=eos_ids(cfg.model, tokenizer),
+        config=EngineConfig(
+            max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens, block_size=cfg.block_size,
+            num_blocks=_num_blocks(cfg, model, torch.device(device)), max_model_len=cfg.max_model_len,
+            prefix_caching=cfg.prefix_caching, max_queue=cfg.max_queue,
+        ),
+    )
+    settings = ServerSettings(model_name=cfg.served_name or Path(cfg.model).resolve().name, api_key=cfg.api_key,
+                              max_request_bytes=cfg.max_request_bytes, max_concurrent=max_concurrent,
+                              drain_timeout=drain_timeout, guardrail_policy=cfg.guardrail_policy)
+    return create_app(engine, settings=settings, chat_template=chat_template, model_dir=cfg.model)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    cfg = serve_config_from_args(args)
+    app = build_server(cfg, chat_template=args.chat_template, max_concurrent=args.max_concurrent,
+                       drain_timeout=args.drain_timeout)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=int(args.drain_timeout) or None)
+    uvicorn.Server(config).run()
+    return 0
+
+
+SERVE_COMMAND = CliCommand(
+    name="serve",
+    help="serve a model over the OpenAI HTTP API (completions, chat, streaming, metrics)",
+    configure=_configure,
+    run=_run,
+)

@@ -1,0 +1,191 @@
+"""One API request in flight: its engine requests, per-choice text through the output rails, and the
+OpenAI response bodies (whole, or as server-sent-event chunks)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import msgspec
+
+from plyx.serve._outputs import TokenLogprob
+from plyx.serve._params import SamplingParams
+from plyx.serve.engine import AsyncEngine, EngineOutput, RequestStream
+
+__all__ = ["Choice", "Job"]
+
+
+class Choice:
+    """One returned choice: prompt ``p``'s completion ``i``, its text after the output rails, and its logprobs."""
+
+    def __init__(self, index: int, filters: list[Any]) -> None:
+        self.index = index
+        self.filters = filters
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+        self.started = False  # chat: the role delta was sent
+
+    def feed(self, text: str) -> str:
+        """The part of ``text`` the output rails let out now."""
+        for f in self.filters:
+            text = f.feed(text)
+        return text
+
+    def flush(self) -> str:
+        """What the rails held back, at the end of the choice."""
+        out = ""
+        for f in self.filters:
+            out = f.feed(out) + f.finish() if out else f.finish()
+        return out
+
+    @property
+    def blocked(self) -> Any:
+        for f in self.filters:
+            if getattr(f, "blocked", None):
+                return f.blocked
+        return None
+
+
+class Job:
+    """The engine requests of one API call (one per prompt) and their choices (``prompt * n + index``).
+
+    Args:
+        aengine: the engine. prompts: token ids per prompt. params: the sampling parameters.
+        make_filters: returns a fresh list of output-rail filters for one choice.
+    """
+
+    def __init__(self, aengine: AsyncEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 make_filters: Any, kind: str) -> None:
+        self.aengine = aengine
+        self.prompts = [list(p) for p in prompts]
+        self.params = params
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.choices = [Choice(i, make_filters()) for i in range(len(prompts) * params.n)]
+        self.streams: list[RequestStream] = []
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self.finished_at: float | None = None
+        self.done = False
+
+    async def start(self) -> None:
+        """Queue every prompt; on failure the ones already queued are aborted."""
+        try:
+            for p, ids in enumerate(self.prompts):
+                self.streams.append(await self.aengine.add(f"{self.id}-{p}", ids, self.params))
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if not self.done:
+            for s in self.streams:
+                self.aengine.abort(s.request_id)
+
+    async def events(self) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
+        """(choice, new text, new logprobs) as tokens arrive; the last event of a choice has its finish_reason."""
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump(p: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    queue.put_nowait((p, out))
+            except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait((p, None))
+
+        tasks = [asyncio.create_task(pump(p, s)) for p, s in enumerate(self.streams)]
+        open_streams = len(tasks)
+        try:
+            while open_streams:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                p, out = item
+                if out is None:
+                    open_streams -= 1
+                    continue
+                for ev in self._apply(p, out):
+                    yield ev
+            self.done = True
+            self.finished_at = time.monotonic()
+        finally:
+            for t in tasks:
+                t.cancel()
+            if not self.done:
+                self.abort()
+
+    def _apply(self, p: int, out: EngineOutput) -> list[tuple[Choice, str, list[TokenLogprob]]]:
+        choice = self.choices[p * self.params.n + out.index]
+        if choice.finish_reason is not None:
+            return []
+        if out.aborted:
+            events = []
+            for c in self.choices[p * self.params.n:(p + 1) * self.params.n]:
+                if c.finish_reason is None:
+                    c.finish_reason = "abort"
+                    events.append((c, c.flush(), []))
+            return events
+        ev = out.event
+        assert ev is not None
+        if ev.token_ids and self.first_token is None:
+            self.first_token = time.monotonic()
+        choice.token_ids.extend(ev.token_ids)
+        new_lp = list(ev.logprobs or ())
+        choice.logprobs.extend(new_lp)
+        text = choice.feed(ev.text or "")
+        if choice.blocked:
+            choice.finish_reason = "content_filter"
+            if all(c.finish_reason is not None for c in self.choices[p * self.params.n:(p + 1) * self.params.n]):
+                self.aengine.abort(f"{self.id}-{p}")
+            return [(choice, text, new_lp)]
+        if ev.finish_reason is not None:
+            choice.finish_reason = ev.finish_reason
+            text += choice.flush()
+        choice.text += text
+        return [(choice, text, new_lp)]
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# -- response bodies ------------------------------------------------------------------------
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer is not None else str(token_id)
+
+
+def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """OpenAI's legacy completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, values, tops, offsets = [], [], [], []
+    for lp in lps:
+        s = token_text(tokenizer, lp.token_id)
+        tokens.append(s)
+        values.append(lp.logprob)
+        tops.append({token_text(tokenizer, t): v for t, v in lp.top} if lp.top else None)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict[str, Any]:
+    """The chat shape: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}``."""
+
+    def entry(tid: int, value: float) -> dict[str, Any]:
+        s = token_text(tokenizer, tid)
+        return {"token": s, "logprob": value, "bytes": list(s.encode("utf-8"))}
+
+    return {"content": [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
+    ]}
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"

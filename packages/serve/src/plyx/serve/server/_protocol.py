@@ -1,0 +1,164 @@
+"""Request bodies of the OpenAI API (and vLLM's extras), and their translation to ``SamplingParams``.
+
+Bodies are decoded by msgspec with unknown fields rejected, as OpenAI does
+("Unrecognized request argument supplied: X"); type errors name the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+
+from plyx.serve._params import SamplingParams, StructuredOutput
+from plyx.serve.server._errors import APIError, from_config_error
+from plyx.specs.errors import ConfigError
+
+__all__ = [
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "DetokenizeRequest",
+    "TokenizeRequest",
+    "sampling_params",
+]
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class JsonSchemaSpec(msgspec.Struct, forbid_unknown_fields=True):
+    name: str = "response"
+    schema: Union[dict[str, Any], None] = None
+    description: Union[str, None] = None
+    strict: Union[bool, None] = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Union[JsonSchemaSpec, None] = None
+
+
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by both endpoints (OpenAI's, then vLLM's extras)."""
+
+    model: str
+    max_tokens: Union[int, None] = None
+    temperature: Union[float, None] = None
+    top_p: Union[float, None] = None
+    n: int = 1
+    stream: bool = False
+    stream_options: Union[StreamOptions, None] = None
+    stop: Union[str, list[str], None] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Union[dict[str, float], None] = None
+    user: Union[str, None] = None
+    seed: Union[int, None] = None
+    response_format: Union[ResponseFormat, None] = None
+    # vLLM extras
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: Union[list[int], None] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/completions``."""
+
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: Union[int, None] = None
+    echo: bool = False
+    best_of: Union[int, None] = None
+    suffix: Union[str, None] = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[dict[str, Any]]
+    max_completion_tokens: Union[int, None] = None
+    logprobs: bool = False
+    top_logprobs: Union[int, None] = None
+    chat_template: Union[str, None] = None
+    add_generation_prompt: bool = True
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /tokenize``: ``prompt`` text, or chat ``messages`` rendered by the chat template."""
+
+    model: Union[str, None] = None
+    prompt: Union[str, None] = None
+    messages: Union[list[dict[str, Any]], None] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /detokenize``."""
+
+    tokens: list[int]
+    model: Union[str, None] = None
+
+
+def _structured(fmt: ResponseFormat | None) -> StructuredOutput | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutput(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise APIError(400, "response_format of type json_schema needs json_schema.schema (a JSON Schema object)",
+                       param="response_format.json_schema", code="invalid_value")
+    return StructuredOutput(json_schema=fmt.json_schema.schema)
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
+                    default_max: int, logprobs: int | None) -> SamplingParams:
+    """The ``SamplingParams`` of a request; a bad value is a 400 ``APIError`` naming the request field."""
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1 (got {max_tokens}); ask for a positive number of tokens",
+                       param="max_tokens", code="invalid_value")
+    if not 1 <= req.n <= 16:
+        raise APIError(400, f"n must be in [1, 16] (got {req.n})", param="n", code="invalid_value")
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    if len(stop) > 4:
+        raise APIError(400, f"at most 4 stop sequences are allowed (got {len(stop)})", param="stop")
+    try:
+        bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias",
+                       code="invalid_value") from None
+    if any(not -100 <= v <= 100 for v in bias.values()):
+        raise APIError(400, "logit_bias values must be in [-100, 100]", param="logit_bias", code="invalid_value")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if not 0 <= temperature <= 2:
+        raise APIError(400, f"temperature must be in [0, 2] (got {temperature})", param="temperature",
+                       code="invalid_value")
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_new_tokens=max_tokens if max_tokens is not None else default_max,
+            min_tokens=req.min_tokens,
+            temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
+            logit_bias=bias or None,
+            stop=stop,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            seed=req.seed,
+            logprobs=logprobs,
+            structured=_structured(req.response_format),
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except ConfigError as exc:
+        raise from_config_error(exc) from None

@@ -1,0 +1,447 @@
+"""Conformance kit for kernel implementations: each against a float64 oracle, forward and gradients.
+
+Usage (any distribution, any implementation of a known kernel name)::
+
+    from plyx.specs.testing.kernels import check_kernel, assert_kernel_conforms
+
+    report = check_kernel("rmsnorm", my_rmsnorm, device="cuda", dtypes=("float32", "bfloat16"))
+    assert report.ok, report.failures
+    assert_kernel_conforms("rmsnorm", my_rmsnorm)              # raises AssertionError with every failure
+
+    check_registry(registry, device="cpu")                     # every implementation a registry discovered
+
+Each kernel name has a few cases (``KERNEL_CASES``): small inputs drawn fresh
+from a seeded generator, including sizes that are not powers of two, and an
+oracle: the kernel's contract written as plain float64 torch. The inputs are
+made in the dtype under test; the oracle sees the same values upcast to
+float64, so the error measured is the implementation's own. A case passes when
+every output and every gradient (of a random projection of the outputs) is
+within ``TOLERANCES[dtype]`` of the oracle, relative to the oracle's largest
+magnitude, and integer outputs (argmax) match exactly.
+
+The kernel signatures (positional tensors first, options keyword-only)::
+
+    matmul(a [..., M, K], b [K, N]) -> a @ b
+    rmsnorm(x [..., D], weight [D], *, eps=1e-6, residual=None) -> y | (y, x + residual)
+    swiglu(gate, up) -> silu(gate) * up
+    rope(x [B, T, H, Dh], cos, sin [T, R/2] | [B, T, R/2], *, interleaved=False) -> x rotated on its first R dims
+    cross_entropy(logits [N, V], targets [N], *, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                  reduction="mean", return_argmax=False) -> loss | (loss, argmax [N])
+    linear_cross_entropy(hidden [N, D], weight [V, D], targets [N], *, bias=None, ignore_index=-100,
+                         label_smoothing=0.0, z_loss=0.0, reduction="mean") -> loss
+
+torch is imported inside the functions: importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = [
+    "KERNEL_CASES",
+    "TOLERANCES",
+    "KernelCase",
+    "ConformanceReport",
+    "check_kernel",
+    "assert_kernel_conforms",
+    "check_registry",
+]
+
+#: dtype -> error allowed, relative to the oracle's largest magnitude (outputs, gradients)
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-9, 1e-9),
+    "float32": (1e-4, 2e-4),  # float32 accumulation over at most a few hundred terms
+    "float16": (4e-3, 1e-2),
+    "bfloat16": (2e-2, 4e-2),  # 8-bit mantissa: one rounding of the output is 2^-9 relative
+}
+
+
+@attrs.frozen
+class KernelCase:
+    """One input set of a kernel name and how to judge it.
+
+    Attributes:
+        label: shown in failures (``rmsnorm residual [2, 3, 130]``).
+        make: ``(torch, generator, dtype, device) -> (args, kwargs, grad_args)``; ``grad_args`` are the
+            indices of the positional args (or ``"kw:name"``) that gradients are checked for.
+        oracle: the contract in float64: ``(*args64, **kwargs) -> output(s)``.
+    """
+
+    label: str
+    make: Callable[..., tuple[list[Any], dict[str, Any], tuple[Any, ...]]] = attrs.field(eq=False)
+    oracle: Callable[..., Any] = attrs.field(eq=False)
+
+
+@attrs.frozen
+class ConformanceReport:
+    """What ``check_kernel`` found: ``ok`` when no failure."""
+
+    name: str
+    impl: str
+    device: str
+    dtypes: tuple[str, ...]
+    checked: int
+    failures: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+
+# ---------------------------------------------------------------------------
+# oracles: each kernel's contract in float64
+# ---------------------------------------------------------------------------
+def _oracle_matmul(a: Any, b: Any) -> Any:
+    return a @ b
+
+
+def _oracle_rmsnorm(x: Any, w: Any, *, eps: float = 1e-6, residual: Any = None) -> Any:
+    h = x if residual is None else x + residual
+    y = h * (h.pow(2).mean(-1, keepdim=True) + eps).rsqrt() * w
+    return y if residual is None else (y, h)
+
+
+def _oracle_swiglu(g: Any, u: Any) -> Any:
+    return g * g.sigmoid() * u
+
+
+def _oracle_rope(x: Any, cos: Any, sin: Any, *, interleaved: bool = False) -> Any:
+    torch = _torch()
+    r = 2 * cos.shape[-1]
+    c = (cos if cos.dim() == 3 else cos[None])[:, :, None, :]
+    s = (sin if sin.dim() == 3 else sin[None])[:, :, None, :]
+    xr = x[..., :r]
+    if interleaved:
+        a, b = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    else:
+        a, b = xr[..., : r // 2], xr[..., r // 2:]
+        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    return torch.cat((out, x[..., r:]), dim=-1)
+
+
+def _ce_rows(z: Any, t: Any, ignore_index: int, eps: float, z_loss: float) -> tuple[Any, Any]:
+    torch = _torch()
+    lse = torch.logsumexp(z, -1)
+    valid = t != ignore_index
+    zt = z.gather(1, torch.where(valid, t, 0).long()[:, None])[:, 0]
+    rows = lse - (1 - eps) * zt - eps * z.mean(-1) + z_loss * lse * lse
+    return torch.where(valid, rows, torch.zeros_like(rows)), valid
+
+
+def _reduce(rows: Any, valid: Any, reduction: str) -> Any:
+    if reduction == "none":
+        return rows
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / valid.sum().clamp(min=1)
+
+
+def _oracle_cross_entropy(z: Any, t: Any, *, ignore_index: int = -100, label_smoothing: float = 0.0,
+                          z_loss: float = 0.0, reduction: str = "mean", return_argmax: bool = False) -> Any:
+    rows, valid = _ce_rows(z, t, ignore_index, label_smoothing, z_loss)
+    loss = _reduce(rows, valid, reduction)
+    return (loss, z.argmax(-1)) if return_argmax else loss
+
+
+def _oracle_linear_cross_entropy(h: Any, w: Any, t: Any, *, bias: Any = None, ignore_index: int = -100,
+                                 label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean") -> Any:
+    z = h @ w.T
+    if bias is not None:
+        z = z + bias
+    rows, valid = _ce_rows(z, t, ignore_index, label_smoothing, z_loss)
+    return _reduce(rows, valid, reduction)
+
+
+# ---------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------
+def _rand(torch: Any, gen: Any, shape: Sequence[int], dtype: Any, device: str, scale: float = 1.0,
+          shift: float = 0.0) -> Any:
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale + shift).to(device=device, dtype=dtype)
+
+
+def _targets(torch: Any, gen: Any, n: int, v: int, device: str, ignored: Sequence[int] = ()) -> Any:
+    t = torch.randint(0, v, (n,), generator=gen)
+    for i in ignored:
+        t[i] = -100
+    return t.to(device)
+
+
+def _tables(torch: Any, gen: Any, shape: Sequence[int], dtype: Any, device: str) -> tuple[Any, Any]:
+    angles = torch.rand(*shape, generator=gen, dtype=torch.float64) * 6.283
+    return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+
+def _cases() -> dict[str, tuple[KernelCase, ...]]:
+    def mm(sa: Sequence[int], sb: Sequence[int]) -> Callable[..., Any]:
+        return lambda torch, gen, dt, dev: ([_rand(torch, gen, sa, dt, dev), _rand(torch, gen, sb, dt, dev, 0.2)], {}, (0, 1))
+
+    def norm(shape: Sequence[int], residual: bool, eps: float) -> Callable[..., Any]:
+        def make(torch: Any, gen: Any, dt: Any, dev: str) -> Any:
+            x = _rand(torch, gen, shape, dt, dev)
+            w = _rand(torch, gen, shape[-1:], dt, dev, 0.1, 1.0)
+            kw: dict[str, Any] = {"eps": eps}
+            if residual:
+                kw["residual"] = _rand(torch, gen, shape, dt, dev)
+            return [x, w], kw, (0, 1) + (("kw:residual",) if residual else ())
+        return make
+
+    def glu(shape: Sequence[int]) -> Callable[..., Any]:
+        return lambda torch, gen, dt, dev: ([_rand(torch, gen, shape, dt, dev, 2.0), _rand(torch, gen, shape, dt, dev)], {}, (0, 1))
+
+    def rot(shape: Sequence[int], rotary: int, batched: bool, interleaved: bool) -> Callable[..., Any]:
+        def make(torch: Any, gen: Any, dt: Any, dev: str) -> Any:
+            b, t = shape[0], shape[1]
+            cos, sin = _tables(torch, gen, (b, t, rotary // 2) if batched else (t, rotary // 2), dt, dev)
+            return [_rand(torch, gen, shape, dt, dev), cos, sin], {"interleaved": interleaved}, (0,)
+        return make
+
+    def ce(n: int, v: int, ignored: Sequence[int], **options: Any) -> Callable[..., Any]:
+        def make(torch: Any, gen: Any, dt: Any, dev: str) -> Any:
+            return [_rand(torch, gen, (n, v), dt, dev, 3.0), _targets(torch, gen, n, v, dev, ignored)], dict(options), (0,)
+        return make
+
+    def lce(n: int, d: int, v: int, bias: bool, ignored: Sequence[int], **options: Any) -> Callable[..., Any]:
+        def make(torch: Any, gen: Any, dt: Any, dev: str) -> Any:
+            h = _rand(torch, gen, (n, d), dt, dev)
+            w = _rand(torch, gen, (v, d), dt, dev, d ** -0.5 * 2)
+            kw = dict(options)
+            grads: tuple[Any, ...] = (0, 1)
+            if bias:
+                kw["bias"] = _rand(torch, gen, (v,), dt, dev, 0.5)
+                grads += ("kw:bias",)
+            return [h, w, _targets(torch, gen, n, v, dev, ignored)], kw, grads
+        return make
+
+    return {
+        "matmul": (
+            KernelCase("matmul [3, 17, 40] @ [40, 33]", mm((3, 17, 40), (40, 33)), _oracle_matmul),
+            KernelCase("matmul [70, 64] @ [64, 96]", mm((70, 64), (64, 96)), _oracle_matmul),
+        ),
+        "rmsnorm": (
+            KernelCase("rmsnorm [4, 37]", norm((4, 37), False, 1e-5), _oracle_rmsnorm),
+            KernelCase("rmsnorm residual [2, 3, 130]", norm((2, 3, 130), True, 1e-6), _oracle_rmsnorm),
+        ),
+        "swiglu": (
+            KernelCase("swiglu [5, 67]", glu((5, 67)), _oracle_swiglu),
+            KernelCase("swiglu [2, 3, 1100]", glu((2, 3, 1100)), _oracle_swiglu),
+        ),
+        "rope": (
+            KernelCase("rope rotate-half [2, 5, 3, 16]", rot((2, 5, 3, 16), 16, False, False), _oracle_rope),
+            KernelCase("rope interleaved partial R=6 [2, 5, 3, 10], per-batch tables", rot((2, 5, 3, 10), 6, True, True), _oracle_rope),
+            KernelCase("rope rotate-half partial R=12 [1, 7, 5, 20]", rot((1, 7, 5, 20), 12, True, False), _oracle_rope),
+        ),
+        "cross_entropy": (
+            KernelCase("cross_entropy [7, 67] smoothing z-loss", ce(7, 67, (2,), label_smoothing=0.1, z_loss=1e-3), _oracle_cross_entropy),
+            KernelCase("cross_entropy [5, 300] sum argmax", ce(5, 300, (), reduction="sum", return_argmax=True), _oracle_cross_entropy),
+            KernelCase("cross_entropy [6, 129] none", ce(6, 129, (0, 5), reduction="none"), _oracle_cross_entropy),
+        ),
+        "linear_cross_entropy": (
+            KernelCase("linear_cross_entropy [9, 24] x [67, 24] bias smoothing",
+                       lce(9, 24, 67, True, (3,), label_smoothing=0.1, z_loss=1e-3), _oracle_linear_cross_entropy),
+            KernelCase("linear_cross_entropy [13, 40] x [300, 40] sum", lce(13, 40, 300, False, (), reduction="sum"),
+                       _oracle_linear_cross_entropy),
+        ),
+    }
+
+
+class _Cases(dict):  # built on first use so importing this module stays free
+    def _load(self) -> None:
+        if not dict.__len__(self):
+            self.update(_cases())
+
+    def __getitem__(self, key: str) -> tuple[KernelCase, ...]:
+        self._load()
+        return dict.__getitem__(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        self._load()
+        return dict.__contains__(self, key)
+
+    def __iter__(self) -> Any:
+        self._load()
+        return dict.__iter__(self)
+
+    def keys(self) -> Any:
+        self._load()
+        return dict.keys(self)
+
+
+#: kernel name -> its cases; a plugin adding a new kernel name may add its own
+KERNEL_CASES: dict[str, tuple[KernelCase, ...]] = _Cases()
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _outputs(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _pick(args: list[Any], kwargs: dict[str, Any], index: Any) -> Any:
+    return kwargs[index[3:]] if isinstance(index, str) else args[index]
+
+
+def _error(got: Any, want: Any) -> float:
+    got, want = got.detach().to("cpu", dtype=want.dtype), want.detach().cpu()
+    if not want.numel():
+        return 0.0
+    scale = max(float(want.abs().max()), 1e-6)
+    return float((got - want).abs().max()) / scale
+
+
+def _run_case(case: KernelCase, fn: Callable[..., Any], dtype_name: str, device: str, grad: bool, seed: int) -> list[str]:
+    torch = _torch()
+    dtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(seed)
+    args, kwargs, grad_args = case.make(torch, gen, dtype, device)
+    grad_args = grad_args if grad else ()
+    for index in grad_args:
+        _pick(args, kwargs, index).requires_grad_(True)
+    where = f"{case.label} {dtype_name} on {device}"
+    try:
+        got = _outputs(fn(*args, **kwargs))
+    except Exception as exc:  # a kernel may fail in any way; the report says how
+        return [f"{where}: raised {type(exc).__name__}: {exc}"]
+
+    def up(t: Any) -> Any:
+        return t.detach().to(dtype=torch.float64) if t.is_floating_point() else t
+
+    args64 = [up(a) if hasattr(a, "dtype") else a for a in args]
+    kwargs64 = {k: up(v) if hasattr(v, "dtype") else v for k, v in kwargs.items()}
+    for index in grad_args:
+        _pick(args64, kwargs64, index).requires_grad_(True)
+    want = _outputs(case.oracle(*args64, **kwargs64))
+    out_tol, grad_tol = TOLERANCES.get(dtype_name, TOLERANCES["bfloat16"])
+    failures = []
+    if len(got) != len(want):
+        return [f"{where}: returned {len(got)} output(s), the contract says {len(want)}"]
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not hasattr(g, "shape") or tuple(g.shape) != tuple(w.shape):
+            failures.append(f"{where}: output {i} has shape {tuple(getattr(g, 'shape', ()))}, expected {tuple(w.shape)}")
+        elif not w.is_floating_point():
+            if not torch.equal(g.cpu().long(), w.cpu().long()):
+                failures.append(f"{where}: integer output {i} differs from the oracle")
+        elif g.dtype not in (dtype, torch.float32, torch.float64):
+            failures.append(f"{where}: output {i} has dtype {g.dtype}, expected {dtype} or float32")
+        elif not bool(torch.isfinite(g).all()):
+            failures.append(f"{where}: output {i} holds NaN or inf (an unwritten or overflowing element)")
+        elif (err := _error(g, w)) > out_tol:
+            failures.append(f"{where}: output {i} off by {err:.2e} (relative to its largest value), tolerance {out_tol:.0e}")
+    if failures or not grad_args:
+        return failures
+    # gradients of a random projection sum_i <out_i, g_i> of the floating outputs
+    floats = [(g, w) for g, w in zip(got, want) if w.is_floating_point()]
+    cotangents = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for _, w in floats]
+    try:
+        inputs = [_pick(args, kwargs, i) for i in grad_args]
+        grads = torch.autograd.grad([g for g, _ in floats], inputs,
+                                    [c.to(device=g.device, dtype=g.dtype) for (g, _), c in zip(floats, cotangents)],
+                                    allow_unused=True)
+    except Exception as exc:
+        return [f"{where}: backward raised {type(exc).__name__}: {exc}"]
+    grads64 = torch.autograd.grad([w for _, w in floats], [_pick(args64, kwargs64, i) for i in grad_args], cotangents,
+                                  allow_unused=True)
+    for index, g, w in zip(grad_args, grads, grads64):
+        if w is None:
+            continue
+        if g is None:
+            failures.append(f"{where}: no gradient for argument {index}")
+        elif tuple(g.shape) != tuple(w.shape):
+            failures.append(f"{where}: gradient of argument {index} has shape {tuple(g.shape)}, expected {tuple(w.shape)}")
+        elif not bool(torch.isfinite(g).all()):
+            failures.append(f"{where}: gradient of argument {index} holds NaN or inf")
+        elif (err := _error(g, w)) > grad_tol:
+            failures.append(f"{where}: gradient of argument {index} off by {err:.2e}, tolerance {grad_tol:.0e}")
+    return failures
+
+
+def check_kernel(
+    name: str,
+    fn: Callable[..., Any],
+    *,
+    impl: str = "",
+    device: str = "cpu",
+    dtypes: Iterable[str] = ("float32",),
+    grad: bool = True,
+    quick: bool = False,
+    seed: int = 0,
+    cases: Sequence[KernelCase] | None = None,
+) -> ConformanceReport:
+    """Run ``fn`` (an implementation of kernel ``name``) on every case of ``name`` and compare with the oracle.
+
+    Args:
+        name: the kernel name; its cases come from ``KERNEL_CASES`` unless ``cases`` is given.
+        fn: the implementation, called with the kernel name's signature.
+        impl: the implementation's name, for the report.
+        device: where inputs are made (``cpu``, ``cuda``).
+        dtypes: dtype names to test; each has its tolerance in ``TOLERANCES``.
+        grad: also compare gradients (set False for forward-only implementations).
+        quick: only the first case of each dtype (the registry's probe before first use).
+        seed: fresh inputs per seed; the same seed gives the same inputs.
+
+    Returns:
+        a ``ConformanceReport``; ``report.failures`` names the case, dtype, output and error of each failure.
+    """
+    if cases is None:
+        if name not in KERNEL_CASES:
+            raise KeyError(f"no conformance cases for kernel {name!r} (known: {', '.join(sorted(KERNEL_CASES.keys()))}); "
+                           f"pass cases=[KernelCase(...)] for a new kernel name")
+        cases = KERNEL_CASES[name]
+    selected = list(cases)[:1] if quick else list(cases)
+    dtypes = tuple(dtypes)
+    failures: list[str] = []
+    checked = 0
+    for dtype in dtypes:
+        for i, case in enumerate(selected):
+            failures += _run_case(case, fn, dtype, device, grad, seed + i)
+            checked += 1
+    return ConformanceReport(name, impl, device, dtypes, checked, tuple(failures))
+
+
+def assert_kernel_conforms(name: str, fn: Callable[..., Any], **options: Any) -> ConformanceReport:
+    """``check_kernel`` that raises ``AssertionError`` listing every failure."""
+    report = check_kernel(name, fn, **options)
+    if not report.ok:
+        raise AssertionError(f"kernel {name}{':' + report.impl if report.impl else ''} fails conformance:\n  "
+                             + "\n  ".join(report.failures))
+    return report
+
+
+def check_registry(
+    registry: Any,
+    *,
+    device: str = "cpu",
+    dtypes: Iterable[str] = ("float32",),
+    names: Iterable[str] | None = None,
+    ignore_predicates: bool = False,
+    quick: bool = False,
+) -> list[ConformanceReport]:
+    """Check every implementation a registry holds whose predicates accept ``device`` and each dtype.
+
+    Args:
+        registry: a ``KernelRegistry``.
+        ignore_predicates: check implementations even where their predicates refuse (Triton kernels on CPU
+            under ``TRITON_INTERPRET=1``).
+        names: limit to these kernel names; names without cases are skipped.
+    """
+    from plyx.specs.kernels import KernelQuery
+
+    reports = []
+    for name in names or registry.names():
+        if name not in KERNEL_CASES:
+            continue
+        for impl in registry.implementations(name):
+            accepted = [d for d in dtypes if ignore_predicates or impl.capability.refusal(
+                KernelQuery(device_type=device, dtype=d, requires_grad=impl.capability.backward)) is None]
+            if accepted:
+                reports.append(check_kernel(name, impl.fn, impl=impl.impl, device=device, dtypes=accepted,
+                                            grad=impl.capability.backward, quick=quick))
+    return reports

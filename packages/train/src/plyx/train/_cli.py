@@ -1,0 +1,171 @@
+"""``plyx train [CONFIG]`` and ``plyx data prepare|inspect``, contributed through ``plyx_cli_commands``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from plyx.specs import ConfigError, PlyxError, TrainConfig, load_config
+
+__all__ = ["configure_train", "run_train", "configure_data", "run_data", "apply_overrides"]
+
+
+# -- plyx train -------------------------------------------------------------------------
+def configure_train(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TrainConfig file (TOML, JSON or YAML); default: the embedded "
+                        "small-model-on-Tiny-Shakespeare run (`--print-config` shows it)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a field, dotted for nested ones: --set steps=200 --set model.d_model=256 "
+                             "(values are read as JSON when they parse, else as strings)")
+    parser.add_argument("--steps", type=int, help="shortcut for --set steps=N")
+    parser.add_argument("--out-dir", help="shortcut for --set out_dir=DIR")
+    parser.add_argument("--device", help="shortcut for --set device=DEV (auto, cpu, cuda, cuda:N)")
+    parser.add_argument("--resume", nargs="?", const="auto", metavar="CHECKPOINT",
+                        help="continue a run: the out_dir's latest checkpoint, or the one given")
+    parser.add_argument("--overwrite", action="store_true", help="start fresh even if out_dir has checkpoints")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    parser.add_argument("--no-tensorboard", action="store_true", help="write metrics.csv only")
+    parser.add_argument("--spectral-probe", type=int, default=0, metavar="N",
+                        help="every N steps, log each layer's MLP/attention spectral-norm ratio (warn outside 0.5-2)")
+    parser.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU on CPUs and unknown GPUs")
+    parser.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
+
+
+def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """``["model.d_model=256", "steps=10"]`` applied to ``config`` and validated again."""
+    doc = config.to_dict()
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", "expected KEY=VALUE", value=item, fix="write e.g. --set model.n_layers=6")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = doc
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {} if node.get(part) is None else node[part]
+                if not isinstance(node[part], dict):
+                    raise ConfigError(f"$.{key}", f"`{part}` is not a table", value=item)
+            node = node[part]
+        node[parts[-1]] = value
+    return TrainConfig.from_dict(doc, source="--set")
+
+
+def _load(args: argparse.Namespace) -> TrainConfig:
+    from plyx.train._defaults import default_config
+
+    config = load_config(TrainConfig, args.config) if args.config else default_config()
+    overrides = list(args.overrides)
+    for flag, key in (("steps", "steps"), ("out_dir", "out_dir"), ("device", "device")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={json.dumps(value)}")
+    return apply_overrides(config, overrides) if overrides else config
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from plyx.train._trainer import Trainer, TrainOptions
+
+    try:
+        config = _load(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(config.to_dict(), indent=2))
+        return 0
+    options = TrainOptions(
+        resume=args.resume,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+        tensorboard=not args.no_tensorboard,
+        spectral_probe_every=args.spectral_probe,
+        peak_flops=args.peak_flops,
+        print_fn=print,
+    )
+    try:
+        trainer = Trainer(config, options=options)
+    except (PlyxError, ValueError, FileNotFoundError, LookupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    m = trainer.module
+    print(
+        f"plyx train: {m.num_params():,} parameters on {trainer.device}, data {trainer.data_dir} "
+        f"({trainer.shards.tokens('train'):,} train tokens), {config.steps} steps of "
+        f"{config.batch_size}x{config.data.seq_len} tokens -> {trainer.out_dir}"
+    )
+    if trainer.step:
+        print(f"resuming at step {trainer.step} from {trainer.last_checkpoint}")
+    try:
+        result = trainer.fit()
+    except PlyxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    metrics = result.metrics
+    summary = f"step {result.step}: loss {metrics.get('loss', float('nan')):.4f}"
+    if "val_loss" in metrics:
+        summary += f", val_loss {metrics['val_loss']:.4f} (ppl {metrics['val_ppl']:.2f})"
+    print(summary)
+    print(f"checkpoint: {result.checkpoint}")
+    print(f"metrics: {result.out_dir / 'metrics.csv'}")
+    if result.stopped:
+        print(f"stopped by {result.stopped}; continue with `plyx train --resume` (same config)")
+        return 130 if result.stopped == "SIGINT" else 143
+    if result.sample:
+        print("sample:\n" + result.sample)
+    return 0
+
+
+# -- plyx data ----------------------------------------------------------------------------
+def configure_data(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    p = sub.add_parser("prepare", help="tokenize a corpus into memory-mapped shards with a manifest")
+    p.add_argument("corpus", nargs="?", help="a text file, a .jsonl file (`text` field) or a directory; "
+                   "default: the bundled Tiny Shakespeare")
+    p.add_argument("--out", required=True, help="the prepared data directory")
+    p.add_argument("--tokenizer", help="an existing tokenizer.json (default: train a byte-level BPE)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary to train (default 4096)")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="held-out fraction (default 0.1)")
+    p.add_argument("--separator", help="split text files into documents on this string (e.g. '\\n\\n'; "
+                   "escapes are decoded)")
+    p.add_argument("--no-hooks", action="store_true", help="skip plyx_document_filters plugins")
+    p = sub.add_parser("inspect", help="check a prepared directory (sizes and sha256) and summarise it")
+    p.add_argument("path", help="the prepared data directory")
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from plyx.train._prepare import BUNDLED_SEPARATOR, bundled_corpus, prepare_corpus
+    from plyx.train._shards import ShardError, ShardSet
+
+    if args.data_command == "inspect":
+        try:
+            shards = ShardSet.open(args.path, verify=True)
+        except ShardError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        m = shards.manifest
+        print(f"{shards.root}: {m['dtype']} ids, vocab {m['vocab_size']}, eos {m['eos_id']}, "
+              f"tokenizer {m.get('tokenizer') or '-'}; all shards verified")
+        for split, entries in shards.shards.items():
+            print(f"  {split}: {sum(i.tokens for i, _ in entries):,} tokens in {len(entries)} shard(s)")
+        return 0
+    separator = args.separator.encode().decode("unicode_escape") if args.separator else None
+    corpus = args.corpus
+    if corpus is None:
+        corpus, separator = bundled_corpus(), separator or BUNDLED_SEPARATOR
+    try:
+        report = prepare_corpus(corpus, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                                val_fraction=args.val_fraction, separator=separator, use_hooks=not args.no_hooks)
+    except (ValueError, FileNotFoundError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    tokens = ", ".join(f"{k} {v:,}" for k, v in report.tokens.items())
+    print(f"prepared {report.documents:,} documents ({report.dropped} dropped, {report.redacted} redacted by "
+          f"filters) -> {report.out_dir}: vocab {report.vocab_size}, tokens: {tokens}")
+    return 0

@@ -1,0 +1,673 @@
+"""The ``Trainer``: one ``TrainConfig`` in, a trained and checkpointed model out.
+
+Everything that can be wrong with the inputs (data, tokenizer, vocabulary,
+memory, the checkpoint to resume) is checked in ``Trainer.__init__``, before
+any step runs. ``fit()`` then loops::
+
+    for each optimizer step:
+        for each of grad_accum micro-batches:          # bf16 autocast when asked
+            loss = linear_cross_entropy(model(x, return_hidden=True), lm_head, y)
+            (loss / grad_accum).backward()
+        stop if the loss or the gradient norm is not finite (step and batch named)
+        clip, optimizer.step(), scheduler.step()
+        metrics -> CSV/TensorBoard/progress bar; plyx_on_train_step_end
+        evaluate / checkpoint every N steps; checkpoint and stop on SIGINT/SIGTERM
+
+Exactness of resume: the data position is one integer (batches are a pure
+function of it), optimizer/scheduler/RNG states are saved bit for bit, and
+sampling uses its own generator, so N steps + kill + resume N steps equals
+2N steps exactly on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from torch import nn
+
+from plyx.specs import ConfigError, PlyxError, TrainConfig, get_plugin_manager
+from plyx.train._checkpoint import CheckpointManager, ResumeError, optimizer_from_flat, restore_rng
+from plyx.train._dataset import TokenDataset
+from plyx.train._generate import generate_ids
+from plyx.train._loss import _unwrap, lm_loss
+from plyx.train._metrics import (
+    SPECTRAL_RANGE,
+    MetricsWriter,
+    grad_norms_by_group,
+    layer_groups,
+    peak_flops,
+    peak_memory_mb,
+    spectral_ratios,
+)
+from plyx.train._optim import build_optimizer
+from plyx.train._prepare import prepare_bundled, prepare_corpus
+from plyx.train._schedule import build_scheduler
+from plyx.train._shards import MANIFEST, ShardSet
+from plyx.train._tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["Trainer", "TrainOptions", "TrainResult", "NonFiniteLossError", "resolve_device", "estimate_memory"]
+
+
+class NonFiniteLossError(PlyxError, FloatingPointError):
+    """The loss or gradient norm became NaN/inf; the run stopped before applying that step.
+
+    Attributes:
+        step: the optimizer step (1-based) that failed.
+        what: ``loss`` or ``grad_norm``.
+        batch: the offending batch's provenance (split, index, shard rows).
+        checkpoint: the last good checkpoint, left intact (None if none was written yet).
+    """
+
+    def __init__(self, step: int, what: str, value: float, batch: dict[str, Any], checkpoint: Path | None) -> None:
+        self.step, self.what, self.value, self.batch, self.checkpoint = step, what, value, batch, checkpoint
+        rows = batch.get("rows", [])
+        where = f"batch {batch.get('index')} of split {batch.get('split')!r}" + (f" (rows {rows[:4]}...)" if rows else "")
+        last = f"the last good checkpoint is {checkpoint}" if checkpoint else "no checkpoint had been written yet"
+        super().__init__(
+            f"{what} is {value} at step {step}, {where}; the run stopped before this update and {last}. "
+            f"Lower optimizer.lr, raise schedule.warmup_steps or keep optimizer.grad_clip > 0, then resume from it"
+        )
+
+
+@attrs.define(kw_only=True)
+class TrainOptions:
+    """Run options that are not part of ``TrainConfig`` (how to run, not what to train).
+
+    Attributes:
+        resume: a checkpoint or run directory to continue from, ``"auto"`` (the out_dir's latest
+            if any), or None (a fresh run; refuses an out_dir that already has checkpoints).
+        overwrite: allow a fresh run in an out_dir that has checkpoints (they are replaced).
+        keep_checkpoints: how many of the newest checkpoints to keep.
+        progress: show a rich progress bar.
+        tensorboard: also write TensorBoard event files (needs the ``tensorboard`` package).
+        peak_flops: the device's peak FLOP/s for MFU (default: known GPUs, ``$PLYX_PEAK_FLOPS``).
+        spectral_probe_every: steps between MLP/attention spectral-norm ratio probes (0: off).
+        label_smoothing / z_loss: loss options passed to ``linear_cross_entropy``.
+        sample_prompt: text the evaluation samples start from ("" starts a fresh document).
+        sample_temperature / sample_top_k: sampling of the evaluation samples.
+        rank / world_size: this process's data shard; only rank 0 writes files.
+        wrap_model: applied to the model after setup (plyx-dist passes DDP/FSDP here).
+        handle_signals: checkpoint and stop cleanly on SIGINT/SIGTERM.
+        verify_data: recompute the shards' sha256 before training.
+        memory_bytes: memory to check the estimate against (default: the device's total).
+        data_cache: where the bundled corpus is prepared (default: ``$PLYX_DATA_DIR`` or ~/.cache/plyx).
+        print_fn: where progress lines go when the bar is off (None: silent).
+    """
+
+    resume: str | None = None
+    overwrite: bool = False
+    keep_checkpoints: int = 3
+    progress: bool = True
+    tensorboard: bool = True
+    peak_flops: float | None = None
+    spectral_probe_every: int = 0
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    sample_prompt: str = ""
+    sample_temperature: float = 0.8
+    sample_top_k: int | None = 50
+    rank: int = 0
+    world_size: int = 1
+    wrap_model: Callable[[nn.Module], nn.Module] | None = None
+    handle_signals: bool = True
+    verify_data: bool = True
+    memory_bytes: int | None = None
+    data_cache: str | None = None
+    print_fn: Callable[[str], None] | None = None
+
+
+@attrs.frozen
+class TrainResult:
+    """What ``fit()`` did.
+
+    Attributes:
+        step: the last completed step.
+        losses: training loss of each step run by this call, in order.
+        metrics: the last metrics (loss, val_loss, val_ppl...).
+        checkpoint: the last checkpoint written (None when nothing was saved).
+        sample: the last generated sample ("" when disabled).
+        stopped: ``SIGINT``/``SIGTERM`` when interrupted, None when the run completed.
+        out_dir: the run directory.
+    """
+
+    step: int
+    losses: list[float]
+    metrics: dict[str, float]
+    checkpoint: Path | None
+    sample: str
+    stopped: str | None
+    out_dir: Path
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu; anything else is checked to exist."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError("$.device", "not a torch device", value=name, fix="use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("$.device", "CUDA is not available on this machine", value=name, fix="use device=cpu or auto")
+    return device
+
+
+def estimate_memory(config: TrainConfig, num_params: int) -> int:
+    """A deliberately rough upper estimate of training memory, in bytes.
+
+    Weights, gradients and two AdamW moments in float32 (16 bytes per parameter),
+    plus activations per layer per token of about ``34 D + 5 H T`` values
+    (Korthikanti et al. 2022, table 2), kept for every layer unless activation
+    checkpointing keeps only the layer inputs.
+    """
+    m = config.model
+    B, T, L, D, H = config.batch_size, config.data.seq_len, m.n_layers, m.d_model, m.n_heads
+    value = 2 if config.precision == "bf16-autocast" else 4
+    per_layer = B * T * (34 * D + 5 * H * T) * value
+    acts = (L * B * T * D * 4 + per_layer) if config.activation_checkpointing else L * per_layer
+    return 16 * num_params + acts
+
+
+def _device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # not a POSIX system
+        return 1 << 62
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+def _checkpoint_layers(model: nn.Module) -> int:
+    """Recompute each decoder layer in the backward pass (keeps only layer inputs alive)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ConfigError(
+            "$.activation_checkpointing",
+            f"{type(model).__name__} has no `layers` ModuleList to checkpoint",
+            value=True,
+            fix="set activation_checkpointing = false for this model",
+        )
+    for layer in layers:
+        # the instance attribute shadows the class method; parameter names (state_dict) are unchanged
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)  # type: ignore[method-assign]
+    return len(layers)
+
+
+class Trainer:
+    """Trains ``config.model`` on ``config.data`` (see the module docstring).
+
+    Args:
+        config: the run (``plyx.specs.TrainConfig``).
+        model: a model to train instead of building ``TransformerLM(config.model)``; it must follow
+            the TransformerLM interface (``forward(..., return_hidden=True)``, ``lm_head_weight``, ``config``).
+        options: how to run (``TrainOptions``).
+
+    Raises (before any step): ``ConfigError`` for impossible settings, ``ShardError`` for missing or
+    corrupt data, ``ResumeError`` for a checkpoint that does not belong to this model.
+
+    Example:
+        >>> result = Trainer(TrainConfig(steps=100), options=TrainOptions(progress=False)).fit()
+        >>> result.checkpoint, result.metrics["val_loss"]
+    """
+
+    def __init__(self, config: TrainConfig, *, model: nn.Module | None = None, options: TrainOptions | None = None) -> None:
+        self.config = config
+        self.options = opts = options or TrainOptions()
+        self.device = resolve_device(config.device)
+        self.out_dir = Path(config.out_dir)
+        self.is_main = opts.rank == 0
+        self.checkpoints = CheckpointManager(self.out_dir / "checkpoints", keep=opts.keep_checkpoints)
+        resume_from = self._resume_path()
+
+        # -- data, tokenizer, vocabulary ------------------------------------------------
+        self.data_dir = self._data_dir()
+        self.shards = ShardSet.open(self.data_dir, verify=opts.verify_data)
+        self.tokenizer = self._tokenizer()
+        self._check_vocab()
+        d = config.data
+        self.train_data = TokenDataset(
+            self.shards, "train", seq_len=d.seq_len, batch_size=config.batch_size, mode=d.mode,
+            seed=config.seed, rank=opts.rank, world_size=opts.world_size,
+        )
+        self.val_data: TokenDataset | None = None
+        if config.eval_every > 0:
+            if "val" not in self.shards.shards or self.shards.tokens("val") == 0:
+                raise ConfigError(
+                    "$.eval_every", f"evaluation needs a `val` split but {self.data_dir} has none",
+                    value=config.eval_every, fix="prepare the data with val_fraction > 0 or set eval_every = 0",
+                )
+            self.val_data = TokenDataset(
+                self.shards, "val", seq_len=d.seq_len, batch_size=config.batch_size, mode=d.mode,
+                seed=config.seed, rank=opts.rank, world_size=opts.world_size,
+            )
+
+        # -- model, memory, optimizer ----------------------------------------------------
+        _seed_everything(config.seed)
+        if model is None:
+            from plyx.model import TransformerLM
+
+            model = TransformerLM(config.model, device=self.device)
+        self.module = model.to(self.device)
+        self._check_memory()
+        self.ckpt_layers = _checkpoint_layers(self.module) if config.activation_checkpointing else 0
+        self.optimizer = build_optimizer(self.module, config.optimizer)
+        self.scheduler = build_scheduler(self.optimizer, config.schedule, config.steps)
+        self.step = 0
+        self.run_id = uuid.uuid4().hex
+        self.data_position = 0
+        self.last_checkpoint: Path | None = None
+        self._saved_step = -1
+        self._restored_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
+        if resume_from is not None:
+            self._load(resume_from)
+        self.model: nn.Module = self.module
+        if config.compile:
+            self.model = torch.compile(self.model)  # type: ignore[assignment]
+        if opts.wrap_model is not None:
+            self.model = opts.wrap_model(self.model)
+        self.groups = layer_groups(self.module)
+        self.flops_per_token = float(getattr(self.module, "flops_per_token", lambda t: 0.0)(d.seq_len))
+        self.peak_flops = peak_flops(self.device, opts.peak_flops)
+        self._stop: str | None = None
+
+    # -- setup helpers ------------------------------------------------------------------
+    def _resume_path(self) -> Path | None:
+        resume = self.options.resume
+        if resume == "auto":
+            return self.checkpoints.latest()
+        if resume:
+            return CheckpointManager.resolve(resume)
+        if self.checkpoints.steps() and not self.options.overwrite:
+            raise ResumeError(
+                f"{self.out_dir} already holds checkpoints (steps {self.checkpoints.steps()}); pass resume='auto' "
+                f"(`plyx train --resume`) to continue that run, overwrite=True (`--overwrite`) to replace it, "
+                f"or choose another out_dir"
+            )
+        return None
+
+    def _data_dir(self) -> Path:
+        d = self.config.data
+        if not d.path:
+            cache = self.options.data_cache
+            return prepare_bundled(
+                Path(cache) / f"tinyshakespeare-bpe{d.vocab_size}" if cache else None,
+                vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+            )
+        path = Path(d.path)
+        if (path / MANIFEST).is_file() or not path.exists() or (path.is_dir() and not any(path.iterdir())):
+            return path  # a prepared directory (ShardSet.open explains a missing one)
+        # a raw corpus: prepare it once into the run directory
+        out = self.out_dir / "data"
+        if not (out / MANIFEST).is_file():
+            prepare_corpus(path, out, tokenizer=d.tokenizer or None, vocab_size=d.vocab_size,
+                           val_fraction=d.val_fraction)
+        return out
+
+    def _tokenizer(self) -> Tokenizer | None:
+        d = self.config.data
+        recorded = self.shards.manifest.get("tokenizer_sha256") or ""
+        if d.tokenizer:
+            tok = load_tokenizer(d.tokenizer)
+            if recorded and tok.sha256() != recorded:
+                raise ConfigError(
+                    "$.data.tokenizer",
+                    f"the tokenizer is not the one the shards in {self.data_dir} were made with "
+                    f"(sha256 {tok.sha256()[:12]}... vs {recorded[:12]}... in {MANIFEST})",
+                    value=d.tokenizer,
+                    fix="leave data.tokenizer empty to use the data's own tokenizer.json, or prepare the data again "
+                        "with this tokenizer (`plyx data prepare CORPUS --tokenizer ...`)",
+                )
+            return tok
+        path = self.shards.tokenizer_path
+        return load_tokenizer(path) if path is not None else None
+
+    def _check_vocab(self) -> None:
+        model_vocab = self.config.model.vocab_size
+        need = self.shards.vocab_size
+        if self.tokenizer is not None:
+            need = max(need, self.tokenizer.vocab_size)
+        if need > model_vocab:
+            raise ConfigError(
+                "$.model.vocab_size",
+                f"the model has {model_vocab} token ids but the tokenizer/data of {self.data_dir} use {need}",
+                value=model_vocab,
+                fix=f"set model.vocab_size >= {need} (or data.vocab_size <= {model_vocab} when the tokenizer is trained)",
+            )
+        top = int(self.shards.manifest.get("max_token_id", -1))
+        if top >= model_vocab:
+            raise ConfigError(
+                "$.model.vocab_size", f"the shards hold token id {top}, outside the model's vocabulary",
+                value=model_vocab, fix=f"set model.vocab_size >= {top + 1}",
+            )
+
+    def _check_memory(self) -> None:
+        params = sum(p.numel() for p in self.module.parameters())
+        need = estimate_memory(self.config, params)
+        have = self.options.memory_bytes or _device_memory(self.device)
+        if need > have:
+            c = self.config
+            raise ConfigError(
+                "$.batch_size",
+                f"batch_size={c.batch_size} x data.seq_len={c.data.seq_len} with a {params:,}-parameter model needs "
+                f"about {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {self.device}",
+                value=c.batch_size,
+                fix="lower batch_size (and raise grad_accum to keep the tokens per step), lower data.seq_len, "
+                    "or set activation_checkpointing = true",
+            )
+
+    def _load(self, path: Path) -> None:
+        """Restore model, optimizer, scheduler, data position, step and (at the first step) RNG."""
+        doc, tensors = CheckpointManager.read_state(path)
+        saved_model = doc.get("config", {}).get("model", {})
+        ours = self.config.model.to_dict()
+        diffs = {k: (saved_model.get(k), v) for k, v in ours.items() if saved_model.get(k) != v}
+        if diffs:
+            listed = ", ".join(f"{k}: {a!r} in the checkpoint vs {b!r} here" for k, (a, b) in sorted(diffs.items()))
+            raise ResumeError(
+                f"checkpoint {path} belongs to another model ({listed}); resume with the checkpoint's model "
+                f"config, or start a fresh run in another out_dir"
+            )
+        tok_sha = doc.get("tokenizer_sha256")
+        if tok_sha and self.tokenizer is not None and tok_sha != self.tokenizer.sha256():
+            raise ResumeError(
+                f"checkpoint {path} was trained with another tokenizer than {self.data_dir}'s; resume on the "
+                f"data it was trained on"
+            )
+        if doc["step"] > self.config.steps:
+            raise ResumeError(
+                f"checkpoint {path} is at step {doc['step']}, past this run's steps={self.config.steps}; raise steps"
+            )
+        from plyx.model import load_checkpoint
+
+        loaded = load_checkpoint(path, device="cpu")
+        state = loaded.state_dict() if isinstance(loaded, nn.Module) else loaded.load_state_dict("cpu")
+        try:
+            self.module.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise ResumeError(f"checkpoint {path} does not fit this model: {exc}") from None
+        self.optimizer.load_state_dict(optimizer_from_flat(doc["optimizer"], tensors))
+        self.scheduler.load_state_dict(doc["scheduler"])
+        data = doc["data"]
+        probe = self.train_data.stream()
+        try:
+            probe.load_state_dict(data)  # raises if the data stream would not continue identically
+        except ValueError as exc:
+            raise ResumeError(f"cannot resume {path}: {exc}") from None
+        self.data_position = probe.position
+        self.step = int(doc["step"])
+        self.run_id = doc.get("run_id", self.run_id)
+        self.last_checkpoint = path
+        self._saved_step = self.step
+        self._restored_rng = (doc["rng"], tensors)
+
+    # -- the loop -------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        """Run until ``config.steps`` (or a signal); returns a ``TrainResult``."""
+        c, opts = self.config, self.options
+        if self._restored_rng is not None:
+            restore_rng(*self._restored_rng)
+        elif self.options.overwrite and self.is_main and self.checkpoints.root.is_dir():
+            shutil.rmtree(self.checkpoints.root)  # a fresh run replaces the old one's checkpoints
+        stream = self.train_data.stream(self.data_position)
+        writer = self._metrics_writer()
+        losses: list[float] = []
+        last: dict[str, float] = {}
+        sample = ""
+        tokens_per_step = c.batch_size * c.data.seq_len * c.grad_accum * opts.world_size
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.precision == "bf16-autocast")
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        clip = c.optimizer.grad_clip if c.optimizer.grad_clip > 0 else math.inf
+        hook = get_plugin_manager().hook
+        start_step = self.step
+        window_t, window_steps = time.perf_counter(), 0
+        self.model.train()
+        with self._signals(), self._progress(start_step) as bar:
+            try:
+                while self.step < c.steps and self._stop is None:
+                    t0 = time.perf_counter()
+                    micro: list[torch.Tensor] = []
+                    metas = []
+                    for _ in range(c.grad_accum):
+                        batch = next(stream).to(self.device, non_blocking=True)
+                        with autocast:
+                            loss = lm_loss(self.model, batch, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss)
+                        (loss / c.grad_accum).backward()
+                        micro.append(loss.detach())
+                        metas.append(batch.meta)
+                    step_losses = torch.stack(micro)
+                    loss_value = float(step_losses.mean())  # a CPU-GPU sync point, once per step
+                    if not math.isfinite(loss_value):
+                        bad = int((~torch.isfinite(step_losses)).nonzero()[0, 0])
+                        raise NonFiniteLossError(self.step + 1, "loss", loss_value, metas[bad], self.last_checkpoint)
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+                    if not math.isfinite(grad_norm):
+                        raise NonFiniteLossError(self.step + 1, "grad_norm", grad_norm, metas[-1], self.last_checkpoint)
+                    detail = self._detail_metrics()
+                    lr = self.scheduler.get_last_lr()[0]
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self.step += 1
+                    self.data_position = stream.position
+                    dt = time.perf_counter() - t0
+                    losses.append(loss_value)
+                    window_steps += 1
+                    metrics: dict[str, float] = {
+                        "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
+                        "tokens": float(self.step * tokens_per_step), "ms_per_step": dt * 1e3,
+                    }
+                    if self.is_main:
+                        hook.plyx_on_train_step_end(step=self.step, metrics=metrics)
+                    if self.step % c.log_every == 0 or self.step == c.steps:
+                        elapsed = time.perf_counter() - window_t
+                        tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
+                        metrics["tokens_per_s"] = tps
+                        if self.peak_flops and self.flops_per_token:
+                            metrics["mfu"] = tps * self.flops_per_token / self.peak_flops
+                        metrics["peak_mem_mb"] = peak_memory_mb(self.device)
+                        metrics.update(detail)
+                        window_t, window_steps = time.perf_counter(), 0
+                    if c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps):
+                        metrics.update(self.evaluate())
+                        sample = self.sample()
+                        self._say(bar, f"step {self.step}: val_loss {metrics['val_loss']:.4f} "
+                                       f"(ppl {metrics['val_ppl']:.2f})\n{sample}")
+                    if writer is not None and ("tokens_per_s" in metrics or "val_loss" in metrics):
+                        writer.write(self.step, metrics)
+                    last.update(metrics)
+                    if bar is not None:
+                        bar.update(bar.task_ids[0], completed=self.step, loss=f"{loss_value:.4f}")
+                    if c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps:
+                        self.save(last)
+                        window_t = time.perf_counter()  # checkpoint time is not training throughput
+                if self._saved_step != self.step:  # the final (or interrupted) state, unless just saved
+                    self.save(last)
+                if self._stop is not None:
+                    self._say(bar, f"{self._stop}: checkpoint {self.last_checkpoint} written at step {self.step}")
+            finally:
+                if writer is not None:
+                    writer.close()
+        if not sample and c.sample_tokens and self._stop is None:
+            sample = self.sample()
+        if self.is_main:
+            hook.plyx_on_train_end(out_dir=str(self.out_dir), metrics=dict(last), metadata=self._metadata(last))
+        return TrainResult(
+            step=self.step, losses=losses, metrics=dict(last), checkpoint=self.last_checkpoint, sample=sample,
+            stopped=self._stop, out_dir=self.out_dir,
+        )
+
+    def _detail_metrics(self) -> dict[str, float]:
+        """Per-layer gradient norms on logging steps; the spectral probe when due (before the update)."""
+        c, opts = self.config, self.options
+        out: dict[str, float] = {}
+        next_step = self.step + 1
+        if next_step % c.log_every == 0 or next_step == c.steps:
+            out.update({f"grad_norm/{k}": v for k, v in grad_norms_by_group(self.groups).items()})
+        if opts.spectral_probe_every and next_step % opts.spectral_probe_every == 0:
+            for key, ratio in spectral_ratios(self.groups).items():
+                out[f"spectral_ratio/{key}"] = ratio
+                low, high = SPECTRAL_RANGE
+                if not low <= ratio <= high:
+                    self._say(None, f"warning: step {next_step}: {key} MLP/attention spectral-norm ratio {ratio:.2f} "
+                                    f"is outside [{low}, {high}]")
+        return out
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss over the first ``eval_steps`` validation batches (the same ones every time) and its perplexity."""
+        if self.val_data is None:
+            return {}
+        c = self.config
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.precision == "bf16-autocast")
+        was = self.model.training
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        try:
+            for i in range(c.eval_steps):
+                batch = self.val_data.batch(i).to(self.device)
+                with autocast:
+                    total += lm_loss(self.model, batch).double()
+        finally:
+            self.model.train(was)
+        val = float(total) / c.eval_steps
+        return {"val_loss": val, "val_ppl": math.exp(min(val, 700.0))}
+
+    def sample(self) -> str:
+        """A sample of ``sample_tokens`` tokens, decoded with the run's tokenizer (ids when there is none)."""
+        c, opts = self.config, self.options
+        if not c.sample_tokens:
+            return ""
+        gen = torch.Generator().manual_seed(c.seed + self.step)
+        tok = self.tokenizer
+        prompt = tok.encode(opts.sample_prompt) if tok and opts.sample_prompt else []
+        if not prompt:
+            prompt = [tok.eos_id] if tok else [0]
+        ids = generate_ids(self.module, prompt, c.sample_tokens, temperature=opts.sample_temperature,
+                           top_k=opts.sample_top_k, generator=gen)
+        if tok is None:
+            return " ".join(map(str, ids))
+        text = tok.decode(ids[len(prompt) if prompt != [tok.eos_id] else 1 :])
+        separator = self.shards.manifest.get("source", {}).get("separator")
+        return text.replace(tok.eos_token, separator) if separator else text
+
+    # -- checkpoints --------------------------------------------------------------------
+    def save(self, metrics: dict[str, float] | None = None) -> Path | None:
+        """Checkpoint the current step atomically (rank 0 only) and fire ``plyx_on_checkpoint_saved``."""
+        if not self.is_main:
+            return None
+        metrics = dict(metrics or {})
+        state = {
+            "run_id": self.run_id,
+            "config": self.config.to_dict(),
+            "data": self.train_data.stream(self.data_position).state_dict(),
+            "data_dir": str(self.data_dir),
+            "tokenizer_sha256": self.tokenizer.sha256() if self.tokenizer else "",
+            "metrics": metrics,
+        }
+        card = {
+            "training": {"steps": self.step, "tokens": metrics.get("tokens"), "loss": metrics.get("loss"),
+                         "val_loss": metrics.get("val_loss"), "run_id": self.run_id},
+        }
+        if self.tokenizer is not None:
+            card["tokenizer"] = "tokenizer.json"
+        path = self.checkpoints.save(
+            self.step, self.module, optimizer=self.optimizer, scheduler=self.scheduler, state=state,
+            card_fields=card, tokenizer_file=self.tokenizer.path if self.tokenizer else None,
+        )
+        self.last_checkpoint = path
+        self._saved_step = self.step
+        meta = self._metadata(metrics)
+        meta["outputs"] = {"checkpoint": str(path), **meta["outputs"]}
+        get_plugin_manager().hook.plyx_on_checkpoint_saved(path=str(path), step=self.step, metadata=meta)
+        return path
+
+    def _metadata(self, metrics: dict[str, float]) -> dict[str, Any]:
+        inputs = {"data": str(self.data_dir), "manifest": str(self.data_dir / MANIFEST)}
+        if self.tokenizer is not None and self.tokenizer.path is not None:
+            inputs["tokenizer"] = str(self.tokenizer.path)
+        outputs = {"metrics": str(self.out_dir / "metrics.csv")}
+        if self.last_checkpoint is not None:
+            outputs["checkpoint"] = str(self.last_checkpoint)
+        return {
+            "config": self.config.to_dict(),
+            "seeds": {"seed": self.config.seed, "data_seed": self.config.seed},
+            "inputs": inputs,
+            "outputs": outputs,
+            "metrics": dict(metrics),
+            "run_id": self.run_id,
+            "step": self.step,
+        }
+
+    # -- terminal, files, signals --------------------------------------------------------
+    def _metrics_writer(self) -> MetricsWriter | None:
+        if not self.is_main:
+            return None
+        extra = [f"grad_norm/{k}" for k in self.groups]
+        if self.options.spectral_probe_every:
+            extra += [f"spectral_ratio/{k}" for k in self.groups if k.split(".")[-1].isdigit()]
+        return MetricsWriter(self.out_dir, extra, resume_step=self.step if self.step else None,
+                             tensorboard=self.options.tensorboard)
+
+    @contextlib.contextmanager
+    def _progress(self, start: int) -> Iterator[Any]:
+        if not (self.options.progress and self.is_main):
+            yield None
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        with Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+            TimeRemainingColumn(),
+        ) as progress:
+            progress.add_task("train", total=self.config.steps, completed=start, loss="-")
+            yield progress
+
+    def _say(self, bar: Any, text: str) -> None:
+        if not self.is_main:
+            return
+        if bar is not None:
+            bar.console.print(text)
+        elif self.options.print_fn is not None:
+            self.options.print_fn(text)
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        """SIGINT/SIGTERM finish the current step, then checkpoint and stop (a second SIGINT aborts)."""
+        if not self.options.handle_signals or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop is not None and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self._stop = signal.Signals(signum).name
+
+        previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
