@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from plyx.governance import content_id, load_receipt, make_receipt, verify_receipt, write_receipt
-from plyx.governance._files import digest_file
+from plyx.governance._files import _CACHE, digest_file
 
 
 def test_receipt_records_everything_and_replays(toy_run: dict[str, Path]) -> None:
@@ -91,3 +92,30 @@ def test_not_a_receipt(tmp_path: Path) -> None:
     (tmp_path / "r.json").write_text('{"schema": "other"}', encoding="utf-8")
     report = verify_receipt(tmp_path / "r.json")
     assert not report.ok and "not a receipt" in report.problems[0].message
+
+
+def test_input_digests_are_reused_only_while_the_file_is_unchanged(toy_run: dict[str, Path]) -> None:
+    ckpt = toy_run["checkpoint"]
+    first = make_receipt(base=ckpt, inputs={"data": toy_run["data"]})
+    assert any(k[1] == os.path.abspath(toy_run["data"]) for k in _CACHE)
+    again = make_receipt(base=ckpt, inputs={"data": toy_run["data"]})
+    assert first["inputs"] == again["inputs"]
+    toy_run["data"].write_text("a different corpus, a different size\n", encoding="utf-8")
+    changed = make_receipt(base=ckpt, inputs={"data": toy_run["data"]})
+    assert changed["inputs"][0]["sha256"] == digest_file(toy_run["data"]) != first["inputs"][0]["sha256"]
+
+
+def test_paths_relative_within_a_run_tree_absolute_beyond(tmp_path: Path) -> None:
+    from plyx.governance._receipt import stored_path
+
+    base = tmp_path / "a" / "b" / "c" / "d"
+    assert stored_path(base / "x.bin", base) == "x.bin"
+    assert stored_path(tmp_path / "a" / "m.csv", base) == "../../../m.csv"
+    far = tmp_path / "cache" / "data.bin"
+    assert stored_path(far, base) == far.as_posix()
+    far.parent.mkdir()
+    far.write_bytes(b"d")
+    base.mkdir(parents=True)
+    receipt = make_receipt(base=base, inputs={"data": far})
+    assert receipt["inputs"][0]["path"] == far.as_posix()
+    assert verify_receipt(write_receipt(base / "RECEIPT.json", receipt)).ok  # absolute paths replay too

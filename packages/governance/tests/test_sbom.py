@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
+from cyclonedx.schema import SchemaVersion
+from cyclonedx.validation.json import JsonStrictValidator
 from plyx.governance import build_cyclonedx, build_spdx, validate_spdx, write_sbom
 from plyx.governance._environment import Distribution, installed_distributions
 from plyx.governance._licenses import declared_license
@@ -41,6 +43,10 @@ def test_sbom_of_this_environment_has_zero_spdx_tools_messages(tmp_path: Path, p
     assert (ids["plyx-governance"], "DEPENDS_ON", ids["plyx-specs"]) in rels
     assert doc["files"][0]["fileName"] == "./model.onnx"
     assert validate_spdx(out).ok
+    # the CycloneDX twin against the official 1.5 schema (strict: no unknown properties)
+    cdx = (tmp_path / "SBOM.cdx.json").read_text(encoding="utf-8")
+    assert JsonStrictValidator(SchemaVersion.V1_5).validate_str(cdx) is None
+    assert {c["name"] for c in json.loads(cdx)["components"] if c["type"] == "library"} == set(installed)
 
 
 def _dist(name: str, version: str = "1.0", **kw: object) -> Distribution:
@@ -128,5 +134,9 @@ def test_cyclonedx_inventory_matches_spdx(tmp_path: Path) -> None:
     assert libs["a"]["licenses"] == [{"expression": "MIT"}] and "licenses" not in libs["b"]
     assert libs["b"]["purl"] == "pkg:pypi/b@2.0%2Bx"
     assert {"ref": "pkg:pypi/a@1.0", "dependsOn": ["pkg:pypi/b@2.0%2Bx"]} in bom["dependencies"]
+    validator = JsonStrictValidator(SchemaVersion.V1_5)
+    assert validator.validate_str(json.dumps(bom)) is None
+    bom["components"][0]["licenses"] = [{"expression": "MIT", "note": "not in the schema"}]
+    assert validator.validate_str(json.dumps(bom)) is not None  # the validator does reject
     files = [c for c in bom["components"] if c["type"] == "file"]
     assert files[0]["hashes"][1] == {"alg": "SHA-256", "content": hashlib.sha256(b"m").hexdigest()}

@@ -81,7 +81,7 @@ def parity(fresh_seed: int) -> Callable[..., None]:
         if not grad:
             return
         floats = [(g, w) for g, w in zip(got, want) if w.is_floating_point()]
-        cot = [torch.randn(w.shape, dtype=torch.float64) for _, w in floats]
+        cot = [torch.randn(w.shape, dtype=torch.float64).to(w.device) for _, w in floats]
         with poisoned():
             grads = torch.autograd.grad([g for g, _ in floats], [args[i] for i in grad],
                                         [c.to(g.device, g.dtype) for (g, _), c in zip(floats, cot)])

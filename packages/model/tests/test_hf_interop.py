@@ -97,8 +97,9 @@ def test_hf_decode_with_generate_matches(saved) -> None:
     model = load_checkpoint(path)
     prompt = torch.randint(0, 67, (1, 6))
     with torch.no_grad():
-        want = hf.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 6:]
-        print("DBG", hf(prompt).logits[0, -1].argmax(), model(prompt)[0, -1].argmax(), want, type(hf).__name__)
+        # an explicit mask: otherwise generate() takes every token equal to pad_token_id for padding
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                           pad_token_id=0)[0, 6:]
         cache = make_cache("paged", model.config, block_size=4)
         logits = model(prompt, cache=cache)
         got = []

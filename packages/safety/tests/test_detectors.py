@@ -7,7 +7,6 @@ import codecs
 import sys
 
 import pytest
-
 from plyx.safety import DetectorOptionError, build_detector
 
 

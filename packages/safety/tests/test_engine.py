@@ -6,7 +6,6 @@ import json
 import logging
 
 import pytest
-
 from plyx.safety import AuditLog, Guard
 from plyx.specs import Component, hookimpl
 from plyx.specs.plugins import register_plugin

@@ -6,7 +6,6 @@ import json
 import textwrap
 
 import pytest
-
 from plyx.safety import Guard, Policy, load_policy
 from plyx.specs.config import migrations_for
 from plyx.specs.errors import ConfigError

@@ -6,7 +6,6 @@ import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from plyx.safety import AuditLog, Guard
 
 PII = ["jane.doe@example.com", "+1 415 555 0132", "4111 1111 1111 1111", "DE89 3704 0044 0532 0130 00",
@@ -35,7 +34,7 @@ def run_stream(guard: Guard, text: str, cuts: list[int]) -> tuple[list[str], obj
 
 texts = st.lists(st.sampled_from(PII + WORDS), min_size=1, max_size=12).flatmap(
     lambda parts: st.lists(st.sampled_from(SEPS), min_size=len(parts), max_size=len(parts)).map(
-        lambda seps: "".join(p + s for p, s in zip(parts, seps))))
+        lambda seps: "".join(p + s for p, s in zip(parts, seps, strict=True))))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,3 +97,20 @@ def test_stream_decision_is_audited_once_per_finding():
     assert f.decision.hits[0].rule_id == "pii" and len(f.decision.hits[0].spans) == 2
     records = [r for r in guard.audit.recent if r["rail"] == "output"]
     assert len(records) == 1 and records[0]["count"] == 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=texts, data=st.data())
+def test_a_blocked_term_never_leaves_the_stream(text, data):
+    guard = Guard({"output": [{"id": "b", "detector": "deny_list", "action": "block", "options": {"deny": ["idiot"]}}]},
+                  audit=AuditLog())
+    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=len(text)))
+    pieces, f = run_stream(guard, text, cuts)
+    emitted = "".join(pieces)
+    whole = guard.check_output(text)
+    if whole.blocked:
+        first = guard.rails["output"][0].detector.detect(text, {})[0].start
+        assert f.blocked is not None and f.blocked["rule_id"] == "b"
+        assert text[:first].startswith(emitted)  # only text before the term, possibly less
+    else:
+        assert f.blocked is None and emitted == text

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
-from plyx.specs import ConfigError, KernelConfig, ModelConfig, ServeConfig, TrainConfig, dump_config, load_config
+from plyx.specs import (
+    ConfigBase,
+    ConfigError,
+    KernelConfig,
+    ModelConfig,
+    ServeConfig,
+    TrainConfig,
+    dump_config,
+    load_config,
+)
 from plyx.specs.config import migrations_for
 
 ALL = [ModelConfig, TrainConfig, ServeConfig, KernelConfig]
@@ -134,3 +144,21 @@ def test_kernel_env_overrides_parse_and_reject_garbage():
 def test_serve_config_cross_field():
     with pytest.raises(ConfigError, match="max_batch_tokens"):
         ServeConfig(max_batch_size=64, max_batch_tokens=8)
+
+
+
+class _Item(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    name: str = ""
+    size: int = 1
+
+
+class _Doc(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    SCHEMA = "doc"
+    items: list[_Item] = []
+
+
+def test_unknown_field_inside_a_list_of_structs_lists_the_known_fields():
+    with pytest.raises(ConfigError) as info:
+        _Doc.from_dict({"items": [{"name": "a"}, {"nmae": "b"}]})
+    assert info.value.path == "$.items[1].nmae"
+    assert "did you mean `name`" in info.value.fix

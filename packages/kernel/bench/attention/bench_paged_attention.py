@@ -4,8 +4,11 @@ Sizes (``SIZES``): bf16, 16 query heads over 4 key/value heads (GQA 4), head
 dim 128, pool blocks of 16 tokens scattered at random, one new token per
 sequence, batch 1, 8, 64 and contexts 1k..32k. KV bytes = B * ctx * KV * Dh *
 2 (k and v) * 2 bytes; GB/s = KV bytes / median time (``do_bench`` flushes L2
-between runs, so the cache is read from HBM). The copy bandwidth is a 2 GiB
-device-to-device copy counting bytes read plus written.
+between runs, so the cache is read from HBM). "call" figures time whole calls
+(Python, launches and kernels); "kernel" figures sum the GPU time of the
+kernels a call launches (torch.profiler, L2 flushed before each call), which
+is what a CUDA-graph-captured decode step would pay. The copy bandwidth is a
+2 GiB device-to-device copy counting bytes read plus written.
 
     python bench_paged_attention.py --out results.json
 """
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 import triton
 
 from plyx.kernel.attention import paged_attention_triton
+from plyx.kernel.attention import _paged
 from plyx.kernel.attention._paged import _sm_count, num_splits_for
 
 SIZES = {
@@ -33,11 +37,36 @@ SIZES = {
     "contexts": [1024, 2048, 4096, 8192, 16384, 32768],
     "dtype": "bfloat16",
     "copy_bytes": 2 << 30,
+    # launch configs tried by --sweep: (block_n, num_warps, num_stages), on (batch, context) cases
+    "sweep_configs": [(32, 2, 3), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 3),
+                      (128, 8, 3), (128, 8, 2)],
+    "sweep_cases": [(1, 32768), (8, 8192), (64, 4096)],
 }
 
 
 def _time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def kernel_ms(fn, iters: int = 20) -> float:
+    """GPU time of the kernels ``fn`` launches per call (profiler), L2 flushed before each call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for evt in prof.key_averages():
+        if getattr(evt, "device_type", None) != DeviceType.CUDA or "fill" in evt.key.lower():
+            continue  # CPU-side records and the L2 flush
+        total_us += getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0.0)
+    return total_us / iters / 1e3
 
 
 def copy_bandwidth() -> float:
@@ -46,6 +75,43 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = _time(lambda: dst.copy_(src))
     return 2 * src.numel() * 4 / ms / 1e6  # GB/s, read + write
+
+
+def _make(B: int, ctx: int):
+    H, KV, D, bs, Tq = SIZES["heads"], SIZES["kv_heads"], SIZES["head_dim"], SIZES["block_size"], SIZES["new_tokens"]
+    dtype = getattr(torch, SIZES["dtype"])
+    num_blocks = B * (ctx // bs)
+    k_pool = torch.randn(num_blocks, bs, KV, D, device="cuda", dtype=dtype)
+    v_pool = torch.randn_like(k_pool)
+    tables = torch.randperm(num_blocks, device="cuda").view(B, ctx // bs).to(torch.int32)
+    lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+    q = torch.randn(B, Tq, H, D, device="cuda", dtype=dtype)
+    return q, k_pool, v_pool, tables, lens
+
+
+def sweep() -> list[dict[str, object]]:
+    """Kernel time of each launch config on a few cases; the best geometric mean is printed."""
+    rows = []
+    default = dict(_paged.GPU_CONFIG)
+    cases = [(B, ctx, _make(B, ctx)) for B, ctx in SIZES["sweep_cases"]]
+    for bn, warps, stages in SIZES["sweep_configs"]:
+        _paged.GPU_CONFIG.update(block_n=bn, num_warps=warps, num_stages=stages)
+        row: dict[str, object] = {"block_n": bn, "num_warps": warps, "num_stages": stages}
+        try:
+            for B, ctx, args in cases:
+                row[f"B{B}_ctx{ctx}_kernel_us"] = kernel_ms(lambda: paged_attention_triton(*args)) * 1e3
+        except Exception as exc:  # a config that does not fit (shared memory, registers)
+            row["error"] = str(exc)[:160]
+        rows.append(row)
+        print("sweep", row, flush=True)
+    _paged.GPU_CONFIG.update(default)
+    ok = [r for r in rows if "error" not in r]
+    if ok:
+        import math
+
+        best = min(ok, key=lambda r: math.prod(v for k, v in r.items() if k.endswith("_us")))
+        print("sweep best", best, flush=True)
+    return rows
 
 
 def bench_case(B: int, ctx: int) -> dict[str, object]:
@@ -61,8 +127,10 @@ def bench_case(B: int, ctx: int) -> dict[str, object]:
     kv_bytes = 2 * B * ctx * KV * D * k_pool.element_size()
     splits = num_splits_for(B, KV, ctx, 64, _sm_count(q.device))
     ms = _time(lambda: paged_attention_triton(q, k_pool, v_pool, tables, lens))
+    kms = kernel_ms(lambda: paged_attention_triton(q, k_pool, v_pool, tables, lens))
     row: dict[str, object] = {"B": B, "ctx": ctx, "splits": splits, "kv_MB": kv_bytes / 1e6,
-                              "triton": {"ms": ms, "GBps": kv_bytes / ms / 1e6}}
+                              "triton": {"ms": ms, "GBps": kv_bytes / ms / 1e6, "kernel_ms": kms,
+                                         "kernel_GBps": kv_bytes / kms / 1e6}}
     # the same cache contiguous, [B, KV, ctx, Dh], through SDPA (whatever backend torch picks)
     k_c = k_pool[tables.long()].reshape(B, ctx, KV, D).transpose(1, 2).contiguous()
     v_c = v_pool[tables.long()].reshape(B, ctx, KV, D).transpose(1, 2).contiguous()
@@ -71,7 +139,9 @@ def bench_case(B: int, ctx: int) -> dict[str, object]:
     del k_pool, v_pool
     try:
         ms_s = _time(lambda: F.scaled_dot_product_attention(q_c, k_c, v_c, enable_gqa=True))
-        row["sdpa_contiguous"] = {"ms": ms_s, "GBps": kv_bytes / ms_s / 1e6}
+        kms_s = kernel_ms(lambda: F.scaled_dot_product_attention(q_c, k_c, v_c, enable_gqa=True))
+        row["sdpa_contiguous"] = {"ms": ms_s, "GBps": kv_bytes / ms_s / 1e6, "kernel_ms": kms_s,
+                                  "kernel_GBps": kv_bytes / kms_s / 1e6}
         ref = F.scaled_dot_product_attention(q_c, k_c, v_c, enable_gqa=True).transpose(1, 2).float()
         row["rel_err_vs_sdpa"] = float((ours - ref).norm() / ref.norm())
     except RuntimeError as exc:
@@ -82,22 +152,27 @@ def bench_case(B: int, ctx: int) -> dict[str, object]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file, rewritten after each case")
+    parser.add_argument("--sweep", action="store_true", help="also time the launch configs of SIZES['sweep_configs']")
     args = parser.parse_args()
     copy = copy_bandwidth()
     result = {"sizes": SIZES, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "copy_GBps": copy, "cases": []}
+              "triton": triton.__version__, "copy_GBps": copy, "config": dict(_paged.GPU_CONFIG), "cases": []}
+    if args.sweep:
+        result["sweep"] = sweep()
     print(f"copy bandwidth {copy:.0f} GB/s (read + write)", flush=True)
     for B in SIZES["batches"]:
         for ctx in SIZES["contexts"]:
             row = bench_case(B, ctx)
             row["triton"]["of_copy"] = row["triton"]["GBps"] / copy
+            row["triton"]["kernel_of_copy"] = row["triton"]["kernel_GBps"] / copy
             result["cases"].append(row)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
             s = row["sdpa_contiguous"]
             print(f"B={B:3} ctx={ctx:6} splits={row['splits']:3} triton {row['triton']['ms'] * 1e3:8.1f} us "
-                  f"{row['triton']['GBps']:7.0f} GB/s ({100 * row['triton']['of_copy']:5.1f}% of copy) | sdpa "
-                  f"{s.get('GBps', float('nan')):7.0f} GB/s", flush=True)
+                  f"{row['triton']['GBps']:7.0f} GB/s ({100 * row['triton']['of_copy']:5.1f}% of copy) kernel "
+                  f"{row['triton']['kernel_ms'] * 1e3:8.1f} us {100 * row['triton']['kernel_of_copy']:5.1f}% | sdpa "
+                  f"{s.get('GBps', float('nan')):7.0f} GB/s kernel {s.get('kernel_GBps', float('nan')):7.0f}", flush=True)
             torch.cuda.empty_cache()
     return 0
 

@@ -58,13 +58,23 @@ def main() -> int:
         lines += ["", "Autotuned configs: " + "; ".join(f"`{k}`: {v}" for k, v in flash["configs"].items())]
     lines += ["", f"## Paged decode, bf16, 16 q heads / 4 kv heads, Dh 128, blocks of 16, 1 new token "
               f"(copy bandwidth {_f(paged.get('copy_GBps'))} GB/s, read + write)", "",
-              "| batch | context | splits | KV MB | triton us | triton GB/s | % of copy | sdpa contiguous GB/s | err vs sdpa |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "call = whole call timed with do_bench (Python + launches + kernels); kernel = GPU time of the "
+              "launched kernels (profiler), what a CUDA-graph decode step pays.", "",
+              "| batch | context | splits | KV MB | triton call us | call GB/s | % of copy | triton kernel us | kernel GB/s | "
+              "% of copy | sdpa call GB/s | sdpa kernel GB/s | err vs sdpa |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in paged.get("cases", []):
         t, s = row["triton"], row.get("sdpa_contiguous", {})
+        km = t.get("kernel_ms")
         lines.append(f"| {row['B']} | {row['ctx']} | {row['splits']} | {_f(row['kv_MB'], '{:.1f}')} | "
                      f"{_f(t['ms'] * 1e3, '{:.1f}')} | {_f(t['GBps'])} | {_f(100 * t['of_copy'], '{:.1f}')} | "
-                     f"{_f(s.get('GBps'))} | {_f(row.get('rel_err_vs_sdpa'), '{:.1e}')} |")
+                     f"{_f(km * 1e3 if km else None, '{:.1f}')} | {_f(t.get('kernel_GBps'))} | "
+                     f"{_f(100 * t['kernel_of_copy'] if 'kernel_of_copy' in t else None, '{:.1f}')} | "
+                     f"{_f(s.get('GBps'))} | {_f(s.get('kernel_GBps'))} | {_f(row.get('rel_err_vs_sdpa'), '{:.1e}')} |")
+    if paged.get("config"):
+        lines += ["", f"Paged launch config: {paged['config']}"]
+    for r in paged.get("sweep", []):
+        lines.append(f"- sweep {r}")
     with open(a.out_md, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

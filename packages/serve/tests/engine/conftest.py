@@ -43,3 +43,12 @@ def bpe():
 @pytest.fixture(scope="session")
 def bpe_lm(bpe):
     return small_lm(vocab=-(-bpe.get_vocab_size() // 16) * 16)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models run fastest on one intra-op thread (two threads on a busy 2-core machine wait on each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -45,7 +45,7 @@ def test_many_interleaved_requests_equal_alone_under_chunking_and_preemption(lm)
     params = [SamplingParams(temperature=0, max_new_tokens=rng.randrange(1, 20), ignore_eos=True) for _ in prompts]
     want = [alone(lm, p, sp).outputs[0].token_ids for p, sp in zip(prompts, params)]
     # budget 16 < most prompts: chunked prefill; 40 blocks of 4 for 8 sequences of up to 80 tokens: preemption
-    engine = Engine(lm, config=EngineConfig(max_batch_size=8, max_batch_tokens=16, block_size=4, num_blocks=40,
+    engine = Engine(lm, config=EngineConfig(max_batch_size=8, max_batch_tokens=16, block_size=4, num_blocks=40, max_model_len=96,
                                             prefix_caching=False))
     got = engine.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == want
@@ -82,14 +82,15 @@ def test_chunked_prefill_does_not_stall_decoding(lm):
     engine.add_request("long", long_prompt, SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
     long_seq = engine.requests["long"].seqs[0]
     steps_while_prefilling = 0
+    tokens = []
     while long_seq.num_computed < len(long_prompt):
         outs = engine.step()
+        tokens += [t for o in outs if o.request_id == "long" for t in o.event.token_ids]
         # every step gives the decoding request its token; the prompt advances by at most the rest of the budget
         assert [o.request_id for o in outs if o.request_id == "d"] == ["d"]
         assert engine.stats.last_batch_tokens <= 9
         steps_while_prefilling += 1
     assert steps_while_prefilling >= 100 // 8  # the 100-token prompt went in chunks
-    tokens = []
     while engine.has_unfinished():
         tokens += [t for o in engine.step() if o.request_id == "long" for t in o.event.token_ids]
     assert tokens == reference_greedy(lm, long_prompt, 3)
@@ -100,7 +101,7 @@ def test_sampled_requests_resume_identically_after_preemption(lm):
     params = [SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_new_tokens=16, seed=100 + i, ignore_eos=True)
               for i in range(len(prompts))]
     want = [alone(lm, p, sp).outputs[0].token_ids for p, sp in zip(prompts, params)]
-    engine = Engine(lm, config=EngineConfig(max_batch_size=10, max_batch_tokens=32, block_size=4, num_blocks=30,
+    engine = Engine(lm, config=EngineConfig(max_batch_size=10, max_batch_tokens=32, block_size=4, num_blocks=30, max_model_len=64,
                                             prefix_caching=False))
     reqs = [engine.add_request(str(i), p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     while engine.has_unfinished():

@@ -113,7 +113,7 @@ class Attention(nn.Module):
                 window=self.sliding_window,
             )
         else:
-            out = self._attend_cached(q, k, v, step)
+            out = self._attend_cached(q, k, v, step).to(x.dtype)  # the cache may store another dtype
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
 
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: KVStep) -> torch.Tensor:

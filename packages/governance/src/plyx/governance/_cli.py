@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from plyx.governance._card import write_card
-from plyx.governance._errors import GovernanceError, KeyPermissionError
+from plyx.governance._errors import GovernanceError
 from plyx.governance._keys import generate_keypair, load_private_key
 from plyx.governance._lineage import write_lineage
 from plyx.governance._receipt import RECEIPT_SCHEMA, load_receipt, make_receipt, verify_receipt, write_receipt
@@ -209,13 +209,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Execute a parsed governance command; input errors print one line and return 2."""
+    """Execute a parsed governance command; input and file errors print one line and return 2."""
     try:
         return int(args.governance_func(args) or 0)
-    except KeyPermissionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except GovernanceError as exc:
+    except (GovernanceError, OSError) as exc:  # OSError covers KeyPermissionError and unreadable paths
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -26,12 +26,30 @@ _CHUNK = 1 << 20  # 1 MiB reads: checkpoints are large, memory stays flat
 _LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$")
 
 
-def digest_file(path: str | os.PathLike[str], algorithm: str = "sha256") -> str:
-    """Hex digest of a file's bytes."""
+# (algorithm, absolute path, size, mtime_ns, inode) -> hex digest, for inputs only (see digest_file)
+_CACHE: dict[tuple[str, str, int, int, int], str] = {}
+
+
+def digest_file(path: str | os.PathLike[str], algorithm: str = "sha256", *, cache: bool = False) -> str:
+    """Hex digest of a file's bytes.
+
+    With ``cache=True`` a digest is reused while the file's size, mtime and
+    inode are unchanged. The checkpoint hook uses this for a run's inputs:
+    they are the same at every save and can be tens of GB, while outputs are
+    always read fresh.
+    """
+    key = None
+    if cache:
+        st = os.stat(path)
+        key = (algorithm, os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+        if key in _CACHE:
+            return _CACHE[key]
     h = hashlib.new(algorithm)
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             h.update(chunk)
+    if key is not None:
+        _CACHE[key] = h.hexdigest()
     return h.hexdigest()
 
 
@@ -51,14 +69,14 @@ def iter_tree(root: str | os.PathLike[str], *, exclude: Iterable[str] = ()) -> I
         yield p
 
 
-def digest_tree(root: str | os.PathLike[str], *, exclude: Iterable[str] = ()) -> str:
+def digest_tree(root: str | os.PathLike[str], *, exclude: Iterable[str] = (), cache: bool = False) -> str:
     """sha256 of a directory: over the canonical JSON of ``[[relpath, sha256, size], ...]`` sorted by relpath.
 
     Independent of file-system order, timestamps and permissions; a renamed,
     added, removed or changed file changes it.
     """
     root = Path(root)
-    listing = [[p.relative_to(root).as_posix(), digest_file(p), p.stat().st_size]
+    listing = [[p.relative_to(root).as_posix(), digest_file(p, cache=cache), p.stat().st_size]
                for p in iter_tree(root, exclude=exclude)]
     return hashlib.sha256(canonical_json(listing)).hexdigest()
 

@@ -10,8 +10,9 @@ A receipt is a JSON object (schema ``plyx.governance.receipt/1``):
     parents [content ids of the receipts of its inputs],
     content_id  "sha256:<hex>" over the canonical JSON of all of the above
 
-Paths are relative to the receipt's directory (``/`` separators), so a run
-directory can move. A directory's digest is ``digest_tree`` (sha256 over the
+Paths are relative to the receipt's directory (``/`` separators) when they
+are at most three levels up, so a run directory can move; paths further away
+(a shared data cache) are absolute. A directory's digest is ``digest_tree`` (sha256 over the
 canonical listing of its files). Values JSON cannot hold are made
 representable first: paths become strings, tuples lists, NaN and infinities
 the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, other objects ``repr()``.
@@ -68,13 +69,29 @@ def jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def _describe(path: str | os.PathLike[str], base: Path, *, exclude: Sequence[str] = ()) -> dict[str, Any]:
+_MAX_CLIMB = 3  # "../../../x": a run tree (run/checkpoints/step-N/ -> run/metrics.csv) stays relative
+
+
+def stored_path(path: str | os.PathLike[str], base: str | os.PathLike[str]) -> str:
+    """How a receipt records ``path``: relative to ``base`` when within three levels up, else absolute.
+
+    Files of the same run tree stay relative, so the tree can move; a shared
+    data cache elsewhere on the machine is recorded where it is.
+    """
+    rel = portable_relpath(path, base)
+    if rel.split("/")[:_MAX_CLIMB + 1].count("..") <= _MAX_CLIMB:
+        return rel
+    return Path(os.path.abspath(path)).as_posix()
+
+
+def _describe(path: str | os.PathLike[str], base: Path, *, exclude: Sequence[str] = (),
+              cache: bool = False) -> dict[str, Any]:
     p = Path(path)
-    entry: dict[str, Any] = {"path": portable_relpath(p, base)}
+    entry: dict[str, Any] = {"path": stored_path(p, base)}
     if p.is_file():
-        entry.update(type="file", sha256=digest_file(p), size=p.stat().st_size)
+        entry.update(type="file", sha256=digest_file(p, cache=cache), size=p.stat().st_size)
     elif p.is_dir():
-        entry.update(type="dir", sha256=digest_tree(p, exclude=exclude),
+        entry.update(type="dir", sha256=digest_tree(p, exclude=exclude, cache=cache),
                      size=sum(f.stat().st_size for f in p.rglob("*") if f.is_file()))
     else:
         entry.update(type="absent", sha256=None, size=None)
@@ -124,7 +141,9 @@ def make_receipt(*, base: str | os.PathLike[str], kind: str = "artifacts",
         "config": jsonable(dict(config or {})),
         "seeds": jsonable(seeds),
         "metrics": jsonable(dict(metrics or {})),
-        "inputs": [{"name": str(name), **_describe(path, base)} for name, path in sorted((inputs or {}).items())],
+        # inputs are hashed once per process while unchanged (a corpus at every checkpoint would be slow)
+        "inputs": [{"name": str(name), **_describe(path, base, cache=True)}
+                   for name, path in sorted((inputs or {}).items())],
         "outputs": [_describe(p, base, exclude=own) for p in outputs],
         "parents": sorted(set(parents)),
     }

@@ -30,7 +30,7 @@ from plyx.specs.kvcache import KVCache
 
 __all__ = ["DecoderLayer", "MLP", "TransformerLM", "torch_dtype"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def torch_dtype(name: str | torch.dtype) -> torch.dtype:

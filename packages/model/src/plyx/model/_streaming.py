@@ -61,10 +61,9 @@ class LayerStreamer:
             check_tensors(self._ckpt, config)
             if verify:
                 self._ckpt.verify()
-        if dtype is not None:
-            config = config.replace(dtype=str(torch_dtype(dtype)).removeprefix("torch."))
         self.config = config
-        self.dtype = torch_dtype(config.dtype)
+        # the compute dtype may be one a ModelConfig does not name (float64 for checks)
+        self.dtype = torch_dtype(dtype if dtype is not None else config.dtype)
         # skeleton: every parameter on meta, then the resident ones made real
         self.skeleton = TransformerLM(config, device="meta")
         resident = {n: t for n, t in self._source_tensors(_RESIDENT).items()}

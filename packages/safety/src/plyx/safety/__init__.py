@@ -18,7 +18,7 @@ from plyx.safety._evaluate import evaluate
 from plyx.safety._guard import Guard
 from plyx.safety._normalize import normalize
 from plyx.safety._policy import Policy, Rule, load_policy
-from plyx.safety._probes import HAZARDS, Attempt, is_refusal
+from plyx.safety._probes import HAZARDS, Attempt, Refusal, is_refusal
 from plyx.safety._redteam import RedteamReport, RedteamResult, available_probes, run_redteam
 from plyx.safety._scan import ScanSummary, scan_corpus
 from plyx.safety._serving import activate, active_guard, deactivate
@@ -40,6 +40,7 @@ __all__ = [
     "Policy",
     "RedteamReport",
     "RedteamResult",
+    "Refusal",
     "Rule",
     "RuleHit",
     "ScanSummary",

@@ -7,9 +7,6 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from plyx.specs import Component
-from plyx.specs.plugins import components
-
 from plyx.safety._classifier import ClassifierDetector
 from plyx.safety._injection import PromptInjectionDetector
 from plyx.safety._limits import LengthDetector, RateLimitDetector
@@ -26,6 +23,8 @@ from plyx.safety._pii import (
 from plyx.safety._regex import RegexDetector
 from plyx.safety._secrets import SecretsDetector
 from plyx.safety._types import DetectorOptionError
+from plyx.specs import Component
+from plyx.specs.plugins import components
 
 __all__ = ["BUILTIN_DETECTORS", "available_detectors", "build_detector", "UnknownDetectorError"]
 

@@ -15,12 +15,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from plyx.specs.errors import ConfigError
-
 from plyx.safety._audit import AuditLog, fingerprint
 from plyx.safety._detectors import UnknownDetectorError, build_detector
 from plyx.safety._policy import RAILS, Policy, Rule
 from plyx.safety._types import DetectorOptionError, Finding
+from plyx.specs.errors import ConfigError
 
 __all__ = ["CompiledRule", "RuleHit", "Decision", "compile_policy", "run_rules", "decide", "redact"]
 

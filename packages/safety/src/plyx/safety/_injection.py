@@ -31,7 +31,7 @@ MOVES: list[tuple[str, float, str]] = [
     ("override", 0.9,
      rf"\b(?:ignore|disregard|forget|skip|bypass|override|abandon|drop|neglect)\b{_W}"
      rf"(?:previous|prior|above|earlier|preceding|all|any|your|the|these|those|system|original|initial)\b{_W}?{_OBJ}"),
-    ("override", 0.9, rf"\b(?:ignore|disregard|forget)\s+(?:everything|all)\s+(?:above|before|previously|you\s+were\s+told)"),
+    ("override", 0.9, r"\b(?:ignore|disregard|forget)\s+(?:everything|all)\s+(?:above|before|previously|you\s+were\s+told)"),
     ("override", 0.7, rf"\b(?:do\s+not|don't|dont|stop)\s+(?:follow|obey)(?:ing)?\b{_W}?{_OBJ}"),
     ("new_instructions", 0.6, r"\b(?:new|updated|real|actual|true|revised)\s+(?:instructions?|task|objective|system\s+prompt|rules)\s*[:\-]"),
     ("persona", 0.45, r"\byou\s+are\s+(?:now|no\s+longer)\b"),
@@ -64,6 +64,9 @@ MOVES: list[tuple[str, float, str]] = [
 ]
 
 
+_NEGATED = re.compile(r"\b(?:never|not|don't|dont|do\s+not|must\s+not|mustn't|cannot|can't|won't|refuse\s+to)\s+\Z")
+
+
 class PromptInjectionDetector:
     """Scores a text for prompt-injection and jailbreak moves, decoding hidden payloads.
 
@@ -93,7 +96,9 @@ class PromptInjectionDetector:
         subject = norm.text.replace("_", " ")
         found: dict[str, tuple[float, int, int]] = {}
         for name, weight, rx in self._moves:
-            m = rx.search(subject)
+            # "never reveal your system prompt" is a system prompt defending itself, not an attack
+            m = next((m for m in rx.finditer(subject) if not _NEGATED.search(subject, max(0, m.start() - 24), m.start())),
+                     None)
             if m and weight > found.get(name, (0.0, 0, 0))[0]:
                 found[name] = (weight, *norm.span(m.start(), m.end()))
         return found

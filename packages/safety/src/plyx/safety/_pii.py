@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from plyx.safety._checksums import IBAN_LENGTHS, dni_ok, iban_ok, luhn_ok, verhoeff_ok
 from plyx.safety._span import SpanDetector
-from plyx.safety._types import DetectorOptionError
+from plyx.safety._types import DetectorOptionError, Finding
 
 __all__ = [
     "EmailDetector",
@@ -66,7 +67,7 @@ class PhoneDetector(SpanDetector):
     name = "phone"
     alphabet = r"[\d\s().+\-]"
     tail = r"[+(\d][\d\s().+\-]*\Z"  # a number starts with a digit, "+" or "("
-    max_len = 24
+    max_len = 40  # 15 digits (E.164), a separator after each, "+" or "00", parentheses
     _INTL = re.compile(r"(?<![\w+])(?:\+|00)[1-9]\d{0,2}(?:[ .\-]?\(?\d{1,5}\)?){2,6}(?![\w])")
     _NANP = re.compile(
         r"(?<![\w+])(?:1[ .\-]?)?(?:\([2-9]\d{2}\)\s?|[2-9]\d{2}[ .\-])[2-9]\d{2}[ .\-]\d{4}(?![\w])"
@@ -99,7 +100,7 @@ class CreditCardDetector(SpanDetector):
     name = "credit_card"
     alphabet = r"[\d .\-]"
     tail = r"\d[\d .\-]*\Z"
-    max_len = 23
+    max_len = 37  # 19 digits with a separator between each
     _CANDIDATE = re.compile(r"(?<![\d.\-])\d(?:[ .\-]?\d){12,18}(?![\d])")
     _IIN = re.compile(r"^(?:4|5[1-5]|2(?:2[2-9]|[3-6]\d|7[01]|720)|3[47]|3(?:0[0-5]|[68])|6(?:011|5|4[4-9]|22)|35|62|81)")
 
@@ -124,7 +125,7 @@ class IbanDetector(SpanDetector):
     alphabet = r"[A-Za-z0-9 \-]"
     # prefixes of the IBAN shape: 2 letters, 2 digits, then alphanumerics
     tail = r"(?<![A-Za-z0-9])[A-Za-z](?:[A-Za-z](?:\d(?:\d(?:[ \-]?[A-Za-z0-9])*)?)?)?[ \-]?\Z"
-    max_len = 42
+    max_len = 70  # 34 characters (the longest IBAN) with a separator between each
     _START = re.compile(r"(?<![A-Za-z0-9])([A-Za-z]{2})(\d{2})")
 
     def _scan(self, text: str) -> list[Hit]:
@@ -214,7 +215,7 @@ class IpAddressDetector(SpanDetector):
     name = "ip_address"
     alphabet = r"[0-9A-Fa-f.:%]"
     tail = r"(?<![\w.:])[0-9A-Fa-f:][0-9A-Fa-f.:%]*\Z"
-    max_len = 45
+    max_len = 64  # 45 for an IPv4-mapped IPv6 address, plus a zone id
     _V4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?!\.?\d|\w)")
     _V6 = re.compile(r"(?<![\w:.])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:[0-9A-Fa-f]{1,4}|(?:\d{1,3}\.){3}\d{1,3})?(?![\w:])")
 
@@ -283,17 +284,17 @@ class PiiDetector:
                                           fix=f"choose from {', '.join(PII_ENTITIES)}")
         self.parts = [PII_ENTITIES[e]() for e in chosen]
 
-    def detect(self, text, context=None):  # type: ignore[no-untyped-def]
+    def detect(self, text: str, context: Mapping[str, Any] | None = None) -> list[Finding]:
         found = [f for part in self.parts for f in part.detect(text, context)]
         # one span, one entity: a checksum-validated IBAN wins over the phone
         # number its digits also look like (highest score, then longest, first)
         found.sort(key=lambda f: (-f.score, f.start - f.end, f.start))
-        kept: list = []
+        kept: list[Finding] = []
         for f in found:
             if all(f.end <= k.start or f.start >= k.end for k in kept):
                 kept.append(f)
         kept.sort(key=lambda f: f.start)
-        return [f.__class__(self.name, f.label, f.start, f.end, f.score, f.detail) for f in kept]
+        return [Finding(self.name, f.label, f.start, f.end, f.score, f.detail) for f in kept]
 
     def pending(self, text: str) -> int:
         return min((part.pending(text) for part in self.parts), default=len(text))

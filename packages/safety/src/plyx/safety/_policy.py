@@ -30,8 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
-from plyx.specs.config import ConfigBase, load_config, migration
+from plyx.specs.config import ConfigBase, load_config, migration, migrations_for
 from plyx.specs.errors import ConfigError
 
 __all__ = ["Policy", "Rule", "ACTIONS", "RAILS", "load_policy", "builtin_policy_path"]
@@ -112,9 +111,7 @@ class Policy(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
                 except (KeyError, IndexError, ValueError) as exc:
                     raise ConfigError(f"{at}.replacement", f"{who}: bad replacement template ({exc!r})",
                                       value=rule.replacement, fix="only {label}, {LABEL} and {rule} may be used; "
-                                      "double literal braces")
-                if rail == "documents" and rule.action == "warn":
-                    pass  # warn on a document means: report it (scan) and keep it
+                                      "double literal braces") from None
 
     # -- helpers ------------------------------------------------------------------
     def rules(self) -> list[tuple[str, int, Rule]]:
@@ -122,7 +119,6 @@ class Policy(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
         return [(rail, i, r) for rail in RAILS for i, r in enumerate(getattr(self, rail))]
 
 
-@migration("safety_policy", 1)
 def _policy_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     """v1: one ``rules`` list, each rule with ``stage`` (input | output | both | documents)
     and ``fail_mode`` (closed | open); v2: one list per rail and ``on_error`` (block | allow)."""
@@ -151,6 +147,11 @@ def _policy_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
             doc[rail] = doc.get(rail, []) + rules
     return doc
 
+
+# registered once per process: a second import of this module (reload, doctest
+# collection) finds it there and must not fail
+if 1 not in migrations_for(Policy.SCHEMA):
+    migration(Policy.SCHEMA, 1)(_policy_v1_to_v2)
 
 _BUILTIN = Path(__file__).parent / "policies"
 

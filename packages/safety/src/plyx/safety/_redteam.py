@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plyx.specs import Component
-from plyx.specs.plugins import components
-
+from plyx.safety._engine import redact
 from plyx.safety._pii import PiiDetector
 from plyx.safety._probes import BUILTIN_PROBES, HAZARDS, Attempt
-from plyx.safety._engine import redact
+from plyx.specs import Component
+from plyx.specs.plugins import components
 
 __all__ = ["RedteamResult", "RedteamReport", "available_probes", "run_redteam", "BUILTIN_PROBE_COMPONENTS"]
 

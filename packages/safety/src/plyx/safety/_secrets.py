@@ -42,11 +42,12 @@ _PRIVATE_KEY = re.compile(
     r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----.*?(?:-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----|\Z)",
     re.S,
 )
-_ASSIGNED = re.compile(
-    r"(?i)\b(?:[a-z0-9]+[_\-.])*(?:api[_\-]?key|apikey|secret(?:[_\-]?key)?|access[_\-]?key|access[_\-]?token"
-    r"|auth[_\-]?token|token|passw(?:or)?d|pwd|client[_\-]?secret|private[_\-]?key|credentials?)\b"
-    r"[\"']?\s*(?::=|=>|[:=])\s*[\"']?([^\s\"'`,;]{12,})"
-)
+_NAME = (r"(?i)\b(?:[a-z0-9]+[_\-.])*(?:api[_\-]?key|apikey|secret(?:[_\-]?key)?|access[_\-]?key|access[_\-]?token"
+         r"|auth[_\-]?token|token|passw(?:or)?d|pwd|client[_\-]?secret|private[_\-]?key|credentials?)\b"
+         r"[\"']?\s*(?::=|=>|[:=])\s*[\"']?")
+_ASSIGNED = re.compile(_NAME + r"([^\s\"'`,;]{12,})")
+# a value still being written: everything after the "=" may become part of a finding
+_ASSIGNING = re.compile(_NAME + r"([^\s\"'`,;]*)\Z")
 _PLACEHOLDER = re.compile(r"(?i)(x{4,}|\*{4,}|your|example|placeholder|changeme|dummy|redacted|<|\$\{|\{\{|%\(|os\.environ|getenv)")
 
 
@@ -102,4 +103,7 @@ class SecretsDetector(SpanDetector):
         begin = text.rfind("-----BEGIN ")
         if begin >= 0 and "-----END " not in text[begin:]:
             return begin
-        return super().pending(text)
+        hold = super().pending(text)
+        norm = self._normalize(text)
+        m = _ASSIGNING.search(norm.text, max(0, len(norm.text) - self.max_len))
+        return min(hold, norm.offset(m.start(1))) if m else hold

@@ -10,18 +10,21 @@ never taken from the request body: clients must not choose their own rails.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from plyx.safety._engine import refusal
 from plyx.safety._guard import Guard
 from plyx.safety._policy import Policy
 
 __all__ = ["activate", "deactivate", "active_guard", "prompt_text", "on_request_received", "output_filters",
            "on_response", "document_filters"]
 
+log = logging.getLogger("plyx.safety")
 _LOCK = threading.Lock()
 _ACTIVE: Guard | None = None
 _CACHE: dict[tuple[str, float], Guard] = {}
@@ -91,7 +94,14 @@ def prompt_text(request: Mapping[str, Any]) -> str:
 
 
 def on_request_received(request: dict[str, Any], context: dict[str, Any]) -> dict[str, Any] | None:
-    guard = active_guard(context)
+    try:
+        guard = active_guard(context)
+    except (ValueError, OSError) as exc:  # ConfigError is a ValueError
+        # a named policy that cannot be loaded must not mean "no rails": fail closed
+        log.error("guardrail policy %r could not be loaded, refusing requests: %s",
+                  (context or {}).get("guardrail_policy") or os.environ.get("PLYX_SAFETY_POLICY", ""), exc)
+        return refusal("The service's guardrail policy could not be loaded; the request was not processed.",
+                       "policy-error", status=503)
     if guard is None or not guard.rails["input"]:
         return None
     decision = guard.check_input(prompt_text(request), context)
@@ -126,6 +136,11 @@ def on_response(request: dict[str, Any], response: dict[str, Any], context: dict
     request_id = str(context.get("request_id", ""))
     with _LOCK:
         fired = _FIRED.pop(request_id, [])
+    # a server that passes the same context dict to every hook of a request (plyx-serve
+    # does) carries the input decision there, even when the request id came later
+    safety = context.get("safety") if isinstance(context, Mapping) else None
+    if isinstance(safety, Mapping) and not fired:
+        fired = list(safety.get("input_rules", []))
     usage = response.get("usage") or {}
     guard.audit.write({
         "event": "response",

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from plyx.safety._classifier import resolve_callable
+from plyx.safety._probes import Refusal
 
 __all__ = ["HttpTarget", "GuardedTarget", "resolve_target", "echo_target", "refuse_target", "TargetError"]
 
@@ -61,7 +62,7 @@ class HttpTarget:
         if self.api_key:
             request.add_header("Authorization", f"Bearer {self.api_key}")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as resp:  # noqa: S310 (URL given by the operator)
+            with urllib.request.urlopen(request, timeout=self.timeout) as resp:
                 payload = json.loads(resp.read().decode("utf-8"))
         except urllib.error.HTTPError as exc:
             text = exc.read().decode("utf-8", "replace")
@@ -70,7 +71,7 @@ class HttpTarget:
             except (ValueError, AttributeError):
                 error = {}
             if 400 <= exc.code < 500 and isinstance(error, dict) and error.get("message") and exc.code not in (401, 404):
-                return str(error["message"])  # a refusal (guardrail, moderation) is an answer
+                return Refusal(str(error["message"]))  # a refusal (guardrail, moderation) is an answer
             raise TargetError(f"{self.url} answered HTTP {exc.code}: {text[:200]}") from None
         except (urllib.error.URLError, TimeoutError, OSError) as exc:
             raise TargetError(f"cannot reach {self.url}: {exc}") from None
@@ -97,10 +98,10 @@ class GuardedTarget:
 
         decision = self.guard.check_input(prompt_text({"messages": list(messages)}), {"endpoint": "redteam"})
         if decision.blocked:
-            return decision.message
+            return Refusal(decision.message)
         reply = self.inner(messages)
         out = self.guard.check_output(reply, {"endpoint": "redteam"})
-        return out.message if out.blocked else out.text
+        return Refusal(out.message) if out.blocked else out.text
 
 
 def echo_target(messages: Messages) -> str:

@@ -306,11 +306,23 @@ class TypicalP(_PerRow):
 # samplers
 # ---------------------------------------------------------------------------
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
+    """Greedy tokens through the kernel registry's fused ``cross_entropy`` with ``return_argmax``.
+
+    The fused kernel reads the ``[B, V]`` logits once for the log-sum-exp and the argmax together (the
+    loss against dummy targets is discarded); the registry picks the Triton kernel on GPUs and the
+    PyTorch reference elsewhere.
+    """
+    from plyx.kernel import registry
+
+    fn = registry().get("cross_entropy", logits)
+    targets = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
+    _, tokens = fn(logits, targets, reduction="none", return_argmax=True)
+    return tokens
 
 
 class GreedySampler:
-    """Argmax of the processed logits (ties: lowest id, as ``torch.argmax`` and transformers)."""
+    """Argmax of the processed logits (ties: lowest id, as ``torch.argmax`` and transformers), computed by
+    the fused cross-entropy-with-argmax kernel."""
 
     is_sampler = True
 

@@ -29,9 +29,19 @@ from plyx.serve._params import StructuredOutput
 from plyx.serve._tokenizer import TokenizerView
 from plyx.specs.errors import ConfigError
 
-__all__ = ["GrammarMask", "compile_structured", "new_matcher"]
+__all__ = ["GrammarMask", "compile_structured", "new_matcher", "xgrammar"]
 
 _COMPILERS: dict[int, tuple[Any, Any]] = {}  # id(TokenizerInfo) -> (info, GrammarCompiler)
+
+
+def xgrammar() -> Any:
+    """The xgrammar module, or a ConfigError saying how to install it."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        raise ConfigError("structured", "structured output needs the xgrammar grammar engine, which is not installed",
+                          fix='pip install "plyx-serve[structured]"') from None
+    return xgr
 
 
 def _compiler(info: Any) -> Any:
@@ -54,19 +64,23 @@ def _choice_regex(choices: Sequence[str]) -> str:
 def compile_structured(spec: StructuredOutput, tokenizer: TokenizerView, vocab_size: int,
                        stop_token_ids: Sequence[int], *, where: str = "SamplingParams.structured") -> Any:
     """Compile one constraint to an ``xgrammar.CompiledGrammar``; a bad schema/regex/grammar is a ConfigError."""
+    xgrammar()  # a clear error when the engine is missing
     info = tokenizer.xgrammar_info(vocab_size, stop_token_ids)
     compiler = _compiler(info)
     try:
         if spec.json_schema is not None:
             schema = spec.json_schema
             if isinstance(schema, str):
-                json.loads(schema)  # a JSON syntax error is reported by the json module, with a position
-            _check_schema(schema if isinstance(schema, dict) else json.loads(schema), where)
-            return compiler.compile_json_schema(
-                schema if isinstance(schema, str) else json.dumps(schema),
-                any_whitespace=spec.whitespace,
-                strict_mode=True,
-            )
+                try:
+                    schema_obj = json.loads(schema)
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(f"{where}.json_schema", f"the JSON schema is not valid JSON: {exc}",
+                                      value=schema[:80], fix="pass a dict or valid JSON text") from None
+            else:
+                schema_obj = schema
+            _check_schema(schema_obj, where)
+            return compiler.compile_grammar(_json_schema_grammar(
+                schema if isinstance(schema, str) else json.dumps(schema), spec.whitespace))
         if spec.json_object:
             return compiler.compile_builtin_json_grammar()
         if spec.regex is not None:
@@ -87,6 +101,23 @@ def compile_structured(spec: StructuredOutput, tokenizer: TokenizerView, vocab_s
             value=getattr(spec, field),
             fix=f"fix the {field.replace('_', ' ')} (xgrammar's {field} dialect)",
         ) from None
+
+
+# xgrammar 0.2's rule for length-bounded JSON strings (maxLength / minLength) lets raw control characters
+# U+0000..U+001F through, which RFC 8259 forbids inside strings (json.loads rejects them); its unbounded
+# string rule already excludes them. We compile the schema's EBNF with the bounded rule tightened.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def _json_schema_grammar(schema: str, whitespace: bool) -> Any:
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=whitespace, strict_mode=True)
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
 
 
 def _check_schema(schema: dict[str, Any], where: str) -> None:

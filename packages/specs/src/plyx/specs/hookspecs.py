@@ -163,7 +163,11 @@ def plyx_on_request_received(request: dict[str, Any], context: dict[str, Any]) -
 
     :param request: the parsed request body (OpenAI shape) with ``prompt_text``
         added: the text the model will see.
-    :param context: ``request_id``, ``client`` and ``endpoint``.
+    :param context: ``request_id``, ``client``, ``endpoint`` and, when the server
+        names one, ``guardrail_policy``. Shared with ``plyx_output_filters`` and
+        ``plyx_on_response`` of the same request.
+    An implementation may rewrite ``request["prompt_text"]`` (redaction); the
+    server re-reads it before tokenizing.
     :return: None to let it through, or a refusal ``{"message": ..., "rule_id": ...,
         "status": 400}`` that the server answers with instead. firstresult.
     """

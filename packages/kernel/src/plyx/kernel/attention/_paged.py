@@ -148,6 +148,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+#: launch config on a GPU (key tile, warps, pipeline depth); the benchmark's sweep chose it
+GPU_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -208,7 +210,7 @@ def paged_attention(
     block_tables = block_tables.to(torch.int32) if block_tables.dtype != torch.int32 else block_tables
     context_lens = context_lens.to(torch.int32) if context_lens.dtype != torch.int32 else context_lens
     interp = _interpreting()
-    block_n = 16 if interp else (64 if D <= 128 else 32)
+    block_n = 16 if interp else (GPU_CONFIG["block_n"] if D <= 128 else 32)
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = num_splits_for(B, KV, max_context, block_n, _sm_count(q.device))
@@ -221,7 +223,7 @@ def paged_attention(
         part_ml = _empty((B, KV, num_splits, 2, block_m), like=q, dtype=torch.float32)
     else:
         part_acc = part_ml = o  # never touched: SPLIT is False
-    warps = 4
+    warps = 4 if interp else GPU_CONFIG["num_warps"]
     _paged_fwd[(B, KV, num_splits)](
         q, k_pool, v_pool, block_tables, context_lens, o, part_acc, part_ml,
         q.stride(0), q.stride(1), q.stride(2),
@@ -231,7 +233,7 @@ def paged_attention(
         o.stride(0), o.stride(1), o.stride(2),
         Tq, KV, scale * LOG2E, window or 0, chunk,
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, HAS_WINDOW=window is not None, num_warps=warps, num_stages=1 if interp else 3,
+        SPLIT=split, HAS_WINDOW=window is not None, num_warps=warps, num_stages=1 if interp else GPU_CONFIG["num_stages"],
     )
     if split:
         _paged_combine[(B, KV, group * Tq)](

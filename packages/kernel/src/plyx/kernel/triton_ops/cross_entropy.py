@@ -82,8 +82,16 @@ def _ce_kernel(Z, stride_z, T, SCALE, LOSS, LSE, ARGMAX, DZ, stride_dz, V, ignor
             tl.store(dzrow + idx, (dz * scale).to(DZ.dtype.element_ty), mask=mask)
 
 
-def _block(v: int) -> int:
-    return min(next_power_of_2(v), 256 if interpreting() else 16384)
+#: (columns per step, warps) on CUDA; the interpreter uses 256 columns. 8192 columns with 16 warps is
+#: 16 values per thread and few cross-warp reductions per row (bench/bench_cross_entropy.py sweeps it).
+LAUNCH = {"block": 8192, "warps": 16}
+
+
+def _launch_config(v: int) -> tuple[int, int]:
+    if interpreting():
+        return min(next_power_of_2(v), 256), 4
+    block = min(next_power_of_2(v), LAUNCH["block"])
+    return block, (LAUNCH["warps"] if block >= LAUNCH["block"] else 8 if block >= 2048 else 4)
 
 
 def ce_rows(z: torch.Tensor, targets: torch.Tensor, *, ignore_index: int, eps: float, z_loss: float,
@@ -96,12 +104,12 @@ def ce_rows(z: torch.Tensor, targets: torch.Tensor, *, ignore_index: int, eps: f
     loss = empty((n,), dtype=torch.float32, device=z.device)
     lse = empty((n,), dtype=torch.float32, device=z.device)
     am = empty((n,), dtype=torch.int64, device=z.device) if argmax else loss
-    block = _block(v)
+    block, warps = _launch_config(v)
     if n:
         _ce_kernel[(n,)](z, z.stride(0), targets, scale if scale is not None else lse, loss, lse, am,
                          dz if dz is not None else z, dz.stride(0) if dz is not None else 0, v, ignore_index,
                          float(eps), float(z_loss), HAS_GRAD=dz is not None, HAS_ARGMAX=argmax, BLOCK=block,
-                         num_warps=8 if block >= 4096 else 4)
+                         num_warps=warps)
     return (loss, lse, am) if argmax else (loss, lse)
 
 
@@ -117,12 +125,14 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, eps: float, z_loss: float,
                 reduction: str, argmax: bool) -> Any:
         valid = targets != ignore_index
-        grad = ctx.needs_input_grad[0]
+        # needs_input_grad reflects requires_grad even under torch.no_grad(): check the grad mode too
+        grad = ctx.needs_input_grad[0] and torch.is_grad_enabled()
         dz = empty(logits.shape, dtype=logits.dtype, device=logits.device) if grad else None
         out = ce_rows(logits, targets, ignore_index=ignore_index, eps=eps, z_loss=z_loss,
                       scale=row_scale(valid, reduction) if grad else None, dz=dz, argmax=argmax)
         loss = reduce_loss(out[0], valid, reduction)
         ctx.save_for_backward(dz if grad else None)
+        ctx.used = False
         if argmax:
             ctx.mark_non_differentiable(out[2])
             return loss, out[2]
@@ -131,8 +141,16 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> Any:
         (dz,) = ctx.saved_tensors
-        # dz holds dL/dz for an incoming gradient of 1; scale by the actual one (per row for reduction="none")
-        dz = dz * (grad[:, None] if grad.dim() else grad).to(dz.dtype)
+        if ctx.used:
+            raise RuntimeError("cross_entropy:triton: backward ran twice on one forward (retain_graph=True); its "
+                               "gradient buffer is scaled in place, so call the loss again instead")
+        ctx.used = True
+        # dz holds dL/dz for an incoming gradient of 1: scale it in place by the actual one (per row for
+        # reduction="none"); loss.backward() passes exactly 1, which needs no pass over [N, V] at all
+        if grad.dim():
+            dz.mul_(grad[:, None].to(dz.dtype))
+        elif not bool(grad == 1):  # one host sync instead of a read and write of the whole gradient
+            dz.mul_(grad.to(dz.dtype))
         return dz, None, None, None, None, None, None
 
 

@@ -14,12 +14,10 @@ extra memory is ``d_weight + d_hidden + one [C, V] chunk``; ``d_weight`` is
 accumulated in float32 for float32 weights and in the weight's dtype otherwise
 (as Liger-Kernel does: a float32 accumulator would double the peak).
 
-Without a gradient (eval) only the loss is computed. ``reduction="none"`` is
-supported the same way (per-row gradient factors applied in the backward would
-need the logits again, so the rows are scaled by 1 in the forward and the
-backward recomputes nothing: ``d_hidden`` rows scale exactly, ``d_weight`` does
-not, so for ``none`` with a non-uniform incoming gradient the backward
-recomputes the chunks; see ``_Recompute``).
+Without a gradient (eval, or under ``torch.no_grad()``) only the loss is computed,
+one chunk at a time. With ``reduction="none"`` the per-row factors only arrive in
+the backward, so the forward keeps the inputs and the backward recomputes each
+chunk's logits (one extra matmul-equivalent).
 """
 
 from __future__ import annotations
@@ -81,7 +79,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 ignore_index: int, eps: float, z_loss: float, reduction: str, chunk: int) -> torch.Tensor:
         valid = targets != ignore_index
         need = ctx.needs_input_grad[:3]
-        if not any(need):
+        ctx.used = False
+        if not any(need) or not torch.is_grad_enabled():  # needs_input_grad ignores torch.no_grad()
             rows = _chunks(hidden, weight, bias, targets, ignore_index, eps, z_loss, chunk, None, None)
             return reduce_loss(rows, valid, reduction)
         if reduction == "none":
@@ -104,6 +103,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        if ctx.used:
+            raise RuntimeError("linear_cross_entropy:triton: backward ran twice on one forward (retain_graph=True); "
+                               "its gradients are scaled in place, so call the loss again instead")
+        ctx.used = True
         if ctx.recompute:
             hidden, weight, bias, targets = ctx.saved_tensors
             ignore_index, eps, z_loss, chunk = ctx.options
@@ -128,11 +131,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     None, None, None, None, None, None)
         d_hidden, d_weight, d_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
-        # a scalar incoming gradient of exactly 1 (loss.backward()) needs no rescale: one host sync saves a pass
+        # a scalar incoming gradient of exactly 1 (loss.backward()) needs no rescale: one host sync saves a
+        # pass over d_weight; otherwise scale in place (a new tensor would double the peak memory)
         if not bool(grad == 1):
-            d_hidden = d_hidden * grad.to(d_hidden.dtype)
-            d_weight = d_weight * grad.to(d_weight.dtype)
-            d_bias = None if d_bias is None else d_bias * grad
+            d_hidden.mul_(grad.to(d_hidden.dtype))
+            d_weight.mul_(grad.to(d_weight.dtype))
+            if d_bias is not None:
+                d_bias.mul_(grad)
         return (d_hidden, d_weight.to(weight_dtype), None if d_bias is None else d_bias.to(bias_dtype),
                 None, None, None, None, None, None)
 

@@ -38,9 +38,9 @@ def _configs() -> list[Any]:
             for bm, bn, bk, w, s in shapes]
 
 
-@triton.autotune(configs=_configs(), key=["M_BUCKET", "N_BUCKET", "K_BUCKET", "DTYPE_KEY"])
+@triton.autotune(configs=_configs(), key=["M_BUCKET", "N_BUCKET", "K_BUCKET"])  # dtypes are part of the key too
 @triton.jit
-def _mm_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, scn, M_BUCKET, N_BUCKET, K_BUCKET, DTYPE_KEY,
+def _mm_kernel(A, B, C, M, N, K, sam, sak, sbk, sbn, scm, scn, M_BUCKET, N_BUCKET, K_BUCKET,
                UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -90,8 +90,13 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
 
     _mm_kernel[grid](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-                     _bucket(m), _bucket(n), _bucket(k), str(a.dtype), UPCAST=interpreting())
+                     _bucket(m), _bucket(n), _bucket(k), UPCAST=interpreting())
     return c
+
+
+#: copy the transposed operands of the backward to row-major first (one cheap copy each) instead of
+#: reading them strided in the kernel; bench/bench_matmul.py measures both
+CONTIGUOUS_BACKWARD = {"on": True}
 
 
 class _Matmul(torch.autograd.Function):
@@ -106,8 +111,9 @@ class _Matmul(torch.autograd.Function):
     def backward(ctx: Any, dc: torch.Tensor) -> Any:
         a2, b = ctx.saved_tensors
         dc2 = dc.reshape(-1, dc.shape[-1])
-        da = mm(dc2, b.T).view(ctx.a_shape) if ctx.needs_input_grad[0] else None
-        db = mm(a2.T, dc2) if ctx.needs_input_grad[1] else None
+        copy = CONTIGUOUS_BACKWARD["on"]
+        da = mm(dc2, b.T.contiguous() if copy else b.T).view(ctx.a_shape) if ctx.needs_input_grad[0] else None
+        db = mm(a2.T.contiguous() if copy else a2.T, dc2) if ctx.needs_input_grad[1] else None
         return da, db
 
 

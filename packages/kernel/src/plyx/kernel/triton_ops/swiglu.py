@@ -29,9 +29,10 @@ _NAME = "swiglu:triton"
 
 
 @triton.jit
-def _swiglu_fwd(G, U, Y, stride_g, stride_u, stride_y, F, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _swiglu_fwd(G, U, Y, stride_g, stride_u, stride_y, F, blocks_per_row, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # one flat grid: (row, column block)
+    row = pid // blocks_per_row
+    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
@@ -40,9 +41,10 @@ def _swiglu_fwd(G, U, Y, stride_g, stride_u, stride_y, F, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_bwd(DY, G, U, DG, DU, stride_dy, stride_g, stride_u, stride_d, F, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _swiglu_bwd(DY, G, U, DG, DU, stride_dy, stride_g, stride_u, stride_d, F, blocks_per_row, BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // blocks_per_row
+    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < F
     dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
@@ -52,41 +54,49 @@ def _swiglu_bwd(DY, G, U, DG, DU, stride_dy, stride_g, stride_u, stride_d, F, BL
     tl.store(DG + row * stride_d + cols, (dy * u * s * (1.0 + g * (1.0 - s))).to(DG.dtype.element_ty), mask=mask)
 
 
-def _block(f: int) -> int:
-    return 128 if interpreting() else 1024
+#: (elements per program, warps) on CUDA: 4096 with 8 warps is two 16-byte loads per thread and operand
+LAUNCH = {"block": 4096, "warps": 8}
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+def _config() -> tuple[int, int]:
+    return (128, 4) if interpreting() else (LAUNCH["block"], LAUNCH["warps"])
+
+
+def _rows(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """``[rows, F]`` views; when every tensor is contiguous, one row of all elements (no per-row tail blocks)."""
+    if all(t.is_contiguous() for t in ts):
+        return [t.reshape(1, -1) for t in ts]
+    return [t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1) for t in ts]
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        g2, u2 = _rows(gate), _rows(up)
+        g2, u2 = _rows(gate, up)
         n, f = g2.shape
         y = empty((n, f), dtype=gate.dtype, device=gate.device)
-        block = _block(f)
+        block, warps = _config()
         if n and f:
-            _swiglu_fwd[(n, triton.cdiv(f, block))](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), f,
-                                                    BLOCK=block, num_warps=4)
+            nb = triton.cdiv(f, block)
+            _swiglu_fwd[(n * nb,)](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), f, nb, BLOCK=block,
+                                   num_warps=warps)
         ctx.save_for_backward(gate, up)
         return y.view(gate.shape)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
         gate, up = ctx.saved_tensors
-        g2, u2 = _rows(gate), _rows(up)
-        dy2 = _rows(dy)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        g2, u2, dy2 = _rows(gate, up, dy)
         n, f = g2.shape
         dg = empty((n, f), dtype=gate.dtype, device=gate.device)
         du = empty((n, f), dtype=up.dtype, device=up.device)
-        block = _block(f)
+        block, warps = _config()
         if n and f:
-            _swiglu_bwd[(n, triton.cdiv(f, block))](dy2, g2, u2, dg, du, dy2.stride(0), g2.stride(0), u2.stride(0),
-                                                    dg.stride(0), f, BLOCK=block, num_warps=4)
+            nb = triton.cdiv(f, block)
+            _swiglu_bwd[(n * nb,)](dy2, g2, u2, dg, du, dy2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), f, nb,
+                                   BLOCK=block, num_warps=warps)
         return dg.view(gate.shape), du.view(up.shape)
 
 

@@ -315,7 +315,11 @@ def _completion_prompts(state: _State, prompt: Any) -> tuple[list[list[int]], li
     if len(items) > 64:
         raise APIError(400, f"at most 64 prompts per request (got {len(items)})", param="prompt")
     ids, texts = [], []
-    for item in items:
+    for i, item in enumerate(items):
+        if not (isinstance(item, str) or (isinstance(item, list) and item
+                                          and all(isinstance(t, int) and not isinstance(t, bool) for t in item))):
+            raise APIError(400, f"prompt[{i}] must be a string or a non-empty list of token ids (got "
+                           f"{type(item).__name__})", param="prompt", code="invalid_value")
         if isinstance(item, str):
             ids.append(_encode(_need_tokenizer(state), item, special=True))
             texts.append(item)

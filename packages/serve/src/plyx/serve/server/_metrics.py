@@ -62,9 +62,9 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.requests = Counter("plyx_requests", "Finished requests by finish reason and status.",
                                 ["finish_reason", "status"], registry=self.registry)
-        self.registry.register(_EngineCollector(self))
         self._lock = threading.Lock()
         self._samples: deque[tuple[float, int]] = deque()
+        self.registry.register(_EngineCollector(self))
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         now, total = time.monotonic(), self.engine.stats.generated_tokens

@@ -70,7 +70,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     """``POST /v1/completions``."""
 
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[Any]]
+    """Text, token ids, or a list of either (checked by the handler: msgspec unions allow one array type)."""
     logprobs: Union[int, None] = None
     echo: bool = False
     best_of: Union[int, None] = None

@@ -203,7 +203,9 @@ def _struct_at(cls: type, path: str) -> type | None:
 
     node: Any = cls
     for key, index in re.findall(r"\.([A-Za-z_][\w-]*)|\[(\d+)\]", path):
-        if index or not (isinstance(node, type) and issubclass(node, msgspec.Struct)):
+        if index:
+            continue  # a list's element type was already taken from its annotation
+        if not (isinstance(node, type) and issubclass(node, msgspec.Struct)):
             return None
         field = {f.name: f for f in msgspec.structs.fields(node)}.get(key)
         if field is None:

@@ -339,7 +339,7 @@ def _run_case(case: KernelCase, fn: Callable[..., Any], dtype_name: str, device:
         return failures
     # gradients of a random projection sum_i <out_i, g_i> of the floating outputs
     floats = [(g, w) for g, w in zip(got, want) if w.is_floating_point()]
-    cotangents = [torch.randn(w.shape, generator=gen, dtype=torch.float64) for _, w in floats]
+    cotangents = [torch.randn(w.shape, generator=gen, dtype=torch.float64).to(w.device) for _, w in floats]
     try:
         inputs = [_pick(args, kwargs, i) for i in grad_args]
         grads = torch.autograd.grad([g for g, _ in floats], inputs,
