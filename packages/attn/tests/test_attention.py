@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.attn import Attention, begin_step, make_cache
 from plyx.kernel import rope_tables
 from plyx.specs import ModelConfig

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from plyx.attn import cache_kinds
 from plyx.specs.kvcache import CacheLayout
 from plyx.specs.testing.kvcache import CHECKS, check_kvcache, default_layout

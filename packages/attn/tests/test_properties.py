@@ -12,7 +12,6 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
 from plyx.attn import ContiguousKVCache, PagedKVCache
 from plyx.specs import CacheFullError, CacheLayout
 

@@ -29,6 +29,7 @@ class Case:
     grad: tuple[str, ...]
     floor: dict[str, tuple[str, float]]
     fwd_no_grad: bool = True
+    graph: bool = True  # also time from a CUDA graph (only for runs under GRAPH_BELOW_MS: launch-bound sizes)
 
 
 @dataclass
@@ -37,7 +38,8 @@ class Result:
     shape: str
     provider: str
     mode: str
-    ms: float | None = None
+    ms: float | None = None  # eager: launches from Python included, as a training step runs them
+    graph_ms: float | None = None  # the same work replayed from a CUDA graph: GPU time alone (None: not capturable)
     floor_ms: float | None = None
     rate: float | None = None  # GB/s or TFLOP/s
     rate_unit: str = ""
@@ -46,10 +48,25 @@ class Result:
     ratios: dict[str, float] = field(default_factory=dict)  # peer -> peer_ms / ms (>1: plyx faster)
 
 
+#: eager runs shorter than this are also timed from a CUDA graph, where Python's launch cost disappears
+GRAPH_BELOW_MS = 2.0
+
+
 def _bench(fn: Callable[[], Any]) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _bench_graph(fn: Callable[[], Any]) -> float | None:
+    """Median GPU time of ``fn`` replayed from a CUDA graph; None when it cannot be captured (host syncs)."""
+    from triton.testing import do_bench_cudagraph
+
+    try:
+        return float(do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    except Exception:  # capture refuses host synchronisation and some allocations: report eager time only
+        torch.cuda.synchronize()
+        return None
 
 
 def ceilings() -> dict[str, float]:
@@ -58,11 +75,11 @@ def ceilings() -> dict[str, float]:
 
     x = torch.randn(COPY_ELEMENTS, device="cuda", dtype=torch.bfloat16)
     y = torch.empty_like(x)
-    copy_gbps = 2 * x.numel() * 2 / _bench(lambda: y.copy_(x)) / 1e6
+    copy_gbps = 2 * x.numel() * 2 / _bench(lambda x=x, y=y: y.copy_(x)) / 1e6
     del x, y
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    tflops = 2 * 8192**3 / _bench(lambda: a @ b) / 1e9
+    tflops = 2 * 8192**3 / _bench(lambda a=a, b=b: a @ b) / 1e9
     del a, b
     torch.cuda.empty_cache()
     return {"copy_GBps": copy_gbps, "bf16_matmul_TFLOPs": tflops}
@@ -89,7 +106,7 @@ def measure(case: Case, ceil: dict[str, float], deadline: float) -> list[Result]
                 grads = getattr(fn, "grad_inputs", None) or [inputs[n] for n in case.grad]
                 if mode == "fwd":
                     if case.fwd_no_grad:
-                        def run() -> Any:
+                        def run(fn: Callable[[], Any] = fn) -> Any:
                             with torch.no_grad():
                                 return fn()
                     else:
@@ -99,7 +116,8 @@ def measure(case: Case, ceil: dict[str, float], deadline: float) -> list[Result]
                     cot = [torch.randn_like(o) for o in out]
                     del out
 
-                    def run() -> Any:
+                    def run(fn: Callable[[], Any] = fn, grads: list[torch.Tensor] = grads,
+                            cot: list[torch.Tensor] = cot) -> Any:
                         return torch.autograd.grad(_floats(fn()), grads, cot)
                 run()  # compile / autotune outside the timing
                 torch.cuda.synchronize()
@@ -111,6 +129,8 @@ def measure(case: Case, ceil: dict[str, float], deadline: float) -> list[Result]
                 r.peak_extra_mib = (torch.cuda.max_memory_allocated() - base) / 2**20
                 del keep
                 r.ms = _bench(run)
+                if case.graph and r.ms < GRAPH_BELOW_MS:
+                    r.graph_ms = _bench_graph(run)
                 kind, amount = case.floor[mode]
                 if kind == "bytes":
                     r.rate, r.rate_unit = amount / r.ms / 1e6, "GB/s"
@@ -133,14 +153,15 @@ def measure(case: Case, ceil: dict[str, float], deadline: float) -> list[Result]
 
 
 def print_table(results: list[Result]) -> str:
-    lines = [f"{'kernel':<22}{'shape':<26}{'provider':<16}{'mode':<9}{'ms':>9}{'floor':>9}{'rate':>16}"
-             f"{'peak MiB':>10}  vs peers (peer ms / plyx ms)"]
+    lines = [f"{'kernel':<22}{'shape':<26}{'provider':<22}{'mode':<9}{'ms':>9}{'graph ms':>9}{'floor':>9}{'rate':>16}"
+             f"{'peak MiB':>10}  vs peers (peer ms / plyx ms, eager)"]
     for r in results:
         if r.error:
-            lines.append(f"{r.kernel:<22}{r.shape:<26}{r.provider:<16}{r.mode:<9}  {r.error}")
+            lines.append(f"{r.kernel:<22}{r.shape:<26}{r.provider:<22}{r.mode:<9}  {r.error}")
             continue
         ratios = " ".join(f"{k}={v:.2f}x" for k, v in r.ratios.items())
-        lines.append(f"{r.kernel:<22}{r.shape:<26}{r.provider:<16}{r.mode:<9}{r.ms:>9.3f}{r.floor_ms:>9.3f}"
+        graph = f"{r.graph_ms:>9.3f}" if r.graph_ms else f"{'-':>9}"
+        lines.append(f"{r.kernel:<22}{r.shape:<26}{r.provider:<22}{r.mode:<9}{r.ms:>9.3f}{graph}{r.floor_ms:>9.3f}"
                      f"{r.rate:>10.1f} {r.rate_unit:<6}{r.peak_extra_mib:>9.0f}  {ratios}")
     text = "\n".join(lines)
     print(text, flush=True)

@@ -8,7 +8,17 @@ from shapes import MATMUL_SIZES
 
 
 def cases() -> list[Case]:
+    from plyx.kernel.triton_ops import matmul as module
     from plyx.kernel.triton_ops.matmul import matmul
+
+    def strided(i: dict[str, torch.Tensor]):
+        def run():  # the backward reads its transposed operands strided instead of copying them
+            module.CONTIGUOUS_BACKWARD["on"] = False
+            try:
+                return matmul(i["a"], i["b"])
+            finally:
+                module.CONTIGUOUS_BACKWARD["on"] = True
+        return run
 
     out = []
     for s in MATMUL_SIZES:
@@ -17,6 +27,7 @@ def cases() -> list[Case]:
 
         out.append(Case("matmul", f"{s}x{s}x{s}", inputs, {
             "plyx": lambda i: lambda: matmul(i["a"], i["b"]),
+            "plyx strided-bwd": strided,
             "torch": lambda i: lambda: torch.matmul(i["a"], i["b"]),
         }, grad=("a", "b"), floor={"fwd": ("flops", 2 * s**3), "fwd+bwd": ("flops", 6 * s**3)}))
     return out

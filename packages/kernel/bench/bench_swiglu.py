@@ -25,6 +25,20 @@ def cases() -> list[Case]:
 
         return lambda: LigerSiLUMulFunction.apply(i["g"], i["u"])
 
+    from plyx.kernel.triton_ops import swiglu as module
+
+    def variant(block: int, warps: int):
+        def build(i: dict[str, torch.Tensor]):
+            def run():  # the launch config is read in forward and kept for the backward
+                old = dict(module.LAUNCH)
+                module.LAUNCH.update(block=block, warps=warps)
+                try:
+                    return swiglu(i["g"], i["u"])
+                finally:
+                    module.LAUNCH.update(old)
+            return run
+        return build
+
     compiled = torch.compile(_torch)
     size = n * f * 2
     return [Case("swiglu", f"{n}x{f}", inputs, {
@@ -32,4 +46,6 @@ def cases() -> list[Case]:
         "torch": lambda i: lambda: _torch(i["g"], i["u"]),
         "torch.compile": lambda i: lambda: compiled(i["g"], i["u"]),
         "liger": liger,
+        "plyx block=1024/4w": variant(1024, 4),
+        "plyx block=8192/16w": variant(8192, 16),
     }, grad=("g", "u"), floor={"fwd": ("bytes", 3 * size), "fwd+bwd": ("bytes", 8 * size)})]

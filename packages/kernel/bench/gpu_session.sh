@@ -9,8 +9,9 @@ export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$out/device.txt"
 cd "$(dirname "$0")/../tests/.."
-timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider --durations=10 tests --ignore=tests/attention \
-    2>&1 | tee "$out/gpu-tests.log" | tail -40
+# 8 workers: the time goes into compiling Triton kernels, which is CPU work
+timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider -n 8 -rfE --tb=short --durations=10 tests \
+    --ignore=tests/attention 2>&1 | tee "$out/gpu-tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | tail -30
 echo "tests exit: ${PIPESTATUS[0]}"
 timeout $((bench_budget + 90)) python3 bench/run.py --out "$out" --budget-s "$bench_budget" 2>&1 | tee "$out/bench.log" | tail -60
 echo "bench exit: ${PIPESTATUS[0]}"

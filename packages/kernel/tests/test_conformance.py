@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.kernel import reference
 from plyx.specs.testing.kernels import KERNEL_CASES, assert_kernel_conforms, check_kernel
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.kernel import KernelInputError
 from plyx.kernel.reference import cross_entropy as reference
 from plyx.kernel.triton_ops.cross_entropy import cross_entropy

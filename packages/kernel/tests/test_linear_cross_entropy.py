@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.kernel import KernelInputError
 from plyx.kernel.reference import cross_entropy as ce_reference
 from plyx.kernel.reference import linear_cross_entropy as reference

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.kernel import KernelInputError
 from plyx.kernel.reference import matmul as reference
 from plyx.kernel.triton_ops.matmul import matmul

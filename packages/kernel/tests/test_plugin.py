@@ -8,12 +8,13 @@ import subprocess
 import sys
 import textwrap
 
+import plyx.kernel as K
 import pytest
 import torch
-
-import plyx.kernel as K
 from plyx.specs import cli, plugins
 from plyx.specs.kernels import KernelUnavailableError
+
+from .conftest import HAVE_TRITON
 
 PLYX = [sys.executable, "-m", "plyx.specs"]
 
@@ -62,7 +63,10 @@ def test_cli_list_and_explain(capsys):
     assert cli.main(["kernels", "explain", "rmsnorm", "--device", "cuda", "--dtype", "bfloat16",
                      "--capability", "9.0", "--shape", "hidden=4096"]) == 0
     out = capsys.readouterr().out
-    assert "TAKEN   triton" in out and "accepted, lower priority (0) than triton" in out
+    if HAVE_TRITON:
+        assert "TAKEN   triton" in out and "accepted, lower priority (0) than triton" in out
+    else:
+        assert "refused triton" in out and "module 'triton' is not installed" in out
     assert cli.main(["kernels", "explain", "rmsnorm", "--device", "cuda", "--dtype", "bfloat16",
                      "--capability", "7.5", "--json"]) == 0
     rows = {r["impl"]: r for r in json.loads(capsys.readouterr().out)}

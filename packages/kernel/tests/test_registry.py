@@ -6,7 +6,6 @@ import warnings
 
 import pytest
 import torch
-
 from plyx.kernel import KernelConformanceWarning, KernelFallbackWarning, KernelInputError, Registry, query_for
 from plyx.specs import KernelConfig
 from plyx.specs.kernels import Capability, KernelImpl, KernelNotFoundError, KernelQuery, KernelUnavailableError

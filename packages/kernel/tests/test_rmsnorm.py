@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .conftest import GPU, TRITON_DEVICE
-
 from plyx.kernel import KernelInputError
 from plyx.kernel.reference import rmsnorm as reference
 from plyx.kernel.triton_ops.rmsnorm import rmsnorm
+
+from .conftest import GPU, TRITON_DEVICE
 
 # hidden sizes (D=1 is left out: its gradient is pure cancellation, eps/(x^2+eps)): tiny, odd, one past a power of two (the masked tail of BLOCK), a power of two
 SHAPES = [(1, 5), (4, 37), (3, 5, 130), (7, 257), (2, 256)]

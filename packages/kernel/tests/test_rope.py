@@ -6,12 +6,12 @@ import math
 
 import pytest
 import torch
-from .conftest import GPU, TRITON_DEVICE
-
 from plyx.kernel import KernelInputError, inv_frequencies, rope_tables
 from plyx.kernel.reference import rope as reference
 from plyx.kernel.triton_ops.rope import rope
 from plyx.specs import RopeScaling
+
+from .conftest import GPU, TRITON_DEVICE
 
 # (B, T, H, Dh, R): full and partial rotary, odd head counts, H=17 straddles the 16-head block
 SHAPES = [(1, 1, 1, 2, 2), (2, 5, 3, 16, 16), (2, 7, 17, 10, 6), (1, 3, 4, 20, 12)]

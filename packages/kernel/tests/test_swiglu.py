@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .conftest import GPU, TRITON_DEVICE
-
 from plyx.kernel import KernelInputError
 from plyx.kernel.reference import swiglu as reference
 from plyx.kernel.triton_ops.swiglu import swiglu
+
+from .conftest import GPU, TRITON_DEVICE
 
 # the interpreter's block is 128 columns: 129 and 300 straddle it
 SHAPES = [(1, 1), (5, 67), (3, 129), (2, 3, 300)]

@@ -57,7 +57,6 @@ def peak_rss_mib() -> float:
 def child(mode: str, path: str, device: str, seq: int) -> None:
     """Runs in the measured process: one forward, then prints its peak memory as JSON."""
     import torch
-
     from plyx.model import LayerStreamer, load_checkpoint
 
     ids = torch.randint(0, 8192, (1, seq))
@@ -93,7 +92,6 @@ def main() -> None:
         child(mode, path, device, int(seq))
         return
     import torch
-
     from plyx.model import TransformerLM, save_checkpoint
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

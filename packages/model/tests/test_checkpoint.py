@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from plyx.model import (
     CheckpointError,
     CheckpointIntegrityError,

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from plyx.model import save_checkpoint, save_hf
 from plyx.model._cli import command
 

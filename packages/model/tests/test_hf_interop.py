@@ -74,7 +74,7 @@ def test_load_transformers_checkpoint_prefill_and_decode(saved, case: str) -> No
         for kind in ("contiguous", "paged"):
             cache = make_cache(kind, model.config, batch_size=2, block_size=4)
             steps = [model(ids[:, :5], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(5, 12)]
-            torch.testing.assert_close(torch.cat(steps, 1), want, **TOL, msg=lambda m: f"{kind}: {m}")
+            torch.testing.assert_close(torch.cat(steps, 1), want, **TOL, msg=lambda m, kind=kind: f"{kind}: {m}")
 
 
 @pytest.mark.parametrize("case", ["llama-tied-llama3rope", "qwen2", "qwen3", "mistral-window"])
@@ -156,3 +156,16 @@ def test_config_mismatch_names_tensor_and_both_shapes(saved, tmp_path: Path) -> 
     _write_config(tmp_path, vocab_size=70)
     with pytest.raises(CheckpointError, match=r"'embed_tokens.weight': checkpoint shape \[67, 32\] vs model shape \[70, 32\]"):
         load_checkpoint(tmp_path)
+
+
+def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path: Path) -> None:
+    hf = hf_model("qwen2").to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    model = load_checkpoint(tmp_path)
+    assert model.config.dtype == "bfloat16" and open_checkpoint(tmp_path).card.dtype == "bfloat16"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ids = torch.randint(0, 67, (1, 8))
+    with torch.no_grad():
+        # same bf16 weights; both compute in bf16 with float32 norms: differences are bf16 rounding
+        torch.testing.assert_close(model(ids), hf(ids).logits.float(), rtol=2e-2, atol=5e-2)
+    assert load_checkpoint(tmp_path, dtype="float32").embed_tokens.weight.dtype == torch.float32

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.attn import make_cache
 from plyx.model import LayerStreamer, save_checkpoint, save_hf, stream_forward
 

@@ -34,9 +34,8 @@ CONFIGS = {
 
 
 def build(name: str, dtype: torch.dtype, device: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from plyx.model import TransformerLM, config_from_hf
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     hc = LlamaConfig(**CONFIGS[name], max_position_embeddings=2048, rope_theta=500000.0, tie_word_embeddings=False,
                      bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype=dtype)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.specs import ModelConfig
 
-torch.set_num_threads(2)  # the CI budget is 2 cores
+torch.set_num_threads(1)  # tiny models gain nothing from intra-op threads, and spinning OpenMP threads suffer badly on a shared 2-core CI box
 
 
 def _transformer_lm():
@@ -28,9 +27,8 @@ def tiny_model(*, vocab: int = 128, d_model: int = 64, n_layers: int = 2, n_head
 def hf_twin(directory, *, vocab: int = 128, seed: int = 0):
     """A random transformers LlamaForCausalLM and the plyx TransformerLM ``plyx.model.load_hf`` reads from its
     saved directory (the real interop path: safetensors + config.json)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from plyx.model import load_hf
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     hc = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

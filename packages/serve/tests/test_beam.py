@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.serve import BeamSearchParams, beam_search
 
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11], [1, 3, 4, 5]]

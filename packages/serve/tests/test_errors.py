@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from plyx.serve import BeamSearchParams, SamplingParams, StructuredOutput, beam_search, generate
 from plyx.specs import ConfigError
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.serve import SamplingParams, generate, stream_generate
 from plyx.specs import Component, hookimpl
 
@@ -197,3 +196,17 @@ def test_penalties_change_greedy_output(make_model):
     banned = generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=20,
                                                          banned_token_ids=tuple(set(base))))[0].outputs[0].token_ids
     assert not set(banned) & set(base)
+
+
+def test_closing_a_stream_early_evicts_its_sequences(hf_pair):
+    from plyx.attn import make_cache
+
+    _, model = hf_pair
+    cache = make_cache("paged", model.config, batch_size=8, max_seq_len=128)
+    stream = stream_generate(model, PROMPTS, SamplingParams(temperature=0, max_new_tokens=30, n=2), cache=cache)
+    first = next(stream)
+    assert first.finish_reason is None and len(cache.sequences()) == 2 * len(PROMPTS)
+    stream.close()
+    assert cache.sequences() == [] and cache.usage().blocks_used == 0
+    partial = stream.outputs()
+    assert sum(len(c.token_ids) for r in partial for c in r.outputs) >= 1

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.generation import logits_process as hf
-
 from plyx.serve import SamplingState
 from plyx.serve import _processors as P
 from plyx.serve._pipeline import BUILTIN_COMPONENTS, sampler_components
+from transformers.generation import logits_process as hf
 
 B, V = 5, 211  # odd vocabulary: no power-of-two luck
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-
 from plyx.serve import SamplingParams, generate
 
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11], [3, 4, 5, 6]]

@@ -8,7 +8,6 @@ import re
 
 import jsonschema
 import pytest
-
 from plyx.serve import SamplingParams, StructuredOutput, generate
 
 SCHEMA = {

@@ -6,7 +6,6 @@ import random
 from pathlib import Path
 
 import pytest
-
 from plyx.specs import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TrainConfig
 from plyx.train import prepare_corpus
 
@@ -71,6 +70,6 @@ def _tiny_config(data_dir: Path, out_dir: Path, **overrides: object) -> TrainCon
 
 
 @pytest.fixture()
-def tiny_config():  # noqa: ANN201 - returns the builder
+def tiny_config():
     """``tiny_config(data_dir, out_dir, **overrides)``: a TrainConfig for the tiny model."""
     return _tiny_config

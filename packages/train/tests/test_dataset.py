@@ -5,7 +5,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from plyx.train import ShardError, ShardSet, TokenDataset, write_shards
 from plyx.train._dataset import IGNORE_INDEX
 

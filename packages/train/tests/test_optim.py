@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.model import TransformerLM
 from plyx.specs import Component, ModelConfig, OptimizerConfig, hookimpl
 from plyx.specs.plugins import register_plugin, unregister_plugin

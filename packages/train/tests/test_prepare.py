@@ -6,7 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from plyx.specs import hookimpl
 from plyx.specs.plugins import register_plugin, unregister_plugin
 from plyx.train import ShardSet, bundled_corpus, load_tokenizer, prepare_corpus, read_documents

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from plyx.specs import ScheduleConfig
 from plyx.train import build_scheduler, lr_multiplier
 

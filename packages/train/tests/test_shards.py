@@ -5,7 +5,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from plyx.train import ShardError, ShardSet, write_shards
 from plyx.train._shards import token_dtype
 

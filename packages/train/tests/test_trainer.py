@@ -12,8 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from plyx.model import load_checkpoint
 from plyx.specs import ConfigError, hookimpl
 from plyx.specs.plugins import register_plugin, unregister_plugin
@@ -27,6 +25,7 @@ from plyx.train import (
     spectral_ratios,
 )
 from plyx.train._metrics import layer_groups
+from safetensors.torch import load_file
 
 QUIET = {"progress": False, "tensorboard": False}
 

@@ -125,7 +125,7 @@ def bench_case(B: int, ctx: int) -> dict[str, object]:
     lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
     q = torch.randn(B, Tq, H, D, device="cuda", dtype=dtype)
     kv_bytes = 2 * B * ctx * KV * D * k_pool.element_size()
-    splits = num_splits_for(B, KV, ctx, 64, _sm_count(q.device))
+    splits = num_splits_for(B, KV, ctx, _paged.GPU_CONFIG["block_n"], _sm_count(q.device))
     ms = _time(lambda: paged_attention_triton(q, k_pool, v_pool, tables, lens))
     kms = kernel_ms(lambda: paged_attention_triton(q, k_pool, v_pool, tables, lens))
     row: dict[str, object] = {"B": B, "ctx": ctx, "splits": splits, "kv_MB": kv_bytes / 1e6,

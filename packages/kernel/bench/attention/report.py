@@ -54,6 +54,15 @@ def main() -> int:
             f"{_f(t['fwd_bwd_tflops'])} | {_f(fl.get('fwd_bwd_tflops'))} | {_f(cu.get('fwd_bwd_tflops'))} | "
             f"{ratio(t, fl, 'fwd_bwd_tflops')} | {ratio(t, cu, 'fwd_bwd_tflops')} | "
             f"{_f(row.get('rel_err_vs_sdpa'), '{:.1e}')} |")
+    lines += ["", "Default configs (no autotuning, what runs unless PLYX_ATTENTION_AUTOTUNE=1), TFLOP/s:", "",
+              "| causal | T | default fwd | /flash | /cudnn | default fwd+bwd | /flash | /cudnn |", "|---|---|---|---|---|---|---|---|"]
+    for row in flash.get("cases", []):
+        t, fl, cu = row.get("triton_default", {}), row.get("sdpa_flash", {}), row.get("sdpa_cudnn", {})
+        def r2(x, y, key):
+            return _f(x[key] / y[key], "{:.2f}") if key in x and key in y else "-"
+        lines.append(f"| {row['causal']} | {row['T']} | {_f(t.get('fwd_tflops'))} | {r2(t, fl, 'fwd_tflops')} | "
+                     f"{r2(t, cu, 'fwd_tflops')} | {_f(t.get('fwd_bwd_tflops'))} | {r2(t, fl, 'fwd_bwd_tflops')} | "
+                     f"{r2(t, cu, 'fwd_bwd_tflops')} |")
     if flash.get("configs"):
         lines += ["", "Autotuned configs: " + "; ".join(f"`{k}`: {v}" for k, v in flash["configs"].items())]
     lines += ["", f"## Paged decode, bf16, 16 q heads / 4 kv heads, Dh 128, blocks of 16, 1 new token "

@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-
 from plyx.serve import SamplingParams
 from plyx.serve.engine import Engine, EngineConfig, QueueFullError
 from plyx.specs.errors import ConfigError

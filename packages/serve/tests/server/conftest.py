@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from plyx.specs import ModelConfig
 
 API_KEY = "sk-plyx-test"
@@ -57,7 +56,6 @@ def server_lm(bpe):
 def model_dir(tmp_path_factory, server_lm, bpe) -> Path:
     """A plyx checkpoint directory with tokenizer.json and a chatml tokenizer_config.json: what ``plyx serve`` opens."""
     from plyx.model import save_checkpoint
-
     from plyx.serve.server import BUILTIN_TEMPLATES
 
     d = tmp_path_factory.mktemp("models") / MODEL_NAME

@@ -12,7 +12,6 @@ import threading
 import time
 
 import httpx
-
 from plyx.serve.server import SERVE_COMMAND
 
 LAUNCH = ("import argparse, sys, torch; torch.set_num_threads(1); from plyx.serve.server import SERVE_COMMAND as c; "

@@ -6,8 +6,8 @@ by name from the plyx kernel registry; no implementation is imported here.
 
 from plyx.attn._attention import Attention
 from plyx.attn._contiguous import ContiguousKVCache
-from plyx.attn._norm import RMSNorm
 from plyx.attn._factory import cache_kinds, cache_layout, make_cache
+from plyx.attn._norm import RMSNorm
 from plyx.attn._paged import PagedKVCache
 from plyx.attn._step import PAGED_MAX_QUERY, KVStep, begin_step
 

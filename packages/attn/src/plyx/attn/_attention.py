@@ -14,11 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-
 from plyx.attn._kernels import kernel
 from plyx.attn._norm import RMSNorm
 from plyx.attn._step import KVStep
+from torch import nn
 
 __all__ = ["Attention"]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
 from plyx.specs.kvcache import CacheLayout
 
 __all__ = ["DTYPES", "check_kv", "dtype_of", "layout_dtype_name", "unique_ids"]

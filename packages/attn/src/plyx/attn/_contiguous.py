@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-
-from plyx.specs.kvcache import CacheFullError, CacheLayout, CacheUsage
-
 from plyx.attn._common import check_kv, dtype_of, unique_ids
+from plyx.specs.kvcache import CacheFullError, CacheLayout, CacheUsage
 
 __all__ = ["ContiguousKVCache"]
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-
 from plyx.attn._kernels import kernel
+from torch import nn
 
 __all__ = ["RMSNorm"]
 

@@ -20,10 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from plyx.specs.kvcache import BlockTable, CacheFullError, CacheLayout, CacheUsage
-
 from plyx.attn._common import check_kv, dtype_of, layout_dtype_name, unique_ids
+from plyx.specs.kvcache import BlockTable, CacheFullError, CacheLayout, CacheUsage
 
 __all__ = ["PagedKVCache"]
 

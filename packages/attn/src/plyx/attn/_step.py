@@ -6,12 +6,14 @@ padding is not stored), each sequence's length before and after the step, and
 how attention will read the cache (paged kernel or a gathered, left-aligned
 copy). The layers then only ``append`` and attend.
 
-Alignment (why left padding works for both read paths): row i holds n_i real
-tokens at the right end of its T columns and has L_i tokens cached after the
-step. Gathered keys are left-padded to S = max L_i, so key slot s holds
-position s - (S - L_i) and query column j holds position j - (T - L_i)... in
-slot terms S - T + j: "queries are the last T of the S keys" holds in every
-row, which is exactly the bottom-right causal alignment of the kernels.
+Alignment (why left padding works for both read paths): row i has n_i real
+tokens at the right end of its T columns and L_i tokens cached after the step.
+Gathered keys are left-padded to S = max L_i, so key slot s holds position
+s - (S - L_i); query column j holds position L_i - T + j, i.e. key slot
+S - T + j. "The queries are the last T of the S keys" thus holds in every row,
+which is the bottom-right causal alignment of the ``attention`` kernel; the
+padded key slots are masked out by ``key_mask``. ``paged_attention`` reads each
+sequence's own ``context_lens[i] = L_i`` and the same alignment holds per row.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-
 from plyx.specs.kvcache import KVCache
 
 __all__ = ["PAGED_MAX_QUERY", "KVStep", "begin_step"]

@@ -6,12 +6,11 @@ import threading
 import warnings
 from typing import Any
 
+from plyx.kernel._registry import Registry
 from plyx.specs import plugins
 from plyx.specs.config import KernelConfig
 from plyx.specs.errors import PluginError
 from plyx.specs.kernels import KernelImpl
-
-from plyx.kernel._registry import Registry
 
 __all__ = ["registry", "configure", "reset_registry", "populate"]
 

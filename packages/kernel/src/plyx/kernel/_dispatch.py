@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from plyx.kernel._default import registry
 
 __all__ = ["matmul", "rmsnorm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy"]

@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import os
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -89,7 +90,8 @@ class Registry:
         self._impls: dict[str, dict[str, KernelImpl]] = {}
         self._cache: dict[tuple[Any, ...], KernelImpl] = {}
         self._verified: dict[tuple[str, str, str], str | None] = {}  # (qualname, device, dtype) -> failure
-        self._scoped: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(f"plyx_kernel_override_{id(self)}", default={})
+        self._scoped: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
+            f"plyx_kernel_override_{id(self)}", default=types.MappingProxyType({}))
         self._config = KernelConfig()
         self._verify = _truthy(os.environ.get("PLYX_KERNELS_VERIFY", "1")) if verify is None else verify
         if config is not None:

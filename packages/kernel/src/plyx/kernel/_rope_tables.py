@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 import torch
-
 from plyx.kernel._errors import KernelInputError
 
 __all__ = ["rope_tables", "inv_frequencies"]

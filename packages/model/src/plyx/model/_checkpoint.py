@@ -23,17 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
-from plyx.specs.checkpoint import CARD_FILE, INDEX_FILE, ModelCard, TensorEntry
-from plyx.specs.config.model import ModelConfig
-from plyx.specs.errors import ConfigError
-
 from plyx.model._errors import CheckpointError, CheckpointIntegrityError, CheckpointMismatchError
 from plyx.model._hf_config import IGNORED_HF_TENSORS, config_from_hf, config_to_hf, hf_name, plyx_name
 from plyx.model._model import TransformerLM, torch_dtype
 from plyx.model._safetensors_io import atomic_directory, canonical_dtype, check_complete, read_header, sha256_file
+from plyx.specs.checkpoint import CARD_FILE, INDEX_FILE, ModelCard, TensorEntry
+from plyx.specs.config.model import ModelConfig
+from plyx.specs.errors import ConfigError
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from plyx.specs.config.model import ModelConfig, RopeScaling
-
 from plyx.model._errors import CheckpointError, UnsupportedArchitectureError
+from plyx.specs.config.model import ModelConfig, RopeScaling
 
 __all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "hf_name", "plyx_name"]
 

@@ -22,11 +22,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
-
 from plyx.attn import Attention, RMSNorm, begin_step
 from plyx.specs.config.model import ModelConfig
 from plyx.specs.kvcache import KVCache
+from torch import nn
 
 __all__ = ["DecoderLayer", "MLP", "TransformerLM", "torch_dtype"]
 

@@ -15,7 +15,6 @@ import weakref
 from typing import Any
 
 import torch
-
 from plyx.model._checkpoint import CheckpointDir, open_checkpoint
 from plyx.model._model import DecoderLayer, TransformerLM, torch_dtype
 

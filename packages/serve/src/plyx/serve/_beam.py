@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
 from plyx.serve._outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 from plyx.serve._params import BeamSearchParams
 from plyx.serve._runner import Runner, model_device

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
 from plyx.serve._outputs import CompletionOutput, RequestMetrics, StreamEvent, TokenLogprob
 from plyx.serve._params import SamplingParams
 from plyx.serve._tokenizer import TokenizerView

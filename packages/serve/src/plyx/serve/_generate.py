@@ -12,7 +12,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-
 from plyx.serve._completion import Completion
 from plyx.serve._outputs import RequestOutput, StreamEvent, TokenLogprob
 from plyx.serve._params import SamplingParams

@@ -17,7 +17,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import msgspec
-
 from plyx.specs.errors import ConfigError
 
 __all__ = ["BeamSearchParams", "SamplingParams", "StructuredOutput"]

@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-
 from plyx.serve import _processors as P
 from plyx.serve._params import SamplingParams
 from plyx.specs.errors import ConfigError

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
 from plyx.specs.errors import ConfigError
 from plyx.specs.kvcache import KVCache
 
@@ -122,46 +121,28 @@ class Runner:
 
     # -- forward passes ------------------------------------------------------------------
     def extend(self, seq_ids: Sequence[int], tokens: Sequence[Sequence[int]], *, all_logits: bool = False) -> Any:
-        """Feed each sequence its new tokens (ragged lengths allowed); returns logits.
+        """Feed each sequence its new tokens (ragged lengths allowed) in one left-padded forward pass.
 
-        Rows are run in groups of equal length (and equal cached length), so no padding reaches the model or the cache
-        (prefill is a small share of decode time; a group per distinct prompt length is cheap).
+        With a cache, padding is masked and never stored (the model reserves only each row's real tokens,
+        and positions continue from each sequence's cached length); without one, every live sequence is
+        recomputed in full, left-padded, as transformers does with ``use_cache=False``.
 
         Returns ``[B, V]`` (the last new position of each row) or, with ``all_logits``, a list of
         ``[T_i, V]`` (every new position).
         """
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, t in enumerate(tokens):
-            # equal cached lengths too when T > 1: plyx-attn's gathered path cannot mask ragged keys for
-            # multi-token queries yet (its key mask is [B, 1, 1, S] where the kernel wants [B, 1, T, S])
-            cached = self.length(seq_ids[i]) if len(t) > 1 and self.cache is not None else 0
-            groups.setdefault((len(t), cached), []).append(i)
-        outs: list[Any] = [None] * len(tokens)
-        for _, members in groups.items():
-            ids = [seq_ids[i] for i in members]
-            rows = [tokens[i] for i in members]
-            logits = self._forward(ids, rows)  # [b, T, V]
-            for k, i in enumerate(members):
-                outs[i] = logits[k] if all_logits else logits[k, -1]
-        return outs if all_logits else torch.stack(outs)
-
-    def _forward(self, seq_ids: Sequence[int], rows: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Rows of one length: ``[b, T, V]`` logits of their new tokens."""
-        new = torch.as_tensor([list(r) for r in rows], dtype=torch.long, device=self.device)  # [b, T]
-        if self.cache is not None:
-            return self.model(new, cache=self.cache, seq_ids=list(seq_ids))
-        full = []
-        for sid, r in zip(seq_ids, rows):
-            self._tokens.setdefault(sid, []).extend(int(t) for t in r)
-            full.append(self._tokens[sid])
-        by_len: dict[int, list[int]] = {}
-        for k, f in enumerate(full):
-            by_len.setdefault(len(f), []).append(k)
-        out = torch.empty(len(rows), new.shape[1], self.model.config.vocab_size, device=self.device)
-        for _, ks in by_len.items():  # equal total lengths: one unpadded recompute each
-            ids = torch.as_tensor([full[k] for k in ks], dtype=torch.long, device=self.device)
-            out[torch.as_tensor(ks, device=self.device)] = self.model(ids)[:, -new.shape[1]:]
-        return out
+        if self.cache is None:
+            for sid, new in zip(seq_ids, tokens):
+                self._tokens.setdefault(sid, []).extend(int(t) for t in new)
+            rows: Sequence[Sequence[int]] = [self._tokens[s] for s in seq_ids]
+            ids, mask = left_pad(rows, self.device)
+            logits = self.model(ids, attention_mask=mask)  # [B, T_max, V]
+        else:
+            ids, mask = left_pad(tokens, self.device)
+            logits = self.model(ids, attention_mask=mask, cache=self.cache, seq_ids=list(seq_ids))  # [B, T, V]
+        if all_logits:
+            width = logits.shape[1]
+            return [logits[i, width - len(t):] for i, t in enumerate(tokens)]
+        return logits[:, -1]
 
     def step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
         """One token per sequence (``tokens`` [B] on device, no host copy); returns ``[B, V]``."""

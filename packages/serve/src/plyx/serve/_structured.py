@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
 from plyx.serve._params import StructuredOutput
 from plyx.serve._tokenizer import TokenizerView
 from plyx.specs.errors import ConfigError

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 from plyx.specs import ConfigError, PlyxError, TrainConfig, load_config

@@ -24,7 +24,6 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-
 from plyx.specs import Batch
 from plyx.train._shards import ShardError, ShardSet
 

@@ -8,9 +8,8 @@ of an evaluation sample.
 from __future__ import annotations
 
 import torch
-from torch import nn
-
 from plyx.train._loss import _unwrap
+from torch import nn
 
 __all__ = ["generate_ids"]
 

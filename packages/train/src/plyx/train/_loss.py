@@ -9,29 +9,29 @@ B T = 16k that would be 8 GiB in float32).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from plyx.specs import Batch
 from torch import nn
 
-from plyx.specs import Batch
-
-__all__ = ["lm_loss", "linear_cross_entropy_fn"]
+__all__ = ["lm_loss", "linear_cross_entropy"]
 
 
-def linear_cross_entropy_fn(*tensors: torch.Tensor, **shape: int) -> Callable[..., torch.Tensor]:
-    """The ``linear_cross_entropy`` implementation the kernel registry selects for these tensors.
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         **options: Any) -> torch.Tensor:
+    """Cross-entropy of ``hidden [N, D] @ weight[V, D].T`` against ``targets [N]``, by the kernel registry's choice.
 
-    plyx-model exposes the registry's choice as ``plyx.model.linear_cross_entropy_fn`` when it
-    has one; otherwise the registry of plyx-kernel (installed with plyx-model) is asked directly.
+    plyx-model re-exports the registry's ``linear_cross_entropy`` dispatcher as
+    ``plyx.model.linear_cross_entropy`` when it has one. Until then it is taken from plyx-kernel,
+    which plyx-model depends on (so it is always installed with plyx-train); the import is by
+    name so that plyx-train declares no edge to plyx-kernel that DESIGN's graph does not have.
     """
     model_api = importlib.import_module("plyx.model")
-    helper = getattr(model_api, "linear_cross_entropy_fn", None)
-    if helper is not None:
-        return helper(*tensors, **shape)  # type: ignore[no-any-return]
-    kernel = importlib.import_module("plyx.kernel")  # a dependency of plyx-model, always present with it
-    return kernel.registry().get("linear_cross_entropy", *tensors, **shape)  # type: ignore[no-any-return]
+    fn = getattr(model_api, "linear_cross_entropy", None)
+    if fn is None:
+        fn = importlib.import_module("plyx.kernel").linear_cross_entropy
+    return fn(hidden, weight, targets, **options)  # type: ignore[no-any-return]
 
 
 def lm_loss(
@@ -49,9 +49,8 @@ def lm_loss(
     flat = hidden.reshape(-1, hidden.shape[-1])  # (B T, D)
     if flat.dtype != weight.dtype:  # under autocast the hidden states may be bf16 while weights stay fp32
         flat = flat.to(weight.dtype)
-    fn = linear_cross_entropy_fn(flat, weight)
-    return fn(flat, weight, batch.targets.reshape(-1), ignore_index=-100, label_smoothing=label_smoothing,
-              z_loss=z_loss, reduction="mean")
+    return linear_cross_entropy(flat, weight, batch.targets.reshape(-1), ignore_index=-100,
+                                label_smoothing=label_smoothing, z_loss=z_loss, reduction="mean")
 
 
 def _unwrap(model: nn.Module) -> Any:

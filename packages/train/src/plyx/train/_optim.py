@@ -11,9 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
-
 from plyx.specs import OptimizerConfig, components
+from torch import nn
 
 __all__ = ["param_groups", "build_optimizer", "available_optimizers", "adamw", "sgd"]
 

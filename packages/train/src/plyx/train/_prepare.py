@@ -17,7 +17,6 @@ from typing import Any
 
 import attrs
 import numpy as np
-
 from plyx.specs import get_plugin_manager
 from plyx.train._shards import MANIFEST, ShardSet, write_shards
 from plyx.train._tokenizer import Tokenizer, load_tokenizer, train_bpe

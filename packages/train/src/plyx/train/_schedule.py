@@ -20,7 +20,6 @@ import functools
 import math
 
 import torch
-
 from plyx.specs import ScheduleConfig
 
 __all__ = ["lr_multiplier", "build_scheduler"]

@@ -38,13 +38,11 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
-from torch import nn
-
 from plyx.specs import ConfigError, PlyxError, TrainConfig, get_plugin_manager
 from plyx.train._checkpoint import CheckpointManager, ResumeError, optimizer_from_flat, restore_rng
 from plyx.train._dataset import TokenDataset
 from plyx.train._generate import generate_ids
-from plyx.train._loss import _unwrap, lm_loss
+from plyx.train._loss import lm_loss
 from plyx.train._metrics import (
     SPECTRAL_RANGE,
     MetricsWriter,
@@ -59,6 +57,7 @@ from plyx.train._prepare import prepare_bundled, prepare_corpus
 from plyx.train._schedule import build_scheduler
 from plyx.train._shards import MANIFEST, ShardSet
 from plyx.train._tokenizer import Tokenizer, load_tokenizer
+from torch import nn
 
 __all__ = ["Trainer", "TrainOptions", "TrainResult", "NonFiniteLossError", "resolve_device", "estimate_memory"]
 

@@ -58,9 +58,11 @@ def _interpreting() -> bool:
 
 
 def _autotuning() -> bool:
-    # PLYX_ATTENTION_AUTOTUNE=0 keeps the default configs (tests, quick runs);
-    # the interpreter never tunes (it would time numpy).
-    return not _interpreting() and os.environ.get("PLYX_ATTENTION_AUTOTUNE", "1") != "0"
+    # Off by default: tuning compiles every config of _FWD/_DKDV/_DQ_CONFIGS for each new
+    # combination of flags (about a minute on an H100), and the defaults below are the tuner's
+    # winners at T >= 4k. PLYX_ATTENTION_AUTOTUNE=1 turns it on (the benchmark reports both).
+    # The interpreter never tunes (it would time numpy).
+    return not _interpreting() and os.environ.get("PLYX_ATTENTION_AUTOTUNE", "0") == "1"
 
 
 # --------------------------------------------------------------------------- forward
@@ -526,7 +528,10 @@ def best_configs() -> dict[str, dict[str, object]]:
     out: dict[str, dict[str, object]] = {}
     for name, tuner in (("fwd", _attn_fwd_tuned), ("dkdv", _attn_bwd_dkdv_tuned), ("dq", _attn_bwd_dq_tuned)):
         for key, cfg in getattr(tuner, "cache", {}).items():
-            out[f"{name} {key}"] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+            # key: the _TUNE_KEY values, then the argument dtypes
+            flags = dict(zip(_TUNE_KEY, key))
+            label = " ".join(f"{k.lower().replace('tune_', '')}={v}" for k, v in flags.items())
+            out[f"{name} {label}"] = {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
     return out
 
 

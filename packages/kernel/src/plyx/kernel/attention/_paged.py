@@ -149,7 +149,7 @@ def _interpreting() -> bool:
 
 
 #: launch config on a GPU (key tile, warps, pipeline depth); the benchmark's sweep chose it
-GPU_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+GPU_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3}
 _SM_COUNT: dict[int, int] = {}
 
 

@@ -19,7 +19,6 @@ Gradient (used by the Triton kernels; here autograd derives it)::
 from __future__ import annotations
 
 import torch
-
 from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
 
 __all__ = ["cross_entropy", "check_cross_entropy", "check_loss_options", "reduce_loss", "REDUCTIONS"]

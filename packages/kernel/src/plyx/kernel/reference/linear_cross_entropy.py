@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
 from plyx.kernel.reference.cross_entropy import check_loss_options, check_targets, reduce_loss
 

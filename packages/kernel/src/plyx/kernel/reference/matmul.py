@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
 
 __all__ = ["matmul", "check_matmul"]

@@ -11,7 +11,6 @@ its next residual stream from the same call.
 from __future__ import annotations
 
 import torch
-
 from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
 
 __all__ = ["rmsnorm", "check_rmsnorm"]

@@ -17,7 +17,6 @@ The backward is the rotation by ``-theta``: ``da = ga*cos + gb*sin``, ``db = gb*
 from __future__ import annotations
 
 import torch
-
 from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
 
 __all__ = ["rope", "check_rope"]

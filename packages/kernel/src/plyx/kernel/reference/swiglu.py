@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
 
 __all__ = ["swiglu", "check_swiglu"]

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.cross_entropy import check_cross_entropy, reduce_loss
 from plyx.kernel.triton_ops._common import empty, interpreting, next_power_of_2
@@ -123,10 +122,8 @@ def row_scale(valid: torch.Tensor, reduction: str) -> torch.Tensor:
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, eps: float, z_loss: float,
-                reduction: str, argmax: bool) -> Any:
+                reduction: str, argmax: bool, grad: bool) -> Any:
         valid = targets != ignore_index
-        # needs_input_grad reflects requires_grad even under torch.no_grad(): check the grad mode too
-        grad = ctx.needs_input_grad[0] and torch.is_grad_enabled()
         dz = empty(logits.shape, dtype=logits.dtype, device=logits.device) if grad else None
         out = ce_rows(logits, targets, ignore_index=ignore_index, eps=eps, z_loss=z_loss,
                       scale=row_scale(valid, reduction) if grad else None, dz=dz, argmax=argmax)
@@ -151,7 +148,7 @@ class _CrossEntropy(torch.autograd.Function):
             dz.mul_(grad[:, None].to(dz.dtype))
         elif not bool(grad == 1):  # one host sync instead of a read and write of the whole gradient
             dz.mul_(grad.to(dz.dtype))
-        return dz, None, None, None, None, None, None
+        return dz, None, None, None, None, None, None, None
 
 
 def cross_entropy(
@@ -170,5 +167,7 @@ def cross_entropy(
     """
     check_cross_entropy(_NAME, logits, targets, ignore_index, label_smoothing, z_loss, reduction, check_values=False)
     check_last_dim_contiguous(_NAME, "logits", logits)
+    # forward() runs with grad mode off, so whether a gradient will be needed is decided here
+    grad = torch.is_grad_enabled() and logits.requires_grad
     return _CrossEntropy.apply(logits, targets, int(ignore_index), float(label_smoothing), float(z_loss), reduction,
-                               bool(return_argmax))
+                               bool(return_argmax), grad)

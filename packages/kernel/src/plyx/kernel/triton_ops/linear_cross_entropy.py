@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.cross_entropy import reduce_loss
 from plyx.kernel.reference.linear_cross_entropy import check_linear_cross_entropy
@@ -76,11 +75,10 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-                ignore_index: int, eps: float, z_loss: float, reduction: str, chunk: int) -> torch.Tensor:
+                ignore_index: int, eps: float, z_loss: float, reduction: str, chunk: int, grad: bool) -> torch.Tensor:
         valid = targets != ignore_index
-        need = ctx.needs_input_grad[:3]
         ctx.used = False
-        if not any(need) or not torch.is_grad_enabled():  # needs_input_grad ignores torch.no_grad()
+        if not grad:
             rows = _chunks(hidden, weight, bias, targets, ignore_index, eps, z_loss, chunk, None, None)
             return reduce_loss(rows, valid, reduction)
         if reduction == "none":
@@ -128,7 +126,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 if d_bias is not None:
                     d_bias += z.sum(0, dtype=torch.float32)
             return (d_hidden, d_weight.to(weight.dtype), None if bias is None else d_bias.to(bias.dtype),
-                    None, None, None, None, None, None)
+                    None, None, None, None, None, None, None)
         d_hidden, d_weight, d_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
         # a scalar incoming gradient of exactly 1 (loss.backward()) needs no rescale: one host sync saves a
@@ -139,7 +137,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if d_bias is not None:
                 d_bias.mul_(grad)
         return (d_hidden, d_weight.to(weight_dtype), None if d_bias is None else d_bias.to(bias_dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -163,5 +161,7 @@ def linear_cross_entropy(
     check_last_dim_contiguous(_NAME, "hidden", hidden)
     check_last_dim_contiguous(_NAME, "weight", weight)
     chunk = int(chunk_size or default_chunk_rows(hidden.shape[0], weight.shape[0]))
+    # forward() runs with grad mode off, so whether gradients will be needed is decided here
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, int(ignore_index), float(label_smoothing),
-                                          float(z_loss), reduction, chunk)
+                                          float(z_loss), reduction, chunk, grad)

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
 from plyx.kernel.reference.matmul import check_matmul
 from plyx.kernel.triton_ops._common import empty, interpreting
 
@@ -105,13 +104,14 @@ class _Matmul(torch.autograd.Function):
         a2 = a.reshape(-1, a.shape[-1])  # (M, K): leading dims folded into M
         ctx.save_for_backward(a2, b)
         ctx.a_shape = a.shape
+        ctx.copy = CONTIGUOUS_BACKWARD["on"]
         return mm(a2, b).view(*a.shape[:-1], b.shape[1])
 
     @staticmethod
     def backward(ctx: Any, dc: torch.Tensor) -> Any:
         a2, b = ctx.saved_tensors
         dc2 = dc.reshape(-1, dc.shape[-1])
-        copy = CONTIGUOUS_BACKWARD["on"]
+        copy = ctx.copy
         da = mm(dc2, b.T.contiguous() if copy else b.T).view(ctx.a_shape) if ctx.needs_input_grad[0] else None
         db = mm(a2.T.contiguous() if copy else a2.T, dc2) if ctx.needs_input_grad[1] else None
         return da, db

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
 from plyx.kernel._errors import KernelInputError, check_last_dim_contiguous
 from plyx.kernel.reference.rmsnorm import check_rmsnorm
 from plyx.kernel.triton_ops._common import empty, next_power_of_2, num_programs

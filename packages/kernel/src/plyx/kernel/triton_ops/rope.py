@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.rope import check_rope
 from plyx.kernel.triton_ops._common import empty, next_power_of_2

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.swiglu import check_swiglu
 from plyx.kernel.triton_ops._common import empty, interpreting
@@ -75,7 +74,7 @@ class _SwiGLU(torch.autograd.Function):
         g2, u2 = _rows(gate, up)
         n, f = g2.shape
         y = empty((n, f), dtype=gate.dtype, device=gate.device)
-        block, warps = _config()
+        block, warps = ctx.config = _config()
         if n and f:
             nb = triton.cdiv(f, block)
             _swiglu_fwd[(n * nb,)](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), f, nb, BLOCK=block,
@@ -92,7 +91,7 @@ class _SwiGLU(torch.autograd.Function):
         n, f = g2.shape
         dg = empty((n, f), dtype=gate.dtype, device=gate.device)
         du = empty((n, f), dtype=up.dtype, device=up.device)
-        block, warps = _config()
+        block, warps = ctx.config
         if n and f:
             nb = triton.cdiv(f, block)
             _swiglu_bwd[(n * nb,)](dy2, g2, u2, dg, du, dy2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), f, nb,

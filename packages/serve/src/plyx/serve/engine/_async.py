@@ -10,6 +10,7 @@ new connections) while a step runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -208,9 +209,13 @@ class AsyncEngine:
                     break
             if not self.engine.has_unfinished():
                 continue
+            steps = self.engine.stats.steps
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - reported to every affected client, the engine keeps going
+                if self.engine.stats.steps == steps:  # nothing could be scheduled: wait for news, do not spin
+                    with contextlib.suppress(queue.Empty):
+                        self._handle(self._inbox.get(timeout=0.005))
+            except Exception as exc:
                 log.exception("engine step failed")
                 self.error = exc
                 self._fail_all(RuntimeError(f"the engine failed while running this request: {exc}"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import msgspec
-
 from plyx.specs.errors import ConfigError
 
 __all__ = ["EngineConfig"]

@@ -24,12 +24,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections import deque
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
-
 from plyx.serve._completion import Completion
 from plyx.serve._outputs import RequestOutput, StreamEvent
 from plyx.serve._params import SamplingParams
@@ -37,7 +36,7 @@ from plyx.serve._tokenizer import TokenizerView
 from plyx.serve.engine._config import EngineConfig
 from plyx.serve.engine._prefix_cache import PrefixCache
 from plyx.serve.engine._sampling import sample_rows
-from plyx.serve.engine._sequence import EngineRequest, Sequence, SeqStatus
+from plyx.serve.engine._sequence import EngineRequest, SeqStatus, Sequence
 from plyx.specs.errors import ConfigError
 
 __all__ = ["Engine", "EngineOutput", "EngineStats", "QueueFullError"]
@@ -164,7 +163,6 @@ class Engine:
             raise ConfigError("SamplingParams.structured", "structured output needs a tokenizer", value=None,
                               fix="build the Engine with tokenizer=...")
         import msgspec
-
         from plyx.serve._structured import compile_structured
 
         stops = self._stop_ids(params)

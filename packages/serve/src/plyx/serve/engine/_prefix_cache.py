@@ -20,6 +20,7 @@ reads is never evicted.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -138,18 +139,25 @@ class PrefixCache:
 
     # -- eviction --------------------------------------------------------------------------
     def evict(self, blocks: int) -> int:
-        """Free up to ``blocks`` blocks by dropping LRU leaves held by the prefix cache alone; returns freed."""
+        """Free up to ``blocks`` blocks by dropping LRU leaves held by the prefix cache alone; returns freed.
+
+        A heap of evictable leaves by last use; a parent whose last child goes becomes a candidate in turn.
+        """
+        def evictable(node: PrefixNode) -> bool:
+            return node.children == 0 and self.cache.refcount(node.block) == 1
+
+        heap = [(n.last_used, n.holder, n) for n in self._nodes.values() if evictable(n)]
+        heapq.heapify(heap)
         freed = 0
-        while freed < blocks:
-            victim = None
-            for node in self._nodes.values():
-                if node.children == 0 and self.cache.refcount(node.block) == 1:
-                    if victim is None or node.last_used < victim.last_used:
-                        victim = node
-            if victim is None:
-                break
-            self._drop(victim)
+        while freed < blocks and heap:
+            _, _, node = heapq.heappop(heap)
+            if self._nodes.get(node.key) is not node or not evictable(node):
+                continue
+            self._drop(node)
             freed += 1
+            parent = node.parent
+            if parent is not None and evictable(parent):
+                heapq.heappush(heap, (parent.last_used, parent.holder, parent))
         self.evicted_blocks += freed
         return freed
 

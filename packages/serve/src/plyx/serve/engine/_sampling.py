@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 import torch
-
 from plyx.serve._outputs import TokenLogprob
 from plyx.serve._pipeline import LogitsPipeline
 from plyx.serve._processors import SamplingState

@@ -8,7 +8,6 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
-
 from plyx.serve._completion import Completion
 from plyx.serve._params import SamplingParams
 

@@ -20,9 +20,6 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-
 from plyx.serve.engine import AsyncEngine, Engine, QueueFullError
 from plyx.serve.server._chat import ChatTemplate, ChatTemplateError, load_chat_template
 from plyx.serve.server._errors import APIError, error_response, from_config_error, from_validation_error
@@ -36,6 +33,8 @@ from plyx.serve.server._protocol import (
     sampling_params,
 )
 from plyx.specs.errors import ConfigError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
 
 __all__ = ["ServerSettings", "create_app"]
 
@@ -191,6 +190,22 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
 
 
 # -- helpers ------------------------------------------------------------------------------
+class _SSEResponse(StreamingResponse):
+    """Server-sent events whose request is closed even when the client leaves before the body starts (then the
+    body generator never runs, so its own ``finally`` cannot)."""
+
+    def __init__(self, content: Any, finish: Any) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._finish = finish
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._finish(499)
+
+
 class _Guard:
     """Pure ASGI middleware (no body buffering, disconnects pass through): API key and declared body size."""
 
@@ -389,7 +404,15 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
         state.inflight -= 1
         raise
 
+    closed = False
+
     def finish(status: int = 200) -> None:
+        """Account the request once, whichever path ends it (answer, error, disconnect before streaming)."""
+        nonlocal closed
+        if closed:
+            return
+        closed = True
+        job.abort()
         state.inflight -= 1
         end = job.finished_at or time.monotonic()
         tokens = max((len(c.token_ids) for c in job.choices), default=0)
@@ -402,8 +425,7 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
 
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
-        return StreamingResponse(_stream(state, job, kind, include_usage, finish), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _SSEResponse(_stream(state, job, kind, include_usage, finish), finish)
     return await _whole(request, state, job, kind, finish)
 
 
@@ -477,7 +499,7 @@ async def _stream(state: _State, job: Job, kind: str, include_usage: bool, finis
     except (asyncio.CancelledError, GeneratorExit):
         status = 499  # the client went away: job.events() aborted the engine requests
         raise
-    except Exception as exc:  # noqa: BLE001 - the stream already started: report in-band
+    except Exception as exc:
         status = 500
         yield sse({"error": APIError(500, str(exc), code="engine_error").body()["error"]})
         yield b"data: [DONE]\n\n"

@@ -73,7 +73,6 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
                  drain_timeout: float = 30.0) -> Any:
     """The FastAPI app of a ``ServeConfig`` (model loaded, engine built; its thread starts with the app)."""
     import torch
-
     from plyx.serve.engine import Engine, EngineConfig
     from plyx.serve.server._app import ServerSettings, create_app
     from plyx.serve.server._loading import eos_ids, load_model, load_tokenizer

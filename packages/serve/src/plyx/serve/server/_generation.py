@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
-
 from plyx.serve._outputs import TokenLogprob
 from plyx.serve._params import SamplingParams
 from plyx.serve.engine import AsyncEngine, EngineOutput, RequestStream
@@ -95,7 +94,7 @@ class Job:
             try:
                 async for out in stream:
                     queue.put_nowait((p, out))
-            except Exception as exc:  # noqa: BLE001 - forwarded to the consumer
+            except Exception as exc:
                 queue.put_nowait(exc)
             finally:
                 queue.put_nowait((p, None))

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 import msgspec
-
 from plyx.serve._params import SamplingParams, StructuredOutput
 from plyx.serve.server._errors import APIError, from_config_error
 from plyx.specs.errors import ConfigError

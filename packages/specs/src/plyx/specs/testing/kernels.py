@@ -434,13 +434,17 @@ def check_registry(
     """
     from plyx.specs.kernels import KernelQuery
 
+    cc = None
+    if device.startswith("cuda"):  # predicates on compute capability need the real one
+        cc = tuple(_torch().cuda.get_device_capability(device))
     reports = []
     for name in names or registry.names():
         if name not in KERNEL_CASES:
             continue
         for impl in registry.implementations(name):
             accepted = [d for d in dtypes if ignore_predicates or impl.capability.refusal(
-                KernelQuery(device_type=device, dtype=d, requires_grad=impl.capability.backward)) is None]
+                KernelQuery(device_type=device.split(":")[0], dtype=d, compute_capability=cc,
+                            requires_grad=impl.capability.backward)) is None]
             if accepted:
                 reports.append(check_kernel(name, impl.fn, impl=impl.impl, device=device, dtypes=accepted,
                                             grad=impl.capability.backward, quick=quick))

@@ -1,0 +1,343 @@
+"""Online serving benchmark of ``plyx serve``, in the style of vLLM's ``benchmarks/benchmark_serving.py``.
+
+A fixed synthetic workload (vLLM's ``random`` dataset: input/output lengths drawn
+uniformly in ``[len * (1 - range_ratio), len * (1 + range_ratio)]``, an optional
+shared prefix of ``prefix_len`` tokens, Poisson arrivals at ``request_rate``) is sent
+as streaming ``/v1/completions`` requests to the server on loopback, and reported as
+vLLM does: requests/s, output tokens/s, TTFT, TPOT and ITL (mean, median, p99), once
+with prefix caching on and once off.
+
+The baseline is the naive way: ``transformers`` ``generate()`` on the same requests,
+one static batch of ``--hf-batch`` at a time in arrival order (left padding, greedy,
+each batch runs to its longest output; only each request's own tokens are counted).
+Its TTFT is the time from the workload's start to the batch's first token (taken by a
+streamer), its TPOT the batch's decode time per step.
+
+Both sides use the same random Llama-shaped weights (saved by transformers, loaded by
+``plyx.model.load_hf``) and greedy decoding with EOS ignored, so every request
+produces exactly its output length.
+
+    python packages/serve/bench/serving.py                          # CPU, small model
+    python packages/serve/bench/serving.py --device cuda --model 1b --num-prompts 256 \\
+        --max-concurrency 128 --hf-batch 32 --input-len 256 --output-len 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+#: Llama-shaped sizes (hidden, layers, heads, kv heads, ffn, vocab); "1b" is Llama-3.2-1B's shape
+MODELS = {
+    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=344, vocab_size=1024),
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=688, vocab_size=1024),
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=8192, vocab_size=32768),
+}
+
+
+# -- workload -----------------------------------------------------------------------------
+@dataclass
+class Request:
+    prompt: list[int]
+    output_len: int
+    arrival: float  # seconds after the start
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[Request]:
+    rng = random.Random(args.seed)
+    lo_in, hi_in = int(args.input_len * (1 - args.range_ratio)), int(args.input_len * (1 + args.range_ratio))
+    lo_out, hi_out = max(1, int(args.output_len * (1 - args.range_ratio))), int(args.output_len * (1 + args.range_ratio))
+    prefix = [rng.randrange(8, vocab) for _ in range(args.prefix_len)]
+    t, reqs = 0.0, []
+    for _ in range(args.num_prompts):
+        n_in = rng.randint(lo_in, hi_in)
+        reqs.append(Request(prefix + [rng.randrange(8, vocab) for _ in range(n_in)], rng.randint(lo_out, hi_out), t))
+        if args.request_rate != float("inf"):
+            t += rng.expovariate(args.request_rate)  # Poisson process
+    return reqs
+
+
+# -- metrics ------------------------------------------------------------------------------
+@dataclass
+class Timing:
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    ok: bool = False
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    s = sorted(xs)
+    return {"mean": statistics.fmean(s) * 1e3, "median": statistics.median(s) * 1e3,
+            "p99": s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))] * 1e3}
+
+
+def summarize(name: str, reqs: list[Request], timings: list[Timing], duration: float,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    done = [t for t in timings if t.ok]
+    out = sum(t.output_tokens for t in done)
+    tpot = [(t.e2e - t.ttft) / (t.output_tokens - 1) for t in done if t.output_tokens > 1]
+    return {
+        "name": name, "completed": len(done), "failed": len(timings) - len(done), "duration_s": duration,
+        "total_input_tokens": sum(len(r.prompt) for r in reqs), "total_output_tokens": out,
+        "request_throughput": len(done) / duration, "output_throughput": out / duration,
+        "total_token_throughput": (out + sum(len(r.prompt) for r in reqs)) / duration,
+        "ttft_ms": _stats([t.ttft for t in done]), "tpot_ms": _stats(tpot),
+        "itl_ms": _stats([x for t in done for x in t.itl]), **(extra or {}),
+    }
+
+
+# -- plyx: the server on loopback ---------------------------------------------------------
+async def _one(client: Any, url: str, req: Request, start: float, sem: asyncio.Semaphore | None) -> Timing:
+    await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
+    timing = Timing()
+    body = {"model": "bench", "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if sem is not None:
+        await sem.acquire()
+    try:
+        sent = last = time.perf_counter()
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                print("request failed:", r.status_code, (await r.aread())[:200], file=sys.stderr)
+                return timing
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    timing.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    if timing.ttft == 0.0:
+                        timing.ttft = now - sent
+                    else:
+                        timing.itl.append(now - last)
+                    last = now
+        timing.e2e = time.perf_counter() - sent
+        timing.ok = timing.output_tokens == req.output_len
+    finally:
+        if sem is not None:
+            sem.release()
+    return timing
+
+
+def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.Namespace, prefix_caching: bool
+               ) -> dict[str, Any]:
+    import httpx
+    import uvicorn
+    from plyx.serve.engine import Engine, EngineConfig
+    from plyx.serve.server import ServerSettings, create_app
+
+    max_len = max(len(r.prompt) + r.output_len for r in reqs)
+    engine = Engine(model, tokenizer=tokenizer, config=EngineConfig(
+        max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
+        num_blocks=args.num_blocks, max_model_len=max_len, prefix_caching=prefix_caching, max_queue=100_000))
+    app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    import threading
+
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/completions"
+
+    async def go() -> tuple[list[Timing], float]:
+        limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
+        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+            # warm-up (kernels, allocator): one short request, not counted
+            await _one(client, url, Request(reqs[0].prompt[:8], 2, 0.0), time.perf_counter(), None)
+            sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+            start = time.perf_counter()
+            timings = await asyncio.gather(*(_one(client, url, r, start, sem) for r in reqs))
+            return list(timings), time.perf_counter() - start
+
+    hits0 = engine.prefix.hit_tokens if engine.prefix else 0
+    timings, duration = asyncio.run(go())
+    extra = {"prefix_caching": prefix_caching, "preemptions": engine.stats.preemptions,
+             "prefix_hit_rate": (engine.prefix.hit_tokens - hits0) / max(1, sum(len(r.prompt) for r in reqs))
+             if engine.prefix else 0.0}
+    server.should_exit = True
+    thread.join(30)
+    return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'})", reqs, timings, duration,
+                     extra)
+
+
+# -- baseline: transformers generate, one static batch at a time --------------------------
+class _FirstToken:
+    """A ``generate`` streamer that notes when the first new token of the batch exists."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+
+    def put(self, value: Any) -> None:
+        self.calls += 1
+        if self.calls == 2 and self.first is None:  # call 1 is the prompt
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def bench_hf(hf: Any, reqs: list[Request], args: argparse.Namespace, device: str) -> dict[str, Any]:
+    timings = [Timing() for _ in reqs]
+    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival)
+    with torch.inference_mode():  # warm-up
+        hf.generate(torch.tensor([reqs[0].prompt[:8]], device=device), max_new_tokens=2, do_sample=False,
+                    pad_token_id=0)
+    start = time.perf_counter()
+    for b in range(0, len(order), args.hf_batch):
+        idx = order[b:b + args.hf_batch]
+        # a static batch starts once all its requests have arrived
+        time.sleep(max(0.0, start + max(reqs[i].arrival for i in idx) - time.perf_counter()))
+        width = max(len(reqs[i].prompt) for i in idx)
+        ids = torch.zeros(len(idx), width, dtype=torch.long)
+        mask = torch.zeros(len(idx), width, dtype=torch.long)
+        for row, i in enumerate(idx):  # left padding, as decoder-only generation needs
+            ids[row, width - len(reqs[i].prompt):] = torch.tensor(reqs[i].prompt)
+            mask[row, width - len(reqs[i].prompt):] = 1
+        new = max(reqs[i].output_len for i in idx)
+        streamer = _FirstToken()
+        with torch.inference_mode():
+            hf.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, pad_token_id=0, streamer=streamer)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        first = streamer.first or end
+        step = (end - first) / max(1, new - 1)
+        for i in idx:
+            t = timings[i]
+            t.ttft = first - (start + reqs[i].arrival)
+            t.output_tokens = reqs[i].output_len
+            t.e2e = t.ttft + step * (t.output_tokens - 1)  # its own last token, as a stream would deliver it
+            t.itl = [step] * (t.output_tokens - 1)
+            t.ok = True
+    duration = time.perf_counter() - start
+    return summarize(f"transformers generate (static batch {args.hf_batch})", reqs, timings, duration)
+
+
+# -- setup --------------------------------------------------------------------------------
+def build_models(args: argparse.Namespace, directory: Path) -> tuple[Any, Any, Any]:
+    from plyx.model import load_hf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = MODELS[args.model]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    words = [f"w{i} x{i % 97} y{i % 13}" for i in range(4000)]
+    tok.train_from_iterator(words, trainers.BpeTrainer(vocab_size=shape["vocab_size"], show_progress=False,
+                                                      special_tokens=["<|endoftext|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**shape, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    hf = LlamaForCausalLM(cfg).to(dtype).eval()
+    hf.save_pretrained(directory, safe_serialization=True)
+    hf = hf.to(args.device)
+    plyx_model = load_hf(directory, device=args.device).eval()
+    return hf, plyx_model, tok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--model", default="small", choices=list(MODELS))
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=96)
+    p.add_argument("--prefix-len", type=int, default=64, help="shared prefix (system prompt) of every request")
+    p.add_argument("--output-len", type=int, default=48)
+    p.add_argument("--range-ratio", type=float, default=0.5)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=0, help="most requests in flight (0: unbounded)")
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=0)
+    p.add_argument("--hf-batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads on CPU (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--out", default="", help="result file stem (default: results/serving-<device>-<model>-<date>)")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, model, tok = build_models(args, Path(tmp))
+    reqs = workload(args, MODELS[args.model]["vocab_size"])
+    runs = [bench_plyx(model, tok, reqs, args, True), bench_plyx(model, tok, reqs, args, False)]
+    if not args.skip_hf:
+        runs.append(bench_hf(hf, reqs, args, args.device))
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
+              "torch_threads": torch.get_num_threads(), "args": vars(args) | {"request_rate": str(args.request_rate)},
+              "model_params": sum(x.numel() for x in model.parameters()), "runs": runs}
+    print(render(report))
+    RESULTS.mkdir(exist_ok=True)
+    stem = args.out or f"serving-{args.device.split(':')[0]}-{args.model}-{dt.date.today().isoformat()}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    (RESULTS / f"{stem}.md").write_text(render(report) + "\n")
+    return 0
+
+
+def render(report: dict[str, Any]) -> str:
+    a = report["args"]
+    lines = [
+        f"# serving benchmark — {report['device']}, {report['date']}",
+        "",
+        f"model `{a['model']}` ({report['model_params'] / 1e6:.1f} M params, {a['dtype']}), {a['num_prompts']} "
+        f"requests, input {a['input_len']}±{a['range_ratio'] * 100:.0f}% + shared prefix {a['prefix_len']}, output "
+        f"{a['output_len']}±{a['range_ratio'] * 100:.0f}%, rate {a['request_rate']}/s, max concurrency "
+        f"{a['max_concurrency'] or 'unbounded'}, torch threads {report['torch_threads']}",
+        "",
+        "| metric | " + " | ".join(r["name"] for r in report["runs"]) + " |",
+        "|---" * (len(report["runs"]) + 1) + "|",
+    ]
+
+    def row(label: str, fn: Any) -> None:
+        lines.append(f"| {label} | " + " | ".join(fn(r) for r in report["runs"]) + " |")
+
+    row("completed / failed", lambda r: f"{r['completed']} / {r['failed']}")
+    row("duration (s)", lambda r: f"{r['duration_s']:.2f}")
+    row("requests/s", lambda r: f"{r['request_throughput']:.2f}")
+    row("output tokens/s", lambda r: f"{r['output_throughput']:.1f}")
+    row("total tokens/s", lambda r: f"{r['total_token_throughput']:.1f}")
+    for m in ("ttft_ms", "tpot_ms", "itl_ms"):
+        for s in ("mean", "median", "p99"):
+            row(f"{m[:-3].upper()} {s} (ms)", lambda r, m=m, s=s: f"{r[m][s]:.1f}")
+    row("prefix-cache hit rate", lambda r: f"{r['prefix_hit_rate']:.2f}" if "prefix_hit_rate" in r else "-")
+    row("preemptions", lambda r: str(r.get("preemptions", "-")))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
