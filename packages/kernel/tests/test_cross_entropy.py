@@ -71,3 +71,19 @@ def test_bad_inputs_name_kernel_and_argument():
         cross_entropy(z, t, label_smoothing=1.5)
     with pytest.raises(KernelInputError, match=r"reference.*`targets`.*id 10 outside \[0, 10\)"):
         reference(z, torch.full((4,), 10, device=TRITON_DEVICE))
+
+
+def test_no_grad_forward_computes_no_gradient_buffer(make, monkeypatch):
+    """Under torch.no_grad() the kernel runs its one-pass form (no [N, V] gradient is allocated)."""
+    from plyx.kernel.triton_ops import cross_entropy as module
+
+    seen = []
+    real = module.ce_rows
+    monkeypatch.setattr(module, "ce_rows", lambda *a, **k: seen.append(k["dz"]) or real(*a, **k))
+    z = make(5, 70).requires_grad_(True)
+    t = torch.randint(0, 70, (5,), device=TRITON_DEVICE)
+    with torch.no_grad():
+        a = cross_entropy(z, t)
+    b = cross_entropy(z, t)
+    assert seen[0] is None and seen[1] is not None
+    assert not a.requires_grad and torch.allclose(a, b.detach())

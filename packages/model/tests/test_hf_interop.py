@@ -169,3 +169,20 @@ def test_bfloat16_checkpoint_keeps_its_dtype(tmp_path: Path) -> None:
         # same bf16 weights; both compute in bf16 with float32 norms: differences are bf16 rounding
         torch.testing.assert_close(model(ids), hf(ids).logits.float(), rtol=2e-2, atol=5e-2)
     assert load_checkpoint(tmp_path, dtype="float32").embed_tokens.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(arch="qwen2", qkv_bias=False), "without q/k/v biases"),
+        (dict(arch="llama", qkv_bias=True), "use arch='qwen2'"),
+        (dict(arch="llama", qk_norm=True), "QK-norm exists exactly in qwen3"),
+        (dict(arch="llama", sliding_window=8), "use arch='mistral'"),
+    ],
+)
+def test_save_hf_refuses_what_transformers_cannot_express(tmp_path: Path, tiny, overrides, match: str) -> None:
+    from plyx.model import TransformerLM
+
+    with pytest.raises(CheckpointError, match=match):
+        save_hf(TransformerLM(tiny(**overrides)), tmp_path / "x")
+    assert not (tmp_path / "x").exists()

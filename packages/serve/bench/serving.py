@@ -129,7 +129,7 @@ async def _one(client: Any, url: str, req: Request, start: float, sem: asyncio.S
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     timing.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk["choices"] and chunk["choices"][0]["text"]:
+                if chunk["choices"]:  # one chunk per generated token (the server streams every token event)
                     if timing.ttft == 0.0:
                         timing.ttft = now - sent
                     else:

@@ -206,6 +206,8 @@ def test_closing_a_stream_early_evicts_its_sequences(hf_pair):
     stream = stream_generate(model, PROMPTS, SamplingParams(temperature=0, max_new_tokens=30, n=2), cache=cache)
     first = next(stream)
     assert first.finish_reason is None and len(cache.sequences()) == 2 * len(PROMPTS)
+    # the suspended generator must not leave the consumer in inference mode (grad mode is thread-local)
+    assert not torch.is_inference_mode_enabled() and torch.is_grad_enabled()
     stream.close()
     assert cache.sequences() == [] and cache.usage().blocks_used == 0
     partial = stream.outputs()

@@ -44,6 +44,20 @@ def test_self_draft_accepts_everything(pair):
         assert m.mean_accepted_tokens > 3.0
 
 
+def test_streaming_speculative_events_rebuild_the_output(pair):
+    from plyx.serve import stream_generate
+
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_new_tokens=11)
+    stream = stream_generate(target, PROMPTS, params, draft_model=draft, num_speculative_tokens=3)
+    got: dict[int, list[int]] = {}
+    for ev in stream:
+        assert not torch.is_inference_mode_enabled()
+        got.setdefault(ev.request_index, []).extend(ev.token_ids)
+    assert [got[i] for i in range(len(PROMPTS))] == [list(o.outputs[0].token_ids) for o in stream.outputs()]
+    assert all(len(v) == 11 for v in got.values())
+
+
 def test_stop_inside_an_accepted_window(pair):
     target, draft = pair
     free = generate(target, PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=15))[0].outputs[0].token_ids

@@ -93,3 +93,16 @@ def test_bundled_corpus_is_tiny_shakespeare() -> None:
     assert hashlib.sha256(data).hexdigest() == BUNDLED_SHA256
     assert len(data) == 1_115_394 and data.startswith(b"First Citizen:")
     assert (path.parent / "README.md").is_file()
+
+
+def test_bundled_preparation_is_cached(tmp_path: Path) -> None:
+    from plyx.train import prepare_bundled
+
+    out = prepare_bundled(tmp_path / "ts", vocab_size=300)
+    manifest = out / "manifest.json"
+    first = manifest.stat().st_mtime_ns
+    shards = ShardSet.open(out)
+    assert shards.vocab_size == 300 and shards.manifest["source"]["documents"] > 7000  # speeches
+    assert load_tokenizer(out).decode(shards.split("train")[0][1][:5].tolist()).startswith("First")
+    assert prepare_bundled(tmp_path / "ts", vocab_size=300) == out
+    assert manifest.stat().st_mtime_ns == first  # reused, not prepared again

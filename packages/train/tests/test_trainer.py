@@ -261,3 +261,11 @@ def test_resume_from_another_model_or_over_an_old_run(tiny_config, prepared: Pat
         Trainer(cfg, options=TrainOptions(resume=str(tmp_path / "nothing"), **QUIET))
     with pytest.raises(ResumeError, match="data stream had batch_size=4"):
         Trainer(cfg.replace(batch_size=2), options=TrainOptions(resume="auto", **QUIET))
+
+
+def test_raw_corpus_path_is_prepared_into_the_run(tiny_config, corpus: Path, tmp_path: Path) -> None:
+    cfg = tiny_config(corpus, tmp_path / "run", steps=2, eval_every=0, checkpoint_every=0)
+    trainer = Trainer(cfg, options=TrainOptions(**QUIET))
+    assert trainer.data_dir == tmp_path / "run" / "data"
+    assert trainer.tokenizer is not None and trainer.tokenizer.vocab_size <= 300
+    assert trainer.fit().step == 2

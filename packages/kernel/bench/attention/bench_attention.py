@@ -21,10 +21,9 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
 from plyx.kernel.attention import attention_triton
 from plyx.kernel.attention._flash import best_configs
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SIZES = {
     "tokens": 16384,  # B x T
@@ -78,8 +77,8 @@ def bench_case(T: int, causal: bool) -> dict[str, object]:
             with sdpa_kernel(backend):
                 ms_f = _time(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
                 qs, ks, vs = (x.clone().requires_grad_() for x in (qt, kt, vt))
-                ms_fb = _time(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).backward(dot),
-                              grads=[qs, ks, vs])
+                ms_fb = _time(lambda qs=qs, ks=ks, vs=vs: F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=causal).backward(dot), grads=[qs, ks, vs])
                 if ref_o is None:
                     ref_o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
             row[name] = {"fwd_ms": ms_f, "fwd_bwd_ms": ms_fb, "fwd_tflops": flops / ms_f / 1e9,

@@ -22,9 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 import triton
-
-from plyx.kernel.attention import paged_attention_triton
-from plyx.kernel.attention import _paged
+from plyx.kernel.attention import _paged, paged_attention_triton
 from plyx.kernel.attention._paged import _sm_count, num_splits_for
 
 SIZES = {
@@ -92,19 +90,21 @@ def _make(B: int, ctx: int):
 def sweep() -> list[dict[str, object]]:
     """Kernel time of each launch config on a few cases; the best geometric mean is printed."""
     rows = []
-    default = dict(_paged.GPU_CONFIG)
+    defaults = dict(_paged.GPU_CONFIG_SPLIT), dict(_paged.GPU_CONFIG_SINGLE)
     cases = [(B, ctx, _make(B, ctx)) for B, ctx in SIZES["sweep_cases"]]
     for bn, warps, stages in SIZES["sweep_configs"]:
-        _paged.GPU_CONFIG.update(block_n=bn, num_warps=warps, num_stages=stages)
+        for config in (_paged.GPU_CONFIG_SPLIT, _paged.GPU_CONFIG_SINGLE):  # the same config split or not
+            config.update(block_n=bn, num_warps=warps, num_stages=stages)
         row: dict[str, object] = {"block_n": bn, "num_warps": warps, "num_stages": stages}
         try:
             for B, ctx, args in cases:
-                row[f"B{B}_ctx{ctx}_kernel_us"] = kernel_ms(lambda: paged_attention_triton(*args)) * 1e3
+                row[f"B{B}_ctx{ctx}_kernel_us"] = kernel_ms(lambda args=args: paged_attention_triton(*args)) * 1e3
         except Exception as exc:  # a config that does not fit (shared memory, registers)
             row["error"] = str(exc)[:160]
         rows.append(row)
         print("sweep", row, flush=True)
-    _paged.GPU_CONFIG.update(default)
+    _paged.GPU_CONFIG_SPLIT.update(defaults[0])
+    _paged.GPU_CONFIG_SINGLE.update(defaults[1])
     ok = [r for r in rows if "error" not in r]
     if ok:
         import math
@@ -115,35 +115,33 @@ def sweep() -> list[dict[str, object]]:
 
 
 def bench_case(B: int, ctx: int) -> dict[str, object]:
-    H, KV, D, bs, Tq = SIZES["heads"], SIZES["kv_heads"], SIZES["head_dim"], SIZES["block_size"], SIZES["new_tokens"]
-    dtype = getattr(torch, SIZES["dtype"])
-    blocks_per_seq = ctx // bs
-    num_blocks = B * blocks_per_seq
-    k_pool = torch.randn(num_blocks, bs, KV, D, device="cuda", dtype=dtype)
-    v_pool = torch.randn_like(k_pool)
-    tables = torch.randperm(num_blocks, device="cuda").view(B, blocks_per_seq).to(torch.int32)
-    lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
-    q = torch.randn(B, Tq, H, D, device="cuda", dtype=dtype)
+    KV, D = SIZES["kv_heads"], SIZES["head_dim"]
+    q, k_pool, v_pool, tables, lens = _make(B, ctx)
     kv_bytes = 2 * B * ctx * KV * D * k_pool.element_size()
-    splits = num_splits_for(B, KV, ctx, _paged.GPU_CONFIG["block_n"], _sm_count(q.device))
-    ms = _time(lambda: paged_attention_triton(q, k_pool, v_pool, tables, lens))
-    kms = kernel_ms(lambda: paged_attention_triton(q, k_pool, v_pool, tables, lens))
+    splits = num_splits_for(B, KV, ctx, _paged.GPU_CONFIG_SPLIT["block_n"], _sm_count(q.device))
+
+    def ours() -> torch.Tensor:
+        return paged_attention_triton(q, k_pool, v_pool, tables, lens)
+
+    ms, kms = _time(ours), kernel_ms(ours)
     row: dict[str, object] = {"B": B, "ctx": ctx, "splits": splits, "kv_MB": kv_bytes / 1e6,
                               "triton": {"ms": ms, "GBps": kv_bytes / ms / 1e6, "kernel_ms": kms,
                                          "kernel_GBps": kv_bytes / kms / 1e6}}
+    out = ours().float()
     # the same cache contiguous, [B, KV, ctx, Dh], through SDPA (whatever backend torch picks)
     k_c = k_pool[tables.long()].reshape(B, ctx, KV, D).transpose(1, 2).contiguous()
     v_c = v_pool[tables.long()].reshape(B, ctx, KV, D).transpose(1, 2).contiguous()
     q_c = q.transpose(1, 2)
-    ours = paged_attention_triton(q, k_pool, v_pool, tables, lens).float()
-    del k_pool, v_pool
+
+    def sdpa() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q_c, k_c, v_c, enable_gqa=True)
+
     try:
-        ms_s = _time(lambda: F.scaled_dot_product_attention(q_c, k_c, v_c, enable_gqa=True))
-        kms_s = kernel_ms(lambda: F.scaled_dot_product_attention(q_c, k_c, v_c, enable_gqa=True))
+        ms_s, kms_s = _time(sdpa), kernel_ms(sdpa)
         row["sdpa_contiguous"] = {"ms": ms_s, "GBps": kv_bytes / ms_s / 1e6, "kernel_ms": kms_s,
                                   "kernel_GBps": kv_bytes / kms_s / 1e6}
-        ref = F.scaled_dot_product_attention(q_c, k_c, v_c, enable_gqa=True).transpose(1, 2).float()
-        row["rel_err_vs_sdpa"] = float((ours - ref).norm() / ref.norm())
+        ref = sdpa().transpose(1, 2).float()
+        row["rel_err_vs_sdpa"] = float((out - ref).norm() / ref.norm())
     except RuntimeError as exc:
         row["sdpa_contiguous"] = {"error": str(exc)[:200]}
     return row
@@ -156,7 +154,8 @@ def main() -> int:
     args = parser.parse_args()
     copy = copy_bandwidth()
     result = {"sizes": SIZES, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "copy_GBps": copy, "config": dict(_paged.GPU_CONFIG), "cases": []}
+              "triton": triton.__version__, "copy_GBps": copy,
+              "config": {"split": dict(_paged.GPU_CONFIG_SPLIT), "single": dict(_paged.GPU_CONFIG_SINGLE)}, "cases": []}
     if args.sweep:
         result["sweep"] = sweep()
     print(f"copy bandwidth {copy:.0f} GB/s (read + write)", flush=True)

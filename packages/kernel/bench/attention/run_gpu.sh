@@ -11,10 +11,10 @@ ROOT=$(cd "$HERE/../../../.." && pwd)
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader || true
-timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -q -p no:cacheprovider -x \
+timeout "${TEST_TIMEOUT:-180}" python3 -m pytest -q -p no:cacheprovider -x \
     "$ROOT/packages/kernel/tests/attention/test_attention_gpu.py" 2>&1 | tail -n 30 | tee "$OUT/attention-tests.txt"
-timeout "${FLASH_TIMEOUT:-220}" python3 "$HERE/bench_attention.py" --out "$OUT/attention-flash.json" 2>&1 | tail -n 40
-timeout "${PAGED_TIMEOUT:-70}" python3 "$HERE/bench_paged_attention.py" ${PAGED_ARGS:-} --out "$OUT/attention-paged.json" 2>&1 | tail -n 40
+timeout "${FLASH_TIMEOUT:-300}" python3 "$HERE/bench_attention.py" --out "$OUT/attention-flash.json" 2>&1 | tail -n 40
+timeout "${PAGED_TIMEOUT:-90}" python3 "$HERE/bench_paged_attention.py" ${PAGED_ARGS:-} --out "$OUT/attention-paged.json" 2>&1 | tail -n 40
 DEVICE=$(python3 -c "import torch,re; print(re.sub('[^a-z0-9]+','-',torch.cuda.get_device_name().lower()).strip('-'))")
 DATE=$(date -u +%Y-%m-%d)
 python3 "$HERE/report.py" "$OUT/attention-flash.json" "$OUT/attention-paged.json" --tests "$OUT/attention-tests.txt" \

@@ -11,10 +11,14 @@ import os
 
 import pytest
 import torch
+from plyx.kernel.attention import (
+    attention_reference,
+    attention_triton,
+    paged_attention_reference,
+    paged_attention_triton,
+)
 
-from plyx.kernel.attention import attention_reference, attention_triton, paged_attention_reference, paged_attention_triton
-
-from .conftest import INTERPRETING, grad_err, rel_err  # noqa: TID252
+from .conftest import INTERPRETING, grad_err, rel_err
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,10 +12,9 @@ import math
 
 import pytest
 import torch
-
 from plyx.kernel.attention import attention_reference, attention_sdpa, paged_attention_reference
 
-from .conftest import rel_err  # noqa: TID252 - conftest helpers, importlib mode
+from .conftest import rel_err
 
 
 def _naive(q, k, v, *, causal=True, scale=None, mask=None, document_ids=None, window=None):

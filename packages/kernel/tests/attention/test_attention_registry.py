@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+import plyx.kernel
 import pytest
 import torch
-
-from plyx.specs import KernelQuery
-
-import plyx.kernel
 from plyx.kernel import Registry
 from plyx.kernel.attention import register
+from plyx.specs import KernelQuery
 
-from .conftest import rel_err  # noqa: TID252
+from .conftest import rel_err
 
 
 @pytest.fixture

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.kernel.attention import attention_reference, attention_triton
 
-from .conftest import INTERPRETING, TRITON_DEVICE, grad_err, rel_err  # noqa: TID252
+from .conftest import INTERPRETING, TRITON_DEVICE, grad_err, rel_err
 
 pytestmark = pytest.mark.skipif(
     not INTERPRETING and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1"
@@ -82,6 +81,12 @@ def test_flash_documents(seed, causal):
     docs[0, :3] = torch.tensor([-5, -4, -3])  # three documents of length 1
     docs[1, -1] = 99  # and one at the end
     _check(seed, 2, T, T, 4, 2, 64, causal=causal, document_ids=docs.to(TRITON_DEVICE))
+
+
+def test_flash_interleaved_document_ids(seed):
+    # ids need not be contiguous runs: tokens attend to every earlier token with the same id
+    docs = torch.randint(0, 3, (2, 33))
+    _check(seed, 2, 33, 33, 2, 1, 64, causal=True, document_ids=docs.to(TRITON_DEVICE))
 
 
 def test_flash_documents_with_window(seed):

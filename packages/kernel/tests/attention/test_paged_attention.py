@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plyx.kernel.attention import paged_attention_reference, paged_attention_triton
 from plyx.kernel.attention._paged import num_splits_for
 
-from .conftest import INTERPRETING, TRITON_DEVICE, rel_err  # noqa: TID252
+from .conftest import INTERPRETING, TRITON_DEVICE, rel_err
 
 pytestmark = pytest.mark.skipif(
     not INTERPRETING and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1"

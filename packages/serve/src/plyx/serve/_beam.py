@@ -79,7 +79,8 @@ def beam_search(
     stops = _eos_ids(eos_token_id, tok)
     stops += [t for t in params.stop_token_ids if t not in stops]
     nb = params.num_beams
-    runner = Runner(model, cache if use_cache else None, num_sequences=2 * nb * len(prompt_ids), max_seq_len=context)
+    longest = min(context, max(len(ids) for ids in prompt_ids) + params.max_new_tokens)
+    runner = Runner(model, cache if use_cache else None, num_sequences=2 * nb * len(prompt_ids), max_seq_len=longest)
     try:
         with torch.inference_mode():
             seqs, scores, lens, lps, steps = _search(runner, prompt_ids, params, stops, context)

@@ -78,7 +78,8 @@ class Completion:
                 self.finish_reason = "stop"  # the grammar accepted its stop token
             elif len(self.token_ids) >= self.limit:
                 self.finish_reason = "length"
-            if self.params.stop and self.tokenizer is not None and not self.finished:
+            if (self.params.stop and self.tokenizer is not None and not self.finished
+                    and len(self.token_ids) >= self.params.min_tokens):  # as vLLM: no stop before min_tokens
                 self._check_stop_strings()
         if not taken:
             return None

@@ -131,6 +131,12 @@ class _Plan:
                                              where=f"{where}.structured")
             self.grammars.append(grammar)
 
+    def longest(self, extra: int = 0) -> int:
+        """Most tokens any sequence can hold (prompt + max_new_tokens + ``extra``, capped by the context):
+        a cache built from a kind name is sized to this, not to the model's whole context."""
+        need = max(len(ids) + p.max_new_tokens for ids, p in zip(self.prompt_ids, self.params))
+        return min(self.context, need + extra)
+
     def stop_ids(self, p: SamplingParams) -> list[int]:
         return ([] if p.ignore_eos else list(self.eos)) + [t for t in p.stop_token_ids if t not in self.eos]
 
@@ -229,7 +235,7 @@ def _decode(plan: _Plan, model: Any, cache: str | KVCache | None,
             generator: torch.Generator | None) -> tuple[list[Completion], Iterator[StreamEvent]]:
     device = model_device(model)
     total_rows = sum(p.n for p in plan.params)
-    runner = Runner(model, cache, num_sequences=total_rows, max_seq_len=plan.context)
+    runner = Runner(model, cache, num_sequences=total_rows, max_seq_len=plan.longest())
     rows: list[Completion] = []
     for r, (ids, p) in enumerate(zip(plan.prompt_ids, plan.params)):
         for j in range(p.n):
@@ -244,6 +250,8 @@ def _decode(plan: _Plan, model: Any, cache: str | KVCache | None,
 
 def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.device,
           generator: torch.Generator | None) -> Iterator[StreamEvent]:
+    # inference_mode is entered per step, never across a yield: grad mode is thread-local state, and a
+    # generator suspended inside the context would leave the consumer's own code in inference mode
     try:
         with torch.inference_mode():
             # prefill each prompt once; its other n - 1 completions fork the cache (prefix sharing)
@@ -260,7 +268,9 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
             state = SamplingState.for_prompts([c.prompt_ids for c in active], plan.vocab, device,
                                               [c.generator for c in active], generator)
             pipeline = _pipeline(plan, active)
-            while True:
+        while True:
+            events: list[StreamEvent] = []
+            with torch.inference_mode():
                 processed = pipeline.process(logits, state)
                 tokens = pipeline.sample(processed, state)  # [B] on device
                 state.update(tokens)
@@ -270,21 +280,23 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
                 for i, c in enumerate(active):
                     event = c.add([host[i]], lps[i])
                     if event is not None:
-                        yield event
+                        events.append(event)
                     if c.finished:
                         runner.release(c.seq_id)
                     else:
                         keep.append(i)
-                if not keep:
-                    return
-                if len(keep) != len(active):
+                if keep and len(keep) != len(active):
                     active = [active[i] for i in keep]
                     tokens = tokens.index_select(0, torch.as_tensor(keep, device=device))
                     state = state.select(keep)
                     pipeline = _pipeline(plan, active)
+            yield from events  # before the next forward pass: a streaming client sees tokens at once
+            if not keep:
+                return
+            with torch.inference_mode():
                 logits = runner.step([c.seq_id for c in active], tokens)
-                for c in active:
-                    c.model_steps += 1
+            for c in active:
+                c.model_steps += 1
     finally:
         runner.close()
 

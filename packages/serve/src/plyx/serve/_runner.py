@@ -135,14 +135,21 @@ class Runner:
                 self._tokens.setdefault(sid, []).extend(int(t) for t in new)
             rows: Sequence[Sequence[int]] = [self._tokens[s] for s in seq_ids]
             ids, mask = left_pad(rows, self.device)
-            logits = self.model(ids, attention_mask=mask)  # [B, T_max, V]
+            kwargs: dict[str, Any] = {"attention_mask": mask}
         else:
             ids, mask = left_pad(tokens, self.device)
-            logits = self.model(ids, attention_mask=mask, cache=self.cache, seq_ids=list(seq_ids))  # [B, T, V]
+            kwargs = {"attention_mask": mask, "cache": self.cache, "seq_ids": list(seq_ids)}
         if all_logits:
+            logits = self.model(ids, **kwargs)  # [B, T, V]
             width = logits.shape[1]
             return [logits[i, width - len(t):] for i, t in enumerate(tokens)]
-        return logits[:, -1]
+        head = getattr(self.model, "lm_head_weight", None)
+        if head is None:
+            return self.model(ids, **kwargs)[:, -1]
+        # only the last position's logits are needed: project that hidden state alone (as transformers'
+        # logits_to_keep=1), not a [B, T, V] tensor -- T times less LM-head work on a long prompt
+        hidden = self.model(ids, return_hidden=True, **kwargs)[:, -1]  # [B, D]
+        return torch.matmul(hidden, head.t()).float()  # [B, V]
 
     def step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
         """One token per sequence (``tokens`` [B] on device, no host copy); returns ``[B, V]``."""

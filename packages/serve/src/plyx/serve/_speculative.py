@@ -67,8 +67,10 @@ class SpeculativeDecoder:
         self.device = model_device(model)
         self.context = min(plan.context, int(dconf.max_seq_len))
         rows_total = sum(p.n for p in plan.params)
-        self.target = Runner(model, cache, num_sequences=rows_total, max_seq_len=plan.context)
-        self.draft = Runner(draft, draft_cache, num_sequences=rows_total, max_seq_len=int(dconf.max_seq_len),
+        # a verification pass stores up to k tokens past the committed ones
+        self.target = Runner(model, cache, num_sequences=rows_total, max_seq_len=plan.longest(self.k + 1))
+        self.draft = Runner(draft, draft_cache, num_sequences=rows_total,
+                            max_seq_len=min(int(dconf.max_seq_len), plan.longest(self.k + 1)),
                             where="draft_cache")
         self.rows: list[Completion] = []
         self.draft_ids: dict[int, int] = {}  # row position -> draft sequence id
@@ -84,14 +86,23 @@ class SpeculativeDecoder:
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, generator: torch.Generator | None) -> Iterator[StreamEvent]:
+        # inference_mode per round, never across a yield (grad mode is thread-local: a suspended generator
+        # would leave the consumer in inference mode)
         try:
             with torch.inference_mode():
-                yield from self._run(generator)
+                events, active, pending = self._start(generator)
+            yield from events
+            while active:
+                with torch.inference_mode():
+                    events = self._round(active, pending, generator)
+                yield from events
+                active = [pos for pos in active if not self.rows[pos].finished]
         finally:
             self.target.close()
             self.draft.close()
 
-    def _run(self, generator: torch.Generator | None) -> Iterator[StreamEvent]:
+    def _start(self, generator: torch.Generator | None) -> tuple[list[StreamEvent], list[int], dict[int, list[int]]]:
+        """Prefill target and draft, fork the n completions, and take each row's first token from the target."""
         rows = self.rows
         firsts = [c for c in rows if c.index == 0]
         dfirst: dict[int, int] = {}
@@ -111,7 +122,6 @@ class SpeculativeDecoder:
             else:
                 self.draft_ids[pos] = dfirst[c.request_index]
             c.model_steps = 1
-        # first token of every row straight from the target (the prefill's last position)
         logits = logits_req.index_select(0, torch.as_tensor([c.request_index for c in rows], device=self.device))
         state = SamplingState.for_prompts([[] for _ in rows], self.plan.vocab, self.device,
                                           [c.generator for c in rows], generator)
@@ -119,26 +129,25 @@ class SpeculativeDecoder:
         tokens = pipe.sample(pipe.process(logits, state), state)
         lps = _logprobs(logits[:, None], tokens[:, None], [c.params for c in rows])
         host = tokens.tolist()
+        events: list[StreamEvent] = []
         active: list[int] = []
         for pos, c in enumerate(rows):
             event = c.add([host[pos]], lps[pos])
             if event is not None:
-                yield event
+                events.append(event)
             if c.finished:
                 self._release(pos)
             else:
                 active.append(pos)
                 pending_draft[pos] = c.prompt_ids[-1:] + [host[pos]]
-        while active:
-            yield from self._round(active, pending_draft, generator)
-            active = [pos for pos in active if not rows[pos].finished]
+        return events, active, pending_draft
 
     def _release(self, pos: int) -> None:
         self.target.release(self.rows[pos].seq_id)
         self.draft.release(self.draft_ids[pos])
 
     def _round(self, active: list[int], pending_draft: dict[int, list[int]],
-               generator: torch.Generator | None) -> Iterator[StreamEvent]:
+               generator: torch.Generator | None) -> list[StreamEvent]:
         rows = [self.rows[pos] for pos in active]
         b = len(rows)
         params = [c.params for c in rows]
@@ -198,6 +207,7 @@ class SpeculativeDecoder:
                               torch.cat([drafts, correction[:, None]], dim=1), correction[:, None])  # [b, k + 1]
         lps = _logprobs(tlogits, emitted, params)
         n_host, d_host, c_host = n_acc.tolist(), drafts.tolist(), correction.tolist()
+        events: list[StreamEvent] = []
         for i, (pos, c) in enumerate(zip(active, rows)):
             n = n_host[i]
             new = d_host[i][:n] + [c_host[i]]
@@ -206,7 +216,7 @@ class SpeculativeDecoder:
             c.draft_accepted += n
             event = c.add(new, None if lps[i] is None else lps[i][: n + 1])
             if event is not None:
-                yield event
+                events.append(event)
             if c.finished:
                 self._release(pos)
                 continue
@@ -217,6 +227,7 @@ class SpeculativeDecoder:
             self.draft.crop(self.draft_ids[pos], keep)
             seq = c.prompt_ids + c.token_ids
             pending_draft[pos] = seq[keep:]
+        return events
 
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> list[list[TokenLogprob] | None]:

@@ -65,6 +65,12 @@ def _load(args: argparse.Namespace) -> TrainConfig:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={json.dumps(value)}")
+    steps = args.steps
+    if steps is not None and not any(o.startswith("schedule.warmup_steps=") for o in args.overrides):
+        warmup = config.schedule.warmup_steps
+        if steps > 1 and warmup >= steps:  # the --steps shortcut keeps the warmup a tenth of a short run
+            overrides.append(f"schedule.warmup_steps={steps // 10}")
+            print(f"note: schedule.warmup_steps {warmup} -> {steps // 10} for a run of {steps} steps", file=sys.stderr)
     return apply_overrides(config, overrides) if overrides else config
 
 

@@ -13,7 +13,6 @@ import csv
 import math
 import os
 import re
-import resource
 import sys
 import warnings
 from collections.abc import Iterable, Mapping
@@ -110,6 +109,10 @@ def peak_memory_mb(device: torch.device) -> float:
     """Peak allocated accelerator memory, or the process's peak resident set on CPU, in MiB."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return float("nan")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10  # bytes on macOS, KiB on Linux
 

@@ -490,18 +490,21 @@ class Trainer:
                         metrics.update(detail)
                         window_t, window_steps = time.perf_counter(), 0
                     if c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps):
+                        t_eval = time.perf_counter()
                         metrics.update(self.evaluate())
                         sample = self.sample()
                         self._say(bar, f"step {self.step}: val_loss {metrics['val_loss']:.4f} "
                                        f"(ppl {metrics['val_ppl']:.2f})\n{sample}")
+                        window_t += time.perf_counter() - t_eval  # evaluation is not training throughput
                     if writer is not None and ("tokens_per_s" in metrics or "val_loss" in metrics):
                         writer.write(self.step, metrics)
                     last.update(metrics)
                     if bar is not None:
                         bar.update(bar.task_ids[0], completed=self.step, loss=f"{loss_value:.4f}")
                     if c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps:
+                        t_save = time.perf_counter()
                         self.save(last)
-                        window_t = time.perf_counter()  # checkpoint time is not training throughput
+                        window_t += time.perf_counter() - t_save  # nor is checkpointing
                 if self._saved_step != self.step:  # the final (or interrupted) state, unless just saved
                     self.save(last)
                 if self._stop is not None:
@@ -568,7 +571,7 @@ class Trainer:
                            top_k=opts.sample_top_k, generator=gen)
         if tok is None:
             return " ".join(map(str, ids))
-        text = tok.decode(ids[len(prompt) if prompt != [tok.eos_id] else 1 :])
+        text = tok.decode(ids[1:] if prompt == [tok.eos_id] else ids)  # the prompt text stays in the sample
         separator = self.shards.manifest.get("source", {}).get("separator")
         return text.replace(tok.eos_token, separator) if separator else text
 

@@ -28,7 +28,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
 from plyx.kernel.attention._checks import check_paged
 from plyx.kernel.attention._tl import mm, mma
 
@@ -39,7 +38,7 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_fwd(
-    Q, K_POOL, V_POOL, BLOCK_TABLES, CONTEXT_LENS, O, PART_ACC, PART_ML,
+    Q, K_POOL, V_POOL, BLOCK_TABLES, CONTEXT_LENS, OUT, PART_ACC, PART_ML,
     stride_qb, stride_qt, stride_qh,
     stride_kblk, stride_kslot, stride_kh,
     stride_vblk, stride_vslot, stride_vh,
@@ -105,13 +104,13 @@ def _paged_fwd(
         tl.store(PART_ML + base * 2 * BLOCK_M + BLOCK_M + offs_r, l_i)
     else:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(O + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
-                 o.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _paged_combine(
-    PART_ACC, PART_ML, O,
+    PART_ACC, PART_ML, OUT,
     stride_ob, stride_ot, stride_oh,
     Tq, KV, num_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -128,15 +127,15 @@ def _paged_combine(
     split_ok = offs_s < num_splits
     base = (b * KV + kvh) * num_splits + offs_s  # [BLOCK_S]
     m = tl.load(PART_ML + base * 2 * BLOCK_M + r, mask=split_ok, other=float("-inf"))
-    l = tl.load(PART_ML + base * 2 * BLOCK_M + BLOCK_M + r, mask=split_ok, other=0.0)
+    l_s = tl.load(PART_ML + base * 2 * BLOCK_M + BLOCK_M + r, mask=split_ok, other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)  # 0 for empty splits
-    l_tot = tl.sum(l * w, 0)
+    l_tot = tl.sum(l_s * w, 0)
     acc = tl.load(PART_ACC + base[:, None] * BLOCK_M * HEAD_DIM + r * HEAD_DIM + offs_d[None, :],
                   mask=split_ok[:, None], other=0.0)  # [BLOCK_S, D]
     o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
-    tl.store(O + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, o.to(O.dtype.element_ty))
+    tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, o.to(OUT.dtype.element_ty))
 
 
 def _empty(shape, *, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -148,8 +147,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-#: launch config on a GPU (key tile, warps, pipeline depth); the benchmark's sweep chose it
-GPU_CONFIG = {"block_n": 128, "num_warps": 4, "num_stages": 3}
+#: launch configs on a GPU (key tile, warps, pipeline depth), from the benchmark (H100, 2026-11-22):
+#: split-K runs many short programs, which hide latency better with 64-token tiles (two programs
+#: fit an SM: 5-15% faster at batch 1 and 8); one long program per (sequence, head) streams best
+#: with 128-token tiles (3-4% faster at batch 64)
+GPU_CONFIG_SPLIT = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+GPU_CONFIG_SINGLE = {"block_n": 128, "num_warps": 4, "num_stages": 3}
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -210,10 +213,13 @@ def paged_attention(
     block_tables = block_tables.to(torch.int32) if block_tables.dtype != torch.int32 else block_tables
     context_lens = context_lens.to(torch.int32) if context_lens.dtype != torch.int32 else context_lens
     interp = _interpreting()
-    block_n = 16 if interp else (GPU_CONFIG["block_n"] if D <= 128 else 32)
     max_context = block_tables.shape[1] * block_size
+    config = {"block_n": 16, "num_warps": 4, "num_stages": 1} if interp else GPU_CONFIG_SPLIT
     if num_splits is None:
-        num_splits = num_splits_for(B, KV, max_context, block_n, _sm_count(q.device))
+        num_splits = num_splits_for(B, KV, max_context, config["block_n"], _sm_count(q.device))
+    if num_splits <= 1 and not interp:
+        config = GPU_CONFIG_SINGLE
+    block_n = config["block_n"] if D <= 128 else min(config["block_n"], 32)
     num_splits = max(1, min(int(num_splits), triton.cdiv(max_context, block_n)))
     chunk = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     o = _empty(q.shape, like=q)
@@ -223,7 +229,6 @@ def paged_attention(
         part_ml = _empty((B, KV, num_splits, 2, block_m), like=q, dtype=torch.float32)
     else:
         part_acc = part_ml = o  # never touched: SPLIT is False
-    warps = 4 if interp else GPU_CONFIG["num_warps"]
     _paged_fwd[(B, KV, num_splits)](
         q, k_pool, v_pool, block_tables, context_lens, o, part_acc, part_ml,
         q.stride(0), q.stride(1), q.stride(2),
@@ -233,7 +238,7 @@ def paged_attention(
         o.stride(0), o.stride(1), o.stride(2),
         Tq, KV, scale * LOG2E, window or 0, chunk,
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, HAS_WINDOW=window is not None, num_warps=warps, num_stages=1 if interp else GPU_CONFIG["num_stages"],
+        SPLIT=split, HAS_WINDOW=window is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     if split:
         _paged_combine[(B, KV, group * Tq)](

@@ -18,7 +18,6 @@ Math (per batch b, head h, query i, key j; g = H // KV is the GQA group)::
 from __future__ import annotations
 
 import torch
-
 from plyx.kernel.attention._checks import check_attention, check_paged
 
 __all__ = ["allowed_mask", "attention_reference", "paged_attention_reference"]

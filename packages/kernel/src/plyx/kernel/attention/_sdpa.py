@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from plyx.kernel.attention._checks import check_attention
 from plyx.kernel.attention._reference import allowed_mask, attention_reference
 

@@ -42,7 +42,7 @@ def _lazy(module: str, attr: str) -> Callable[..., Any]:
 _OPS: dict[str, tuple[int, dict[str, Any], str]] = {
     "rmsnorm": (10, {"shape_limits": {"hidden": (1, 65536)}}, "Triton fused RMSNorm (+ residual add), one row per program"),
     "swiglu": (10, {}, "Triton fused silu(gate) * up, forward and backward"),
-    "rope": (10, {"shape_limits": {"head_dim": (2, 1024)}}, "Triton RoPE, rotate-half or interleaved, in place of a copy"),
+    "rope": (10, {"shape_limits": {"head_dim": (2, 1024)}}, "Triton RoPE, rotate-half or interleaved, partial rotary, per-batch position tables"),
     "cross_entropy": (10, {}, "Triton online-softmax cross-entropy, gradient in the forward pass"),
     "linear_cross_entropy": (10, {}, "chunked cuBLAS lm-head + Triton cross-entropy, gradients in the forward pass"),
     # below the cuBLAS reference: measured slower at the benchmark shapes (bench/results); force it to use it

@@ -491,7 +491,9 @@ async def _stream(state: _State, job: Job, kind: str, include_usage: bool, finis
                 entry = {"index": choice.index, "text": text, "finish_reason": choice.finish_reason,
                          "logprobs": completion_logprobs(tok, lps, offsets[choice.index]) if want_lp else None}
                 offsets[choice.index] += len(text)
-            if text or choice.finish_reason is not None or want_lp:
+            # completions: one chunk per token event, text or not (a held-back partial character or stop-string
+            # prefix still shows the client progress, and ITL is measured per token); chat: deltas with content
+            if kind != "chat" or text or choice.finish_reason is not None or want_lp:
                 yield sse({**base, "choices": [entry]})
         if include_usage:
             yield sse({**base, "choices": [], "usage": job.usage()})
