@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Iterator
+from typing import Any
 
-# Only the planes an export needs: other installed plugins (plyx-governance,
-# third-party kernels...) would otherwise attach to every export of these tests.
-# Set before anything scans the entry points.
-os.environ["PLYX_PLUGINS"] = "export,model,attn,kernel"
+import pytest
+import torch
+from plyx.model import TransformerLM
+from plyx.specs import ModelConfig, hookimpl, plugins
 
-from collections.abc import Iterator  # noqa: E402 (after the environment is set)
-from typing import Any  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from plyx.model import TransformerLM  # noqa: E402
-from plyx.specs import ModelConfig, hookimpl, plugins  # noqa: E402
-
-plugins.reset_plugins()
+#: the plugins an export needs; others installed beside them (plyx-governance...) stay out of hook tests
+EXPORT_PLUGINS = "export,model,attn,kernel"
 
 def _tiny_config(**overrides: Any) -> ModelConfig:
     base: dict[str, Any] = dict(vocab_size=101, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
@@ -66,7 +59,23 @@ class HookRecorder:
 
 
 @pytest.fixture
-def hook_recorder() -> Iterator[HookRecorder]:
+def only_export_plugins(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Load only the plugins an export needs, for this test alone.
+
+    An installed plyx-governance would otherwise attach to the hook under test
+    and write its records into the export. The scan is redone after the test,
+    so other planes' tests in the same process see every plugin again.
+    """
+    monkeypatch.setenv("PLYX_PLUGINS", EXPORT_PLUGINS)
+    plugins.reset_plugins()
+    try:
+        yield
+    finally:
+        plugins.reset_plugins()
+
+
+@pytest.fixture
+def hook_recorder(only_export_plugins: None) -> Iterator[HookRecorder]:
     recorder = HookRecorder()
     plugins.register_plugin(recorder, "export-test-recorder")
     try:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from plyx.export import ExportError, ExportHookError, available_formats, export, exporter
 from plyx.specs import Component, hookimpl, plugins
 
@@ -38,7 +37,7 @@ class _Exporters:
 
 
 @pytest.fixture
-def exporters() -> Iterator[_Exporters]:
+def exporters(only_export_plugins: None) -> Iterator[_Exporters]:
     plugin = _Exporters()
     plugins.register_plugin(plugin, "export-test-exporters")
     try:
@@ -58,7 +57,7 @@ def test_exporters_are_found_by_name_across_plugins(exporters: _Exporters) -> No
     assert exporter("probe").factory == exporters.probe
 
 
-def test_unknown_format_lists_the_available_ones() -> None:
+def test_unknown_format_lists_the_available_ones(only_export_plugins: None) -> None:
     with pytest.raises(ExportError) as info:
         exporter("onxx")
     assert info.value.field == "format"

@@ -9,7 +9,6 @@ from typing import Any
 import onnxruntime as ort
 import pytest
 import torch
-
 from plyx.model import load_checkpoint, save_checkpoint
 from plyx.specs.cli import main
 
@@ -68,7 +67,7 @@ def test_cli_exports_verifies_and_fires_the_hook(checkpoint: Path, tmp_path: Pat
     assert float((got - want).abs().max()) <= 1e-4 + 1e-4 * float(want.abs().max())
 
 
-def test_unknown_format_names_the_available_ones(checkpoint: Path, tmp_path: Path, capsys) -> None:
+def test_unknown_format_names_the_available_ones(checkpoint: Path, tmp_path: Path, capsys, only_export_plugins) -> None:
     assert main(["export", str(checkpoint), "--format", "tflite", "--out", str(tmp_path / "x")]) == 1
     err = capsys.readouterr().err
     assert "'tflite' not found" in err and "available formats: onnx" in err

@@ -26,10 +26,10 @@ def discovered() -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("name", discovered())
+# rate_limit counts calls, so its answer depends on the caller's window rather than on the
+# text alone; its behaviour is tested in test_detectors instead of by the text-only kit.
+@pytest.mark.parametrize("name", [n for n in discovered() if n != "rate_limit"])
 def test_discovered_detectors_keep_the_contract(name):
-    if name == "rate_limit":
-        pytest.skip("counts calls: deterministic only per caller window (tested in test_detectors)")
     detector = build_detector(name, {**EVAL_CONFIG.get(name, {}), **EXTRA.get(name, {})})
     own = [r["text"] for r in load_evalset() if r["detector"] == name and len(r["text"]) < 90][:12]
     check_detector(detector, SAMPLES + own)

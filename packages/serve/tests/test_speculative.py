@@ -33,6 +33,14 @@ def test_greedy_equals_plain_greedy(pair, k, cache):
         assert m.mean_accepted_tokens >= 1.0
 
 
+def test_greedy_without_cache_equals_plain_greedy(pair):
+    target, draft = pair
+    params = SamplingParams(temperature=0, max_new_tokens=9)
+    ref = generate(target, PROMPTS, params)
+    spec = generate(target, PROMPTS, params, draft_model=draft, num_speculative_tokens=2, use_cache=False)
+    assert [s.outputs[0].token_ids for s in spec] == [r.outputs[0].token_ids for r in ref]
+
+
 def test_self_draft_accepts_everything(pair):
     target, _ = pair
     out = generate(target, PROMPTS, SamplingParams(temperature=0, max_new_tokens=13), draft_model=target,

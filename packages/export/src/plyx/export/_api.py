@@ -15,13 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from plyx.specs import Component, plugins
-
 from plyx.export._atomic import atomic_directory
 from plyx.export._errors import ExportError, ExportHookError
 from plyx.export._onnx import DEFAULT_OPSET, write_onnx
 from plyx.export._result import ExportResult
+from plyx.specs import Component, plugins
 
 __all__ = ["available_formats", "export", "export_onnx", "exporter"]
 

@@ -43,11 +43,10 @@ def _options(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from plyx.model import CheckpointError, load_checkpoint
-
     from plyx.export._api import _export, exporter
     from plyx.export._atomic import check_destination
     from plyx.export._errors import ExportError
+    from plyx.model import CheckpointError, load_checkpoint
 
     try:
         component = exporter(args.format)  # cheap checks first: nothing is loaded for a typo

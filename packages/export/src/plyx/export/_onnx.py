@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-
 from plyx.export._deps import require, version_of
 from plyx.export._errors import ExportError
 from plyx.export._kernels import REFERENCE_IMPL, reference_kernels
 from plyx.export._result import ExportResult
 from plyx.export._verify import default_shapes, verify_onnx
+from torch import nn
 
 __all__ = [
     "CONFIG_FILE",

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from plyx.export._deps import require, version_of
 from plyx.export._errors import ExportError, ExportVerificationError
 from plyx.export._kernels import reference_kernels

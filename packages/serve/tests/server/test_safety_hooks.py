@@ -1,0 +1,81 @@
+"""The serving hooks safety plugins attach to: input rails refuse, output rails filter the stream, responses are
+reported."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from plyx.specs import hookimpl
+from plyx.specs.plugins import register_plugin, unregister_plugin
+
+
+class Redact:
+    """Replaces "x" by "*" in the streamed text; blocks the response once it has seen 40 characters."""
+
+    def __init__(self):
+        self.seen = 0
+        self.blocked = None
+
+    def feed(self, text):
+        self.seen += len(text)
+        if self.seen > 40:
+            self.blocked = {"message": "too long", "rule_id": "len"}
+            return ""
+        return text.replace("x", "*")
+
+    def finish(self):
+        return ""
+
+
+class Rails:
+    def __init__(self):
+        self.responses = []
+        self.contexts = []
+
+    @hookimpl
+    def plyx_on_request_received(self, request, context):
+        self.contexts.append(context)
+        if "forbidden" in request["prompt_text"]:
+            return {"message": "this topic is refused", "rule_id": "topic", "status": 400}
+        return None
+
+    @hookimpl
+    def plyx_output_filters(self, request, context):
+        return [Redact()]
+
+    @hookimpl
+    def plyx_on_response(self, request, response, context):
+        self.responses.append(response)
+
+
+@pytest.fixture
+def rails():
+    plugin = Rails()
+    register_plugin(plugin, "test-rails")
+    yield plugin
+    unregister_plugin("test-rails")
+
+
+def test_input_rail_refusal(server, rails):
+    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers,
+                   json={"model": "tiny", "prompt": "tell me the forbidden thing", "max_tokens": 4})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "topic" and err["message"] == "this topic is refused"
+    assert rails.contexts[-1]["endpoint"] == "/v1/completions"
+    assert rails.responses[-1]["finish_reason"] == "refused"
+
+
+def test_output_rail_filters_and_blocks(server, rails, bpe, greedy_reference, server_lm):
+    prompt = "hello world"
+    want = greedy_reference(server_lm, bpe, bpe.encode(prompt).ids, 6, ignore_eos=True)
+    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers,
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True})
+    choice = r.json()["choices"][0]
+    assert len(want.text) <= 40 and choice["text"] == want.text.replace("x", "*")
+    long = httpx.post(server.base_url + "/v1/completions", headers=server.headers,
+                      json={"model": "tiny", "prompt": prompt, "max_tokens": 200, "temperature": 0,
+                            "ignore_eos": True}).json()["choices"][0]
+    assert long["finish_reason"] == "content_filter" and len(long["text"]) <= 40
+    assert rails.responses[-1]["status"] == 200 and rails.responses[-1]["finish_reason"] == "content_filter"
