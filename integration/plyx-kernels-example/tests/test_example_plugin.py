@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-
 from plyx.kernel import Registry, registry, reset_registry
 from plyx.kernel._default import populate
 from plyx.specs.kernels import KernelQuery

@@ -21,11 +21,12 @@ from plyx.export import (
 )
 
 #: one tiny model per architecture feature the model plane supports; GQA everywhere (n_kv_heads < n_heads)
+#: (one layer where the feature is per layer; llama keeps two so layer stacking is exported too)
 ARCHS: dict[str, dict[str, Any]] = {
-    "llama-untied": dict(arch="llama", tie_embeddings=False),
-    "qwen2-bias-tied": dict(arch="qwen2", qkv_bias=True, tie_embeddings=True),
-    "qwen3-qknorm-untied": dict(arch="qwen3", qk_norm=True, head_dim=16, tie_embeddings=False),
-    "mistral-window-tied": dict(arch="mistral", sliding_window=4, tie_embeddings=True),
+    "llama-untied": dict(arch="llama", tie_embeddings=False, n_layers=2),
+    "qwen2-bias-tied": dict(arch="qwen2", qkv_bias=True, tie_embeddings=True, n_layers=1),
+    "qwen3-qknorm-untied": dict(arch="qwen3", qk_norm=True, head_dim=16, tie_embeddings=False, n_layers=1),
+    "mistral-window-tied": dict(arch="mistral", sliding_window=4, tie_embeddings=True, n_layers=1),
 }
 
 
@@ -158,3 +159,23 @@ def test_a_model_that_is_not_a_transformer_lm_is_refused(tmp_path: Path) -> None
     with pytest.raises(ExportError, match="TransformerLM"):
         export_onnx(torch.nn.Linear(2, 2), tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_from_a_hugging_face_directory_carries_its_tokenizer(tmp_path: Path, tiny_config,
+                                                                     random_model) -> None:
+    """No verification this time: the result says so, and onnxruntime is checked here instead."""
+    from plyx.model import load_hf, save_hf
+
+    hf_dir = save_hf(random_model(tiny_config(arch="qwen2", qkv_bias=True, n_layers=1), seed=2), tmp_path / "hf")
+    (hf_dir / "tokenizer_config.json").write_text('{"model_max_length": 32}', encoding="utf-8")
+    model = load_hf(hf_dir)
+    result = export_onnx(model, tmp_path / "out", source=hf_dir, verify=False, hooks=False)
+    assert result.verification is None
+    assert [p.name for p in result.tokenizer] == ["tokenizer_config.json"]
+    assert (tmp_path / "out" / "tokenizer_config.json").read_bytes() == (hf_dir / "tokenizer_config.json").read_bytes()
+    manifest = (tmp_path / "out" / "plyx_export.json").read_text(encoding="utf-8")
+    assert '"layout": "hf"' in manifest and '"verification": null' in manifest
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        want = model(ids)
+    _assert_close(_ort_logits(result.model, ids), want, atol=1e-4, rtol=1e-4)

@@ -54,6 +54,6 @@ def cases() -> list[Case]:
         "torch": lambda i: lambda: _torch(i["z"], i["t"]),
         "torch.compile": lambda i: lambda: compiled(i["z"], i["t"]),
         "liger": liger,
-        "plyx block=2048/4w": variant(2048, 4),
+        "plyx block=8192/16w": variant(8192, 16),
         "plyx block=32768/32w": variant(32768, 32),
     }, grad=("z",), graph=False, floor={"fwd": ("bytes", size), "fwd+bwd": ("bytes", 2 * size)})]

@@ -47,5 +47,5 @@ def cases() -> list[Case]:
         "torch.compile": lambda i: lambda: compiled(i["g"], i["u"]),
         "liger": liger,
         "plyx block=1024/4w": variant(1024, 4),
-        "plyx block=8192/16w": variant(8192, 16),
+        "plyx block=4096/8w": variant(4096, 8),
     }, grad=("g", "u"), floor={"fwd": ("bytes", 3 * size), "fwd+bwd": ("bytes", 8 * size)})]

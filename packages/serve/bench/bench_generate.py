@@ -53,18 +53,29 @@ def time_plyx(model, prompts, new_tokens: int, cache: str) -> tuple[float, list[
     from plyx.serve import SamplingParams, generate
 
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    device = next(model.parameters()).device
+    _sync(device)
     start = time.perf_counter()
     out = generate(model, prompts, params, cache=cache)
+    _sync(device)
     elapsed = time.perf_counter() - start
     return elapsed, [list(o.outputs[0].token_ids) for o in out]
 
 
-def time_hf(hf, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_hf(hf, prompts, new_tokens: int, cache: str = "dynamic") -> tuple[float, list[list[int]]]:
     ids = torch.tensor(prompts, device=hf.device)
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    _sync(hf.device)
     start = time.perf_counter()
     with torch.inference_mode():
         out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
+    _sync(hf.device)
     elapsed = time.perf_counter() - start
     return elapsed, out[:, ids.shape[1]:].tolist()
 
@@ -76,6 +87,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--caches", default="contiguous,paged")
+    ap.add_argument("--hf-caches", default="dynamic", help="transformers cache implementations: dynamic,static")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs of each side, alternating; the best is kept")
@@ -95,19 +107,22 @@ def main() -> None:
         for b in (int(x) for x in args.batch.split(",")):
             g = torch.Generator().manual_seed(b)
             prompts = torch.randint(3, CONFIGS[name]["vocab_size"], (b, args.prompt_len), generator=g).tolist()
-            time_hf(hf, prompts, 4)  # warm-up: allocator, kernel selection, thread pools
+            hf_caches = args.hf_caches.split(",")
+            for hc in hf_caches:
+                time_hf(hf, prompts, 4, hc)  # warm-up: allocator, kernel selection, thread pools
             caches = args.caches.split(",")
             for cache in caches:
                 time_plyx(ours, prompts, 4, cache)
             best: dict[str, float] = {}
             tokens: dict[str, list[list[int]]] = {}
+            sides = [f"hf:{hc}" for hc in hf_caches] + caches
             for _ in range(args.repeats):  # alternate so that load from other processes hits both sides alike
-                for side in ["hf", *caches]:
-                    s, toks = time_hf(hf, prompts, args.new_tokens) if side == "hf" else \
+                for side in sides:
+                    s, toks = time_hf(hf, prompts, args.new_tokens, side[3:]) if side.startswith("hf:") else \
                         time_plyx(ours, prompts, args.new_tokens, side)
                     best[side] = min(best.get(side, float("inf")), s)
                     tokens[side] = toks
-            hf_s, hf_tok = best["hf"], tokens["hf"]
+            hf_s, hf_tok = best[f"hf:{hf_caches[0]}"], tokens[f"hf:{hf_caches[0]}"]
             for cache in caches:
                 s, toks = best[cache], tokens[cache]
                 same = sum(a == c for x, y in zip(toks, hf_tok) for a, c in zip(x, y)) / (b * args.new_tokens)
@@ -117,13 +132,18 @@ def main() -> None:
                     "params": n_params, "batch": b, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                     "threads": args.threads, "repeats": args.repeats,
                     "cache": cache, "plyx_tok_s": b * args.new_tokens / s, "hf_tok_s": b * args.new_tokens / hf_s,
-                    "ratio": hf_s / s, "same_tokens": same,
+                    "hf_cache": hf_caches[0], "ratio": hf_s / s, "same_tokens": same,
                 }
+                for hc in hf_caches[1:]:
+                    row[f"hf_{hc}_tok_s"] = b * args.new_tokens / best[f"hf:{hc}"]
+                    row[f"ratio_vs_{hc}"] = best[f"hf:{hc}"] / s
                 rows.append(row)
                 _append(args, row)
                 print(f"{name:>5} {n_params / 1e6:7.0f}M  batch {b:2d}  {cache:>10}:  plyx {row['plyx_tok_s']:8.1f} tok/s"
                       f"  transformers {row['hf_tok_s']:8.1f} tok/s  ratio {row['ratio']:.2f}x"
-                      f"  (greedy tokens equal: {same:.0%})", flush=True)
+                      f"  (greedy tokens equal: {same:.0%})"
+                      + "".join(f"  | vs {hc} cache: {row[f'hf_{hc}_tok_s']:.1f} tok/s, {row[f'ratio_vs_{hc}']:.2f}x"
+                                for hc in hf_caches[1:]), flush=True)
         del hf, ours
 
 

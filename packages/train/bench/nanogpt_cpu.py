@@ -41,6 +41,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -206,6 +207,8 @@ class Interleaver:
         if step % self.chunk == 0:
             self.plain.run(self.chunk)
             disturbed = True
+            print(f"  plyx step {step}, plain iteration {self.plain.it}, last losses {metrics['loss']:.3f} / "
+                  f"{self.plain.losses[-1]:.3f}", file=sys.stderr, flush=True)
         if disturbed:
             self.t_last = None  # the next interval would include this work: not counted
 

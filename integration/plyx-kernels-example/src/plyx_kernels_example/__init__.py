@@ -24,7 +24,6 @@ import os
 from typing import Any
 
 import torch
-
 from plyx.specs import hookimpl
 from plyx.specs.kernels import Capability, KernelImpl
 

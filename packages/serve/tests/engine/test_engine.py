@@ -182,3 +182,33 @@ def test_engine_config_is_validated():
 def test_pool_must_hold_one_full_sequence(lm):
     with pytest.raises(ConfigError, match="num_blocks"):
         Engine(lm, config=EngineConfig(block_size=4, num_blocks=10))
+
+
+def test_mixed_chunks_share_the_decode_forward_and_change_nothing(lm):
+    prompts = random_prompts(12, seed=11, lo=20, hi=60)
+    sp = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    want = [alone(lm, p, sp).outputs[0].token_ids for p in prompts]
+    calls = []
+    hook = lm.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        results = {}
+        for mixed in (0, 8):
+            calls.clear()
+            engine = Engine(lm, config=EngineConfig(max_batch_size=12, max_batch_tokens=64, block_size=4,
+                                                    num_blocks=160, mixed_chunk=mixed))
+            # arrivals spread over the run, so prompts are prefilled while others decode
+            pending = list(enumerate(prompts))
+            outs: dict[str, list[int]] = {}
+            while pending or engine.has_unfinished():
+                if pending:
+                    i, p = pending.pop(0)
+                    engine.add_request(str(i), p, sp)
+                for o in engine.step():
+                    outs.setdefault(o.request_id, []).extend(o.event.token_ids)
+            results[mixed] = (engine.stats.steps, len(calls))
+            assert [tuple(outs[str(i)]) for i in range(len(prompts))] == [tuple(w) for w in want]
+    finally:
+        hook.remove()
+    (steps0, forwards0), (steps8, forwards8) = results[0], results[8]
+    assert forwards0 > steps0  # without mixing, prefill steps run a second forward
+    assert forwards8 - steps8 < (forwards0 - steps0) / 2

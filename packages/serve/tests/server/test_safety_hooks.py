@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from plyx.specs import hookimpl
 from plyx.specs.plugins import register_plugin, unregister_plugin
 

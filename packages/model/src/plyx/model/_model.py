@@ -85,8 +85,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c.d_model, c.d_ff, device=device, dtype=dtype)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **attn: Any) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, **attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), cos, sin, **attn)  # (B, T, D)
+        # one kernel call: x = rmsnorm(a + h), and the new residual stream h = a + h
+        x, h = self.post_attention_layernorm(a, residual=h)
+        return h + self.mlp(x)
 
 
 class TransformerLM(nn.Module):

@@ -93,9 +93,10 @@ def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return c
 
 
-#: copy the transposed operands of the backward to row-major first (one cheap copy each) instead of
-#: reading them strided in the kernel; bench/bench_matmul.py measures both
-CONTIGUOUS_BACKWARD = {"on": True}
+#: copy the transposed operands of the backward to row-major first instead of reading them strided in
+#: the kernel. Off: on an H100 (bench/results, 2026-11-22) the strided reads were faster (fwd+bwd at
+#: 4096: 0.72 ms strided, 0.93 ms with copies); bench/bench_matmul.py measures both
+CONTIGUOUS_BACKWARD = {"on": False}
 
 
 class _Matmul(torch.autograd.Function):

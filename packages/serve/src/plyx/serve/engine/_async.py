@@ -63,6 +63,11 @@ class RequestStream:
         return item
 
 
+def _push_all(batch: list[tuple[RequestStream, list[Any]]]) -> None:
+    for stream, items in batch:
+        stream._push(items)
+
+
 class AsyncEngine:
     """Runs an ``Engine`` on a background thread.
 
@@ -177,16 +182,24 @@ class AsyncEngine:
                 self._handle(("abort", rid))
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        """One wake-up of each event loop per step, whatever the number of requests (each
+        ``call_soon_threadsafe`` writes to the loop's self-pipe and costs the loop a turn)."""
         grouped: dict[str, list[EngineOutput]] = {}
         for out in outputs:
             grouped.setdefault(out.request_id, []).append(out)
+        per_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list[Any]]]] = {}
         for rid, items in grouped.items():
             stream = self._streams.get(rid)
             if stream is None:
                 continue
             if any(o.request_finished for o in items):
                 self._streams.pop(rid, None)
-            self._deliver(stream, items)
+            per_loop.setdefault(stream.loop, []).append((stream, items))
+        for loop, batch in per_loop.items():
+            try:
+                loop.call_soon_threadsafe(_push_all, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
     def _fail_all(self, exc: BaseException) -> None:
         """A step failed (a bug, or the device): end every request with the error and keep serving."""

@@ -29,6 +29,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     """Keep full prompt blocks after a request ends and reuse them for identical prefixes (LRU)."""
     max_queue: int = 256
     """Most requests waiting for admission; ``Engine.add_request`` raises ``QueueFullError`` beyond it."""
+    mixed_chunk: int = 0
+    """While sequences are decoding, cap prefill chunks at this many tokens (<= 16, the paged-attention query
+    limit) and run them in the decodes' forward, left-padded: one forward per step instead of one per prefill.
+    Worth it where a forward's fixed cost dominates (GPU: kernel launches and Python); on CPU the padded
+    decode rows cost compute, so 0 (off) keeps separate forwards."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "block_size", "max_queue"):
@@ -36,6 +41,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             if value < 1:
                 raise ConfigError(f"EngineConfig.{name}", f"{name} must be >= 1", value=value,
                                   fix=f"pass a positive {name}")
+        from plyx.attn import PAGED_MAX_QUERY
+
+        if not 0 <= self.mixed_chunk <= PAGED_MAX_QUERY:
+            raise ConfigError("EngineConfig.mixed_chunk", f"mixed_chunk must be in [0, {PAGED_MAX_QUERY}]",
+                              value=self.mixed_chunk, fix=f"use 0 (off) or up to {PAGED_MAX_QUERY}")
         for name in ("num_blocks", "max_model_len"):
             value = getattr(self, name)
             if value < 0:

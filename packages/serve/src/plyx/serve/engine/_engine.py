@@ -288,23 +288,35 @@ class Engine:
         from plyx.attn import PAGED_MAX_QUERY
 
         groups: dict[Any, list[tuple[Sequence, int]]] = {}
+        mixed = self.config.mixed_chunk
+        width = max((n for _, n in planned if n <= mixed), default=0)
         for seq, n in planned:
-            key = n if n <= PAGED_MAX_QUERY else (n, seq.num_computed)
+            if n <= mixed and seq.num_computed + n >= width:
+                # one left-padded forward of width T: the paged kernel needs every row to hold >= T tokens
+                key: Any = "mixed"
+            else:
+                key = n if n <= PAGED_MAX_QUERY else (n, seq.num_computed)
             groups.setdefault(key, []).append((seq, n))
         return groups.values()
 
     def _forward(self, group: list[tuple[Sequence, int]], finishing: list[Sequence]) -> list[torch.Tensor]:
         """Feed each row its next ``n`` tokens; the last hidden state (or logits) of rows that reached their end."""
-        n = group[0][1]
-        ids = torch.tensor([s.tokens[s.num_computed:s.num_computed + n] for s, _ in group],
-                           dtype=torch.long, device=self.device)  # [B, n]
-        seq_ids = [s.seq_id for s, _ in group]
-        if self._lm_head:
-            out = self.model(ids, cache=self.cache, seq_ids=seq_ids, return_hidden=True)  # [B, n, D]
+        width = max(n for _, n in group)
+        mask = None
+        if any(n != width for _, n in group):  # a mixed group: left padding, the last column is real in every row
+            rows_ids = [[0] * (width - n) + s.tokens[s.num_computed:s.num_computed + n] for s, n in group]
+            mask = torch.tensor([[0] * (width - n) + [1] * n for _, n in group], device=self.device)
         else:
-            out = self.model(ids, cache=self.cache, seq_ids=seq_ids)  # [B, n, V]
+            rows_ids = [s.tokens[s.num_computed:s.num_computed + n] for s, n in group]
+        ids = torch.tensor(rows_ids, dtype=torch.long, device=self.device)  # [B, T]
+        seq_ids = [s.seq_id for s, _ in group]
+        kw: dict[str, Any] = {"cache": self.cache, "seq_ids": seq_ids, "attention_mask": mask}
+        if self._lm_head:
+            out = self.model(ids, return_hidden=True, **kw)  # [B, T, D]
+        else:
+            out = self.model(ids, **kw)  # [B, T, V]
         rows = []
-        for i, (seq, _) in enumerate(group):
+        for i, (seq, n) in enumerate(group):
             first = seq.num_computed
             seq.num_computed += n
             if first < len(seq.request.prompt_ids):
@@ -416,13 +428,21 @@ class Engine:
                 preempted = True
             return True
 
+        mixed = self.config.mixed_chunk
+
+        def chunk(seq: Sequence) -> int:
+            n = min(seq.pending, budget)
+            if mixed and any(p.pending == 1 for p in planned):  # ride along in the decodes' forward
+                n = min(n, mixed)
+            return n
+
         # 1. running sequences: decodes first, then prefill chunks; by arrival within each
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, self._key(s))):
             if seq.status is not SeqStatus.RUNNING or seq in planned:
                 continue
             if budget == 0:
                 break
-            n = min(seq.pending, budget)
+            n = chunk(seq)
             need = self.cache.blocks_needed([seq.seq_id], [n])
             if not make_room(seq, need):
                 self._preempt(seq)
@@ -444,7 +464,7 @@ class Engine:
             else:
                 self.cache.allocate(seq.seq_id)
                 seq.num_computed = 0
-            n = min(seq.pending, budget)
+            n = chunk(seq)
             need = self.cache.blocks_needed([seq.seq_id], [n])
             if need > free_blocks() and self.prefix is not None:
                 self.prefix.evict(need - free_blocks())

@@ -32,6 +32,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-size", type=int, default=64, help="most sequences per step")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (prefill chunking)")
     p.add_argument("--max-model-len", type=int, default=0, help="prompt + completion limit (0: the model's)")
+    p.add_argument("--mixed-chunk", type=int, default=-1,
+                   help="prefill chunk (<= 16) run inside the decode forward; -1: 16 on CUDA, 0 (off) on CPU")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before HTTP 429")
     p.add_argument("--max-request-bytes", type=int, default=1_048_576, help="largest request body (HTTP 413)")
@@ -70,7 +72,7 @@ def _num_blocks(cfg: Any, model: Any, device: Any) -> int:
 
 
 def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: int = 512,
-                 drain_timeout: float = 30.0) -> Any:
+                 drain_timeout: float = 30.0, mixed_chunk: int = -1) -> Any:
     """The FastAPI app of a ``ServeConfig`` (model loaded, engine built; its thread starts with the app)."""
     import torch
     from plyx.serve.engine import Engine, EngineConfig
@@ -88,6 +90,7 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
             max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens, block_size=cfg.block_size,
             num_blocks=_num_blocks(cfg, model, torch.device(device)), max_model_len=cfg.max_model_len,
             prefix_caching=cfg.prefix_caching, max_queue=cfg.max_queue,
+            mixed_chunk=(16 if torch.device(device).type == "cuda" else 0) if mixed_chunk < 0 else mixed_chunk,
         ),
     )
     settings = ServerSettings(model_name=cfg.served_name or Path(cfg.model).resolve().name, api_key=cfg.api_key,
@@ -101,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
 
     cfg = serve_config_from_args(args)
     app = build_server(cfg, chat_template=args.chat_template, max_concurrent=args.max_concurrent,
-                       drain_timeout=args.drain_timeout)
+                       drain_timeout=args.drain_timeout, mixed_chunk=args.mixed_chunk)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(args.drain_timeout) or None)
     uvicorn.Server(config).run()

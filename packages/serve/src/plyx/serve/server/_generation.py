@@ -88,6 +88,10 @@ class Job:
 
     async def events(self) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
         """(choice, new text, new logprobs) as tokens arrive; the last event of a choice has its finish_reason."""
+        if len(self.streams) == 1:  # the common case: read the one stream directly, no relay task
+            async for out in self._single():
+                yield out
+            return
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
         async def pump(p: int, stream: RequestStream) -> None:
@@ -117,6 +121,17 @@ class Job:
         finally:
             for t in tasks:
                 t.cancel()
+            if not self.done:
+                self.abort()
+
+    async def _single(self) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
+        try:
+            async for out in self.streams[0]:
+                for ev in self._apply(0, out):
+                    yield ev
+            self.done = True
+            self.finished_at = time.monotonic()
+        finally:
             if not self.done:
                 self.abort()
 
