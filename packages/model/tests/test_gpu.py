@@ -12,10 +12,10 @@ pytestmark = [
 ]
 
 from plyx.attn import make_cache  # noqa: E402
-from plyx.model import LayerStreamer  # noqa: E402
+from plyx.model import LayerStreamer, TransformerLM  # noqa: E402
 
-# bf16 keeps 8 bits of mantissa: logits of a 2-layer model with weights ~0.05 agree to ~2e-2
-BF16 = dict(rtol=3e-2, atol=3e-2)
+# bf16 keeps 8 bits of mantissa: activations rounded at every op move logits (std ~1) by up to ~5e-2
+BF16 = dict(rtol=6e-2, atol=6e-2)
 
 
 def _model(tiny, random_model, **kw):
@@ -26,13 +26,17 @@ def _model(tiny, random_model, **kw):
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 def test_cuda_bf16_matches_cpu_float32(tiny, random_model, arch: str) -> None:
     extra = {"qwen3": dict(qk_norm=True), "mistral": dict(sliding_window=16)}.get(arch, {})
-    cpu = _model(tiny, random_model, arch=arch, **extra)
+    # both run the same bf16-rounded weights: the CPU in float32, the GPU in bfloat16
+    gpu = _model(tiny, random_model, arch=arch, **extra).to("cuda", torch.bfloat16)
+    cpu = TransformerLM(gpu.config.replace(dtype="float32"))
+    cpu.load_state_dict({n: t.float().cpu() for n, t in gpu.state_dict().items()})
     ids = torch.randint(0, 512, (2, 64))
-    want = cpu(ids)
-    gpu = cpu.to("cuda", torch.bfloat16)
     with torch.no_grad():
+        want = cpu(ids)
         got = gpu(ids.cuda()).cpu()
     torch.testing.assert_close(got, want, **BF16)
+    # a structural bug (mask, RoPE, GQA mapping) moves every logit; bf16 rounding moves few, little
+    assert (got - want).abs().mean() < 5e-3
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])

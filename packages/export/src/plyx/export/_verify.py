@@ -64,7 +64,10 @@ def verify_onnx(
         print(report.summary())
     """
     ort = require("onnxruntime")
-    config = model.config
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "vocab_size"):
+        raise ExportError("model", f"expected a plyx.model.TransformerLM (with a ModelConfig), got {type(model).__name__}",
+                          fix="pass the model the graph was exported from")
     weight = next(model.parameters())
     dtype = str(weight.dtype).removeprefix("torch.")
     default_atol, default_rtol = DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["float16"])

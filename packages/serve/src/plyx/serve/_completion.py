@@ -76,11 +76,11 @@ class Completion:
                 self.finish_reason, self.stop_reason = "stop", int(tok)
             elif self.matcher is not None and self.matcher.is_terminated():
                 self.finish_reason = "stop"  # the grammar accepted its stop token
-            elif len(self.token_ids) >= self.limit:
-                self.finish_reason = "length"
-            if (self.params.stop and self.tokenizer is not None and not self.finished
+            elif (self.params.stop and self.tokenizer is not None
                     and len(self.token_ids) >= self.params.min_tokens):  # as vLLM: no stop before min_tokens
                 self._check_stop_strings()
+            if not self.finished and len(self.token_ids) >= self.limit:
+                self.finish_reason = "length"  # a stop on the last allowed token still reports "stop"
         if not taken:
             return None
         delta = self._text_delta()
