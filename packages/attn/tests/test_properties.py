@@ -23,6 +23,11 @@ def _layout(num_blocks: int) -> CacheLayout:
                        max_seq_len=MAX_LEN, block_size=BS, num_blocks=num_blocks)
 
 
+_settings = settings(max_examples=5, stateful_step_count=25, deadline=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+
+@_settings
 class CacheMachine(RuleBasedStateMachine):
     kind = "paged"
 
@@ -123,13 +128,9 @@ class CacheMachine(RuleBasedStateMachine):
             assert u.blocks_used == sum(t.shape[2] for t in self.model.values())
 
 
-class ContiguousMachine(CacheMachine):
+class ContiguousMachine(CacheMachine):  # inherits the settings
     kind = "contiguous"
 
 
-_settings = settings(max_examples=60, stateful_step_count=25, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
 TestPagedProperties = CacheMachine.TestCase
-TestPagedProperties.settings = _settings
 TestContiguousProperties = ContiguousMachine.TestCase
-TestContiguousProperties.settings = _settings

@@ -66,7 +66,8 @@ def parity(fresh_seed: int) -> Callable[..., None]:
     from plyx.kernel.triton_ops._common import poisoned
 
     def check(fn: Callable[..., Any], ref: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None = None,
-              grad: Sequence[int] = (), dtype: torch.dtype = torch.float32, label: str = "", floor: float = 1e-12) -> None:
+              grad: Sequence[int] = (), dtype: torch.dtype = torch.float32, label: str = "", floor: float = 1e-12,
+              grad_floor: float = 1e-12) -> None:
         kwargs = kwargs or {}
         out_tol, grad_tol = TOLERANCES[dtype]
         args = [a.detach().clone().requires_grad_(i in grad) if isinstance(a, torch.Tensor) else a
@@ -99,7 +100,7 @@ def parity(fresh_seed: int) -> Callable[..., None]:
         grads64 = torch.autograd.grad([w for _, w in floats], [args64[i] for i in grad], cot)
         for i, g, w in zip(grad, grads, grads64):
             assert g.shape == w.shape and g.dtype == args[i].dtype, f"{where}: grad {i} {g.shape} {g.dtype}"
-            err = rel_max_err(g, w)
+            err = rel_max_err(g, w, grad_floor)
             assert err <= grad_tol, f"{where}: gradient of argument {i} error {err:.2e} > {grad_tol:.0e}"
 
     return check

@@ -36,9 +36,10 @@ def test_matches_reference(parity, make, shape, dtype, options):
     n, v = shape
     t = _targets(n, v)
     z = make(n, v, dtype=dtype, scale=4.0)
-    # losses are judged relative to max(|loss|, 1 nat): see rel_max_err
+    # losses are judged relative to max(|loss|, 1 nat) and gradients relative to max(|grad|, 1/N): a
+    # confident row's p - 1 is a cancellation float32 only resolves to ~1e-7 absolute (see rel_max_err)
     parity(lambda z: cross_entropy(z, t, **options), lambda z: reference(z, t, **options), [z], grad=(0,),
-           dtype=dtype, label=f"cross_entropy {shape} {options}", floor=1.0)
+           dtype=dtype, label=f"cross_entropy {shape} {options}", floor=1.0, grad_floor=1.0 / n)
 
 
 def test_all_rows_ignored_gives_zero_loss_and_gradient(make):

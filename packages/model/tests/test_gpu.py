@@ -35,8 +35,8 @@ def test_cuda_bf16_matches_cpu_float32(tiny, random_model, arch: str) -> None:
         want = cpu(ids)
         got = gpu(ids.cuda()).cpu()
     torch.testing.assert_close(got, want, **BF16)
-    # a structural bug (mask, RoPE, GQA mapping) moves every logit; bf16 rounding moves few, little
-    assert (got - want).abs().mean() < 5e-3
+    # a structural bug (mask, RoPE, GQA mapping) moves logits by ~0.5 on average; bf16 rounding by ~0.006
+    assert (got - want).abs().mean() < 2e-2  # measured on an H100: 0.0055 to 0.0069
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])

@@ -27,11 +27,15 @@ from plyx.model import (  # noqa: E402
 
 COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=48, vocab_size=67, max_position_embeddings=64)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8}
+if int(transformers.__version__.split(".")[0]) >= 5:  # transformers 5 folds theta and scaling into rope_parameters
+    LLAMA3 = {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}}
+else:
+    LLAMA3 = {"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}
 CASES = {
     "llama": ("LlamaConfig", {}),
-    "llama-tied-llama3rope": ("LlamaConfig", {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE}),
+    "llama-tied-llama3rope": ("LlamaConfig", {"tie_word_embeddings": True, **LLAMA3}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
     "mistral-window": ("MistralConfig", {"sliding_window": 4}),

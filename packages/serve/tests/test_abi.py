@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import msgspec
-
 import plyx.serve as serve
 
 SNAPSHOT = Path(__file__).parent / "data" / "serve-abi-1.json"

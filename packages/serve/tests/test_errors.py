@@ -25,6 +25,8 @@ from plyx.specs import ConfigError
         ({"min_tokens": 9, "max_new_tokens": 4}, "SamplingParams.min_tokens", "max_new_tokens"),
         ({"stop": ("",)}, "SamplingParams.stop", "non-empty"),
         ({"processors": (("x",),)}, "SamplingParams.processors[0]", "(name, kwargs)"),
+        ({"top_p": "0.9"}, "SamplingParams.top_p", "must be <class 'float'>"),
+        ({"max_new_tokens": 8.5}, "SamplingParams.max_new_tokens", "must be <class 'int'>"),
     ],
 )
 def test_sampling_params_validation(kwargs, field, words):

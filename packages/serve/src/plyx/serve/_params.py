@@ -26,6 +26,22 @@ def _err(owner: str, field: str, problem: str, value: Any, fix: str) -> ConfigEr
     return ConfigError(f"{owner}.{field}", problem, value=value, fix=fix)
 
 
+def _check_types(obj: msgspec.Struct, ints: tuple[str, ...], floats: tuple[str, ...]) -> None:
+    """msgspec checks types when decoding, not in ``__init__``: check the numeric fields here, like attrs'
+    validators, so ``top_p="0.9"`` fails with the field's name instead of a comparison error."""
+    owner = type(obj).__name__
+    for name in ints:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _err(owner, name, f"'{name}' must be <class 'int'> (got {value!r} that is a {type(value)})",
+                       value, "pass an integer")
+    for name in floats:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _err(owner, name, f"'{name}' must be <class 'float'> (got {value!r} that is a {type(value)})",
+                       value, "pass a number")
+
+
 class StructuredOutput(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """A constraint on the generated text, enforced by the xgrammar engine. Set exactly one field.
 
@@ -137,6 +153,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
     def __post_init__(self) -> None:
         o = "SamplingParams"
+        _check_types(self, ("n", "max_new_tokens", "min_tokens", "top_k"),
+                     ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty"))
         if self.n < 1:
             raise _err(o, "n", "n must be >= 1", self.n, "ask for at least one completion")
         if self.max_new_tokens < 1:
@@ -220,6 +239,7 @@ class BeamSearchParams(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
 
     def __post_init__(self) -> None:
         o = "BeamSearchParams"
+        _check_types(self, ("num_beams", "max_new_tokens", "num_return_sequences"), ("length_penalty",))
         if self.num_beams < 1:
             raise _err(o, "num_beams", "num_beams must be >= 1", self.num_beams, "use at least one beam")
         if self.max_new_tokens < 1:
