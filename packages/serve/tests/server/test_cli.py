@@ -34,6 +34,21 @@ def test_serve_command_shape():
     assert (args.path, args.host, args.port, args.api_key) == ("/m", "0.0.0.0", 9, "k")
 
 
+def test_bad_options_name_the_field():
+    import argparse
+
+    import pytest
+    from plyx.serve.server import serve_config_from_args
+    from plyx.specs.errors import ConfigError
+
+    p = argparse.ArgumentParser()
+    SERVE_COMMAND.configure(p)
+    with pytest.raises(ConfigError, match="max_batch_tokens"):
+        serve_config_from_args(p.parse_args(["/m", "--max-batch-size", "64", "--max-batch-tokens", "8"]))
+    cfg = serve_config_from_args(p.parse_args(["/models/tiny", "--no-prefix-caching", "--max-queue", "3"]))
+    assert (cfg.served_name, cfg.prefix_caching, cfg.max_queue) == ("tiny", False, 3)
+
+
 def test_serve_a_checkpoint_then_drain_on_sigterm(model_dir, greedy_reference, server_lm, bpe):
     port = free_port()
     env = {**os.environ, "PLYX_API_KEY": ""}
