@@ -75,12 +75,15 @@ def run(out: Path, bench: bool, tests: bool, bench_args: list[str]) -> int:
     status = 0
     if tests:
         for plane in matrix.get("gpu-planes", []):
-            status |= _run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+            # Triton compiles every kernel variant on first use: spread the tests over the host's cores
+            status |= _run([sys.executable, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider",
                             f"packages/{plane}/tests"], out / f"tests-{plane}.log", env)
     if bench:
-        for script in matrix.get("gpu-benchmarks", []):
-            name = Path(script).stem
-            status |= _run([sys.executable, script, "--out", str(out), *bench_args], out / f"bench-{name}.log", env)
+        for entry in matrix.get("gpu-benchmarks", []):
+            name = Path(entry["script"]).stem
+            target = out if entry.get("out", "dir") == "dir" else out / f"{name}.json"
+            status |= _run([sys.executable, entry["script"], "--out", str(target), *bench_args],
+                           out / f"bench-{name}.log", env)
     return status
 
 
