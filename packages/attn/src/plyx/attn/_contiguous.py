@@ -1,7 +1,9 @@
 """``ContiguousKVCache``: one preallocated row of ``max_seq_len`` slots per sequence.
 
 Layout per layer: ``[max_batch, max_seq_len, KV, Dh]``; a sequence id is mapped
-to a free row when allocated. Simple and fast to read for a fixed batch
+to a free row when allocated. Running out of rows (``allocate``, ``fork``) is a
+``CacheFullError``; a sequence growing past ``max_seq_len`` is a ``ValueError``
+(a length limit, as in the paged cache). Simple and fast to read for a fixed batch
 (offline generation, beam search); ``fork`` copies a row (no sharing) and
 ``reorder`` permutes beams in one gather.
 """
@@ -72,15 +74,16 @@ class ContiguousKVCache:
         counts = [int(n) for n in num_tokens]
         if len(counts) != len(ids):
             raise ValueError(f"reserve got {len(ids)} seq_ids but {len(counts)} num_tokens; pass one count per sequence")
-        over = 0
-        for sid, n in zip(ids, counts):
+        for sid, n in zip(ids, counts):  # check everything before changing anything
             self._row(sid)
             if n < 0:
                 raise ValueError(f"num_tokens for sequence {sid} is {n}; it must be >= 0")
-            over += max(0, self._lens[sid] + n - self._layout.max_seq_len)
-        if over:
-            free = sum(self._layout.max_seq_len - self._lens[s] for s in ids)
-            raise CacheFullError(sum(counts), free, what="token slots")
+            if self._lens[sid] + n > self._layout.max_seq_len:
+                # a row is one sequence's whole room: a length limit, as in the paged cache
+                raise ValueError(
+                    f"sequence {sid} would hold {self._lens[sid] + n} tokens, more than max_seq_len="
+                    f"{self._layout.max_seq_len}; crop it or build the cache with a larger max_seq_len"
+                )
         rows, cols = [], []
         for sid, n in zip(ids, counts):
             start = self._lens[sid]

@@ -194,7 +194,7 @@ class TransformerLM(nn.Module):
         h, cos, sin, attn = self._prologue(input_ids, position_ids, document_ids, attention_mask, cache, seq_ids)
         for layer in self.layers:
             h = layer(h, cos, sin, **attn)
-        return self._epilogue(h, attention_mask, return_hidden)
+        return self._epilogue(h, return_hidden)
 
     def _prologue(
         self,
@@ -220,7 +220,7 @@ class TransformerLM(nn.Module):
             attn["step"] = step
             if position_ids is None:
                 offsets = step.lengths_before[:, None]  # (B, 1)
-                position_ids = offsets + (_within_row(real, B, T, device) if real is not None else
+                position_ids = offsets + (_within_row(real) if real is not None else
                                           torch.arange(T, device=device)[None, :])
         else:
             if real is not None:
@@ -232,7 +232,7 @@ class TransformerLM(nn.Module):
                 if document_ids is not None:
                     position_ids = _document_positions(document_ids)
                 elif real is not None:
-                    position_ids = _within_row(real, B, T, device)
+                    position_ids = _within_row(real)
                 else:
                     position_ids = torch.arange(T, device=device)
         position_ids = position_ids.to(device)
@@ -243,7 +243,7 @@ class TransformerLM(nn.Module):
         cos, sin = rope_tables(position_ids, self.rotary_dim, c.rope_theta, c.rope_scaling, dtype=h.dtype)
         return h, cos, sin, attn
 
-    def _epilogue(self, h: torch.Tensor, attention_mask: torch.Tensor | None, return_hidden: bool) -> torch.Tensor:
+    def _epilogue(self, h: torch.Tensor, return_hidden: bool) -> torch.Tensor:
         h = self.norm(h)  # (B, T, D)
         if return_hidden:
             return h
@@ -254,7 +254,7 @@ class TransformerLM(nn.Module):
         return f"arch={c.arch}, params={self.num_params():,}, tie_embeddings={c.tie_embeddings}"
 
 
-def _within_row(real: torch.Tensor, B: int, T: int, device: torch.device) -> torch.Tensor:
+def _within_row(real: torch.Tensor) -> torch.Tensor:
     """Position of each real token among its row's real tokens (padding gets 0): ``[B, T]``."""
     return (real.long().cumsum(dim=1) - 1).clamp(min=0)
 

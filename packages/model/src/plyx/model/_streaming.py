@@ -94,7 +94,6 @@ class LayerStreamer:
     def __call__(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Same arguments and result as ``TransformerLM.forward`` (inference only: no gradients)."""
         return_hidden = kwargs.pop("return_hidden", False)
-        attention_mask = kwargs.get("attention_mask")
         h, cos, sin, attn = self.skeleton._prologue(
             input_ids,
             kwargs.pop("position_ids", None),
@@ -109,7 +108,7 @@ class LayerStreamer:
             layer = self.load_layer(index)
             h = layer(h, cos, sin, **attn)
             del layer  # the only reference: its weights are freed before the next layer loads
-        return self.skeleton._epilogue(h, attention_mask, return_hidden)
+        return self.skeleton._epilogue(h, return_hidden)
 
 
 def stream_forward(source: Any, input_ids: torch.Tensor, *, device: Any = "cpu", dtype: Any = None,

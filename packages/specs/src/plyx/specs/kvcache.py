@@ -110,8 +110,10 @@ class KVCache(Protocol):
     def reserve(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> None:
         """Make room for ``num_tokens[i]`` more tokens of ``seq_ids[i]`` and advance their lengths.
 
-        All or nothing: on ``CacheFullError`` no sequence changed. Shared blocks
-        about to be written are copied first (copy-on-write).
+        All or nothing: on ``CacheFullError`` (out of blocks or rows) no sequence
+        changed. Growing a sequence past ``layout.max_seq_len`` is a ``ValueError``;
+        an unknown id a ``KeyError``; an id twice in one call a ``ValueError``.
+        Shared blocks about to be written are copied first (copy-on-write).
         """
         ...
 

@@ -135,17 +135,49 @@ def paged_attention_reference(
         o [B, Tq, H, Dh] in q's dtype.
     """
     B, Tq, H, KV, D, block_size = check_paged(q, k_pool, v_pool, block_tables, context_lens)
-    lens = context_lens.tolist()  # host sync: fine for a reference
-    out = []
-    for b, length in enumerate(lens):
-        if length < Tq:
-            raise ValueError(
-                f"paged_attention: context_lens[{b}]={length} is smaller than Tq={Tq}; context_lens counts the "
-                f"new query tokens too, so reserve them in the cache before attending"
-            )
-        n_blocks = -(-length // block_size)
-        blocks = block_tables[b, :n_blocks].long()
-        k = k_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]  # (L, KV, Dh)
-        v = v_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]
-        out.append(attention_reference(q[b : b + 1], k[None], v[None], causal=True, scale=scale, window=window))
-    return torch.cat(out, dim=0)
+    lens = context_lens.to(device=q.device, dtype=torch.long)  # (B,)
+    shortest, longest = torch.stack(torch.aminmax(lens)).tolist() if B else (Tq, Tq)  # one host sync
+    if shortest < Tq:
+        b = int(torch.nonzero(lens < Tq)[0, 0])
+        raise ValueError(
+            f"paged_attention: context_lens[{b}]={int(lens[b])} is smaller than Tq={Tq}; context_lens counts the "
+            f"new query tokens too, so reserve them in the cache before attending"
+        )
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = H // KV
+    n_blocks = -(-longest // block_size)
+    if n_blocks > block_tables.shape[1]:
+        raise ValueError(
+            f"paged_attention: `block_tables` has {block_tables.shape[1]} columns but context_lens holds up to "
+            f"{longest} tokens, which take {n_blocks} blocks of {block_size}; pass a table wide enough for the "
+            f"longest sequence (cache.block_table(seq_ids))"
+        )
+    S = n_blocks * block_size  # every sequence padded to the longest one's blocks
+    # Gather through the block table. Entries past a sequence's own blocks are not part of the
+    # contract (0 by convention), so they are replaced by block 0: read, then masked out below.
+    table = block_tables[:, :n_blocks].to(device=k_pool.device, dtype=torch.long)  # (B, n_blocks)
+    owned = torch.arange(n_blocks, device=table.device) * block_size < lens.to(table.device)[:, None]
+    flat = torch.where(owned, table, torch.zeros_like(table)).reshape(-1)
+    k = k_pool.index_select(0, flat).view(B, S, KV, D).transpose(1, 2).to(compute)  # (B, KV, S, Dh)
+    v = v_pool.index_select(0, flat).view(B, S, KV, D).transpose(1, 2).to(compute)  # (B, KV, S, Dh)
+    # GQA without repeating K/V: the `group` query heads of one kv head form one row block.
+    qg = q.to(compute).view(B, Tq, KV, group, D).permute(0, 2, 3, 1, 4).reshape(B, KV, group * Tq, D)
+    scores = (qg @ k.transpose(-1, -2)).view(B, KV, group, Tq, S) * (D**-0.5 if scale is None else scale)
+    # Query i of sequence b sits at position lens[b] - Tq + i; causal masking also hides the padding
+    # (every allowed key is at or before a query, hence before lens[b]).
+    q_pos = (lens[:, None] - Tq + torch.arange(Tq, device=q.device))[:, :, None]  # (B, Tq, 1)
+    k_pos = torch.arange(S, device=q.device)  # (S,)
+    allowed = k_pos <= q_pos  # (B, Tq, S)
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"paged_attention: `window` must be >= 1 (keys with q_pos - k_pos >= window are masked), "
+                             f"got {window}")
+        allowed &= (q_pos - k_pos) < window
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    # Every row keeps at least its own key (lens >= Tq, window >= 1), so no row is all -inf. The
+    # softmax is written out: torch.softmax wakes the intra-op thread pool even for tiny inputs,
+    # which costs a scheduler slice per call on a loaded CPU (20 ms measured on 2 busy cores).
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True).detach())
+    p = (e / e.sum(dim=-1, keepdim=True)).view(B, KV, group * Tq, S)
+    o = (p @ v).view(B, KV, group, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, H, D)
+    return o.to(q.dtype)

@@ -115,7 +115,8 @@ def check_protocol_and_layout(factory: Factory, layout: CacheLayout | None = Non
 
 
 def check_allocate_errors(factory: Factory, layout: CacheLayout | None = None) -> None:
-    """Allocating an id twice is a ValueError; unknown ids are KeyErrors; append needs a reserve."""
+    """Allocating an id twice is a ValueError; unknown ids are KeyErrors; a reserve past max_seq_len or with an
+    id twice is a ValueError that changes nothing; append must match the reserve."""
     torch = _torch()
     layout = layout or default_layout()
     cache = factory(layout)
@@ -129,6 +130,15 @@ def check_allocate_errors(factory: Factory, layout: CacheLayout | None = None) -
             pass
         else:
             raise AssertionError(f"expected {exc.__name__}")
+    for call, what in ((lambda: cache.reserve([3], [layout.max_seq_len + 1]), "a reserve past max_seq_len"),
+                       (lambda: cache.reserve([3, 3], [1, 1]), "an id twice in one reserve")):
+        try:
+            call()
+        except ValueError:
+            pass
+        else:
+            raise AssertionError(f"{what} must raise ValueError")
+        assert cache.length(3) == 0, f"{what} changed the sequence"
     cache.reserve([3], [2])
     bad = torch.zeros(5, layout.num_kv_heads, layout.head_dim, device=layout.device)
     try:
