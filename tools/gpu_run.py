@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -58,7 +59,6 @@ def _run(cmd: list[str], log: Path, env: dict[str, str]) -> int:
 
 def run(out: Path, bench: bool, tests: bool, bench_args: list[str]) -> int:
     import tomllib
-
     import torch
 
     if not torch.cuda.is_available():
@@ -66,6 +66,8 @@ def run(out: Path, bench: bool, tests: bool, bench_args: list[str]) -> int:
         return 0
     out.mkdir(parents=True, exist_ok=True)
     site = Path("/tmp/plyx-site")
+    # a fresh target: --upgrade would leave dist-info of removed planes pointing at missing modules
+    shutil.rmtree(site, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--upgrade", "--target", str(site), *map(str, WHEELS.glob("*.whl"))], check=True)
     env = {**os.environ, "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}

@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-
 from plyx.specs.plugins import components, get_plugin_manager, plugin_report
 from plyx.specs.testing.kernels import KERNEL_CASES, check_kernel
 from plyx.specs.testing.kvcache import check_kvcache

@@ -59,7 +59,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
     corpus = write_corpus(root / "corpus.txt")
     config = TrainConfig(
         # d_ff 128: a multiple of 8, so the example kernel plugin's swiglu predicate holds for this model
-        model=ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64),
+        model=ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=256),
         data=DataConfig(path=str(corpus), seq_len=16, mode="windows", val_fraction=0.2, vocab_size=300),
         optimizer=OptimizerConfig(lr=1e-2, grad_clip=1.0),
         schedule=ScheduleConfig(kind="cosine", warmup_steps=1),

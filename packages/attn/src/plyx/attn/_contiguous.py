@@ -84,14 +84,16 @@ class ContiguousKVCache:
                     f"sequence {sid} would hold {self._lens[sid] + n} tokens, more than max_seq_len="
                     f"{self._layout.max_seq_len}; crop it or build the cache with a larger max_seq_len"
                 )
-        rows, cols = [], []
+        rows: list[int] = []  # host ints, one tensor each at the end
+        cols: list[int] = []
         for sid, n in zip(ids, counts):
             start = self._lens[sid]
-            rows.append(torch.full((n,), self._rows[sid], dtype=torch.long))
-            cols.append(torch.arange(start, start + n))
+            rows.extend([self._rows[sid]] * n)
+            cols.extend(range(start, start + n))
             self._lens[sid] = start + n
         device = self._layout.device
-        self._pending = (tuple(ids), torch.cat(rows).to(device), torch.cat(cols).to(device))
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(device)  # noqa: E731
+        self._pending = (tuple(ids), as_tensor(rows), as_tensor(cols))
 
     def append(self, layer: int, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         if self._pending is None:
@@ -101,8 +103,10 @@ class ContiguousKVCache:
             raise ValueError(f"append() got seq_ids {list(seq_ids)}, but the last reserve() was for {list(ids)}")
         self._check_layer(layer)
         check_kv(self._layout, k, v, rows.numel())
-        self._k[layer][rows, cols] = k.to(self._k[layer].dtype)
-        self._v[layer][rows, cols] = v.to(self._v[layer].dtype)
+        flat = rows * self._layout.max_seq_len + cols  # slot ids in the [max_batch * max_seq_len] view
+        kv = (self._layout.num_kv_heads, self._layout.head_dim)
+        self._k[layer].view(-1, *kv).index_copy_(0, flat, k.to(self._k[layer].dtype))
+        self._v[layer].view(-1, *kv).index_copy_(0, flat, v.to(self._v[layer].dtype))
 
     def read(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_layer(layer)

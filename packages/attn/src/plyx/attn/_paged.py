@@ -97,7 +97,7 @@ class PagedKVCache:
         if needed > len(self._free):
             raise CacheFullError(needed, len(self._free))
         # 2. apply: nothing below can fail
-        slots: list[torch.Tensor] = []
+        slots: list[int] = []  # host ints, one tensor at the end: per-sequence tensors cost more than the math
         bs = self._layout.block_size
         assert bs is not None
         for (seq, cow, new_blocks), n in zip(plans, counts):
@@ -110,12 +110,11 @@ class PagedKVCache:
                 seq.blocks[-1] = fresh
             for _ in range(new_blocks):
                 seq.blocks.append(self._take())
-            if n:
-                pos = torch.arange(seq.length, seq.length + n)
-                table = torch.tensor(seq.blocks, dtype=torch.long)
-                slots.append(table[pos // bs] * bs + pos % bs)  # flat slot ids in [num_blocks * bs]
+            blocks = seq.blocks
+            # flat slot ids in the [num_blocks * block_size] view of a pool
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(seq.length, seq.length + n))
             seq.length += n
-        flat = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
+        flat = torch.tensor(slots, dtype=torch.long)
         self._pending = (tuple(ids), flat.to(self._layout.device))
         self._appended = set()
 
@@ -178,10 +177,8 @@ class PagedKVCache:
     def block_table(self, seq_ids: Sequence[int]) -> BlockTable:
         seqs = [self._get(s) for s in seq_ids]
         width = max([len(s.blocks) for s in seqs] + [1])
-        table = torch.zeros((len(seqs), width), dtype=torch.int32)
-        for row, seq in enumerate(seqs):
-            if seq.blocks:
-                table[row, : len(seq.blocks)] = torch.tensor(seq.blocks, dtype=torch.int32)
+        rows = [s.blocks + [0] * (width - len(s.blocks)) for s in seqs]  # padded with block 0, never read
+        table = torch.tensor(rows, dtype=torch.int32).reshape(len(seqs), width)
         lens = torch.tensor([s.length for s in seqs], dtype=torch.int32)
         device = self._layout.device
         return BlockTable(block_tables=table.to(device), context_lens=lens.to(device))

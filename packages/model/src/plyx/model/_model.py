@@ -86,8 +86,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **attn: Any) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(h), cos, sin, **attn)  # (B, T, D)
-        # one kernel call: x = rmsnorm(a + h), and the new residual stream h = a + h
-        x, h = self.post_attention_layernorm(a, residual=h)
+        # one kernel call: x = rmsnorm(a + h), and the new residual stream h = a + h.
+        # Under autocast the projections return bf16 while the residual stream stays in
+        # the parameters' dtype; the stream keeps its precision, as transformers' does.
+        x, h = self.post_attention_layernorm(a.to(h.dtype), residual=h)
         return h + self.mlp(x)
 
 

@@ -8,9 +8,9 @@ B T = 16k that would be 8 GiB in float32).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
+import plyx.kernel as kernels
 import torch
 from plyx.specs import Batch
 from torch import nn
@@ -22,16 +22,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                          **options: Any) -> torch.Tensor:
     """Cross-entropy of ``hidden [N, D] @ weight[V, D].T`` against ``targets [N]``, by the kernel registry's choice.
 
-    plyx-model re-exports the registry's ``linear_cross_entropy`` dispatcher as
-    ``plyx.model.linear_cross_entropy`` when it has one. Until then it is taken from plyx-kernel,
-    which plyx-model depends on (so it is always installed with plyx-train); the import is by
-    name so that plyx-train declares no edge to plyx-kernel that DESIGN's graph does not have.
+    plyx-train declares its edge to plyx-kernel (workspace.toml) for exactly this call.
     """
-    model_api = importlib.import_module("plyx.model")
-    fn = getattr(model_api, "linear_cross_entropy", None)
-    if fn is None:
-        fn = importlib.import_module("plyx.kernel").linear_cross_entropy
-    return fn(hidden, weight, targets, **options)  # type: ignore[no-any-return]
+    return kernels.linear_cross_entropy(hidden, weight, targets, **options)
 
 
 def lm_loss(

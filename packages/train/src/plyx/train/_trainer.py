@@ -493,8 +493,9 @@ class Trainer:
                         t_eval = time.perf_counter()
                         metrics.update(self.evaluate())
                         sample = self.sample()
+                        shown = f"\n{sample}" if self.step < c.steps else ""  # the final sample is the result's
                         self._say(bar, f"step {self.step}: val_loss {metrics['val_loss']:.4f} "
-                                       f"(ppl {metrics['val_ppl']:.2f})\n{sample}")
+                                       f"(ppl {metrics['val_ppl']:.2f}){shown}")
                         window_t += time.perf_counter() - t_eval  # evaluation is not training throughput
                     if writer is not None and ("tokens_per_s" in metrics or "val_loss" in metrics):
                         writer.write(self.step, metrics)

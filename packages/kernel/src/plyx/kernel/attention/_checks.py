@@ -61,11 +61,12 @@ def check_attention(
             mask.dim() == 4
             and mask.shape[0] in (1, B)
             and mask.shape[1] in (1, H)
-            and mask.shape[2] == T
+            and mask.shape[2] in (1, T)  # 1: a key-padding mask [B, 1, 1, S], the same for every query
             and mask.shape[3] == S
         )
         if not ok:
-            raise _shape_error("mask", mask, f"[{B}|1, {H}|1, {T}, {S}]", "broadcast batch and heads with size 1")
+            raise _shape_error("mask", mask, f"[{B}|1, {H}|1, {T}|1, {S}]",
+                               "broadcast batch, heads and queries with size 1 (a key-padding mask is [B, 1, 1, S])")
         if mask.dtype != torch.bool and not mask.is_floating_point():
             raise TypeError(
                 f"attention: `mask` has dtype {mask.dtype}; pass a bool mask (True = attend) or an additive float mask"

@@ -68,7 +68,7 @@ def attention_reference(
         k, v: [B, S, KV, Dh]; H must be a multiple of KV (GQA/MQA).
         causal: mask keys after each query (bottom-right aligned when T < S).
         scale: softmax scale, default Dh ** -0.5.
-        mask: bool [B|1, H|1, T, S] (True = attend) or additive float mask.
+        mask: bool [B|1, H|1, T|1, S] (True = attend; [B, 1, 1, S] is a key-padding mask) or additive float mask.
         document_ids: [B, T] ids of packed documents (T == S); no attention across them.
         window: sliding window; keys with q_pos - k_pos >= window are masked.
         return_lse: also return the log-sum-exp [B, H, T] in float32.
