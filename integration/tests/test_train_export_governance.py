@@ -1,7 +1,8 @@
 """Scenario 2: train -> export -> governance verify.
 
 The checkpoint of the session's training run is exported with the real command line
-(``plyx export CKPT --format onnx --out DIR``, verified in onnxruntime by plyx-export),
+(``plyx export CKPT --format onnx --out DIR``, verified in onnxruntime by plyx-export;
+while SYMINT_BUG stands, the same export made in-process, see ``export_run``),
 plyx-governance's ``plyx_on_export_written`` hook turns the directory into a signed
 release, and ``plyx governance verify DIR`` passes on it. One flipped byte of
 ``model.onnx`` then fails the gate with the file named. The graph's logits are also
@@ -10,13 +11,17 @@ checked here, in onnxruntime, against the torch model loaded from the same check
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -29,6 +34,8 @@ EXAMPLE_PLUGIN = "kernels-example"  # the reference third-party kernel plugin's 
 PROBE_BUG = ("plyx-kernel Registry._decide runs the conformance probe of every third-party implementation, "
              "even one an override excludes, inside torch.export tracing (reference_kernels()); "
              "its .item() breaks the ONNX export")
+SYMINT_BUG = ("plyx-kernel Registry.get's fast cache keys on tensor.shape; under torch.export the sizes are "
+              "SymInts and hashing them raises TypeError: unhashable type: non-nested SymInt")
 
 
 def _plyx(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -49,20 +56,79 @@ def _export(checkpoint: Path, out: Path, env: dict[str, str] | None = None) -> s
                  env=env)
 
 
+@contextlib.contextmanager
+def _registry_without_fast_cache() -> Iterator[None]:
+    """Work around SYMINT_BUG from the outside: ``Registry.get`` takes its slow path (``select``), as it
+    did before the fast cache existed. Only the exports of this module run under it."""
+    from plyx.kernel import Registry
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Registry, "_fast_key", lambda self, name, tensors, shape: None, raising=False)
+        yield
+
+
+class KnownBug(AssertionError):
+    """Raised where a test meets the exact failure of a known plane bug (its xfail names this type)."""
+
+
+@attrs.frozen
+class Exported:
+    cli: subprocess.CompletedProcess[str]  # ``plyx export`` as a user runs it
+    path: Path  # the export the checks run on: the CLI's, or the in-process one while SYMINT_BUG stands
+
+
 @pytest.fixture(scope="module")
-def exported(trained, tmp_path_factory) -> Path:
-    """The export every check below runs on. The example kernel plugin is left out of this one
-    process only, so the governance chain is tested while PROBE_BUG stands (the test marked xfail
-    below runs the export with every plugin)."""
+def export_run(trained, tmp_path_factory) -> Exported:
+    """``plyx export CKPT --format onnx --out DIR``. The example kernel plugin is left out of this one
+    process (PROBE_BUG; the xfail test below exports with every plugin). If the command fails (SYMINT_BUG),
+    the same export is made in-process with ``export_onnx`` and the fast cache bypassed, so the governance
+    chain is still checked; ``test_plyx_export_command`` holds the command's own failure."""
     out = tmp_path_factory.mktemp("export") / "tiny-onnx"
     proc = _export(trained.checkpoint, out, env=_without_example_plugin())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    if proc.returncode == 0:
+        return Exported(cli=proc, path=out)
+    from plyx.export import export_onnx
+    from plyx.model import load_checkpoint
+
+    fallback = tmp_path_factory.mktemp("export-in-process") / "tiny-onnx"
+    model = load_checkpoint(trained.checkpoint).eval()
+    with _registry_without_fast_cache():
+        export_onnx(model, fallback, source=trained.checkpoint, name="tiny-llm")
+    return Exported(cli=proc, path=fallback)
+
+
+@pytest.fixture(scope="module")
+def exported(export_run) -> Path:
+    return export_run.path
+
+
+def _raise_if_symint_bug(checkpoint: Path, out: Path) -> None:
+    """The command prints only the exporter's summary: find the cause by the same export in-process."""
+    from plyx.export import export_onnx
+    from plyx.kernel import reset_registry
+    from plyx.model import load_checkpoint
+
+    reset_registry()
+    try:
+        export_onnx(load_checkpoint(checkpoint).eval(), out, hooks=False)
+    except ExportError as exc:
+        if "unhashable type: non-nested SymInt" in "".join(traceback.format_exception(exc)):
+            raise KnownBug(SYMINT_BUG) from exc
+    finally:
+        reset_registry()
+
+
+@pytest.mark.xfail(strict=True, raises=KnownBug, reason=SYMINT_BUG)
+def test_plyx_export_command(export_run, trained, tmp_path):
+    proc = export_run.cli
+    if proc.returncode != 0:
+        _raise_if_symint_bug(trained.checkpoint, tmp_path / "diagnose")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    assert result["format"] == "onnx" and Path(result["path"]) == out.resolve()
+    assert result["format"] == "onnx" and Path(result["path"]) == export_run.path.resolve()
     verification = result["verification"]  # plyx-export's own onnxruntime check, on by default
     assert verification["ok"] and len(verification["checks"]) == 2
     assert all(c["passed"] for c in verification["checks"])
-    return out
 
 
 def test_export_wrote_the_graph_and_the_governance_release(exported):
@@ -115,7 +181,7 @@ def test_governance_verify_passes_then_names_a_flipped_byte(exported, tmp_path):
     assert not report.ok and {p.artifact for p in report.problems} == {"model.onnx"}
 
 
-@pytest.mark.xfail(strict=True, raises=ExportError, reason=PROBE_BUG)
+@pytest.mark.xfail(strict=True, raises=KnownBug, reason=PROBE_BUG)
 def test_export_with_every_plugin_installed(trained, tmp_path):
     """The export users get with plyx-kernels-example installed beside the planes, on a registry that
     has not selected ``swiglu`` yet (as in a fresh ``plyx export`` process)."""
@@ -127,7 +193,14 @@ def test_export_with_every_plugin_installed(trained, tmp_path):
     model = load_checkpoint(trained.checkpoint).eval()
     reset_registry()  # forget the conformance probes earlier tests ran eagerly
     try:
-        result = export_onnx(model, tmp_path / "all-plugins", hooks=False)
+        with _registry_without_fast_cache():  # isolate PROBE_BUG from SYMINT_BUG
+            try:
+                result = export_onnx(model, tmp_path / "all-plugins", hooks=False)
+            except ExportError as exc:
+                trace = "".join(traceback.format_exception(exc))
+                if "plyx/specs/testing/kernels" in trace:  # the conformance probe ran inside the trace
+                    raise KnownBug(PROBE_BUG) from exc
+                raise
     finally:
         reset_registry()
     assert result.verification.ok and (tmp_path / "all-plugins" / "model.onnx").is_file()

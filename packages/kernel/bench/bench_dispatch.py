@@ -14,6 +14,7 @@ kernel names of a decode step: names with a shape-dependent implementation
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import time
 
@@ -56,21 +57,13 @@ def main() -> None:
     with torch.no_grad():
         for label, (name, tensors) in _cases().items():
             for scope in ("", "override"):
-                ctx = reg.override(**{name: "reference"}) if scope else _null()
+                ctx = reg.override(**{name: "reference"}) if scope else contextlib.nullcontext()
                 with ctx:
                     assert reg.get(name, *tensors) is reg.select(name, query_for(name, *tensors)).fn
-                    before = _us_per_call(lambda: reg.select(name, query_for(name, *tensors)).fn, args.calls)
-                    after = _us_per_call(lambda: reg.get(name, *tensors), args.calls)
+                    before = _us_per_call(lambda n=name, t=tensors: reg.select(n, query_for(n, *t)).fn, args.calls)
+                    after = _us_per_call(lambda n=name, t=tensors: reg.get(n, *t), args.calls)
                 case = label + (" (override)" if scope else "")
                 print(f"{case:<28} {before:>10.2f} {after:>10.2f} {before / after:>8.1f}x")
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ def main() -> None:
           f"H={s['heads']}, KV={s['kv_heads']}, Dh={s['head_dim']}, block {bs}, float32")
     for Tq in s["new_tokens"]:
         q = torch.randn(B, Tq, s["heads"], s["head_dim"])
-        before = _median_ms(lambda: per_sequence_loop(q, k_pool, v_pool, tables, lens), s["repeats"])
-        after = _median_ms(lambda: paged_attention_reference(q, k_pool, v_pool, tables, lens), s["repeats"])
+        before = _median_ms(lambda q=q: per_sequence_loop(q, k_pool, v_pool, tables, lens), s["repeats"])
+        after = _median_ms(lambda q=q: paged_attention_reference(q, k_pool, v_pool, tables, lens), s["repeats"])
         print(f"Tq={Tq}: per-sequence loop {before:.2f} ms, batched {after:.2f} ms, {before / after:.1f}x")
 
 

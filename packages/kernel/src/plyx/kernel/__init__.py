@@ -6,12 +6,14 @@ Public surface:
   returns the implementation chosen for their device, dtype and sizes.
 - ``configure(KernelConfig)``, ``reset_registry()``, ``Registry`` (a private registry).
 - one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``,
-  ``cross_entropy``, ``linear_cross_entropy``, ``matmul``) and ``rope_tables``.
+  ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
+  is the callable subpackage ``plyx.kernel.attention``) and ``rope_tables``.
 - ``plyx.kernel.reference``: the pure-PyTorch definitions.
 """
 
+from plyx.kernel import attention  # the subpackage; calling it dispatches the `attention` kernel
 from plyx.kernel._default import configure, registry, reset_registry
-from plyx.kernel._dispatch import cross_entropy, linear_cross_entropy, matmul, rmsnorm, rope, swiglu
+from plyx.kernel._dispatch import cross_entropy, linear_cross_entropy, matmul, paged_attention, rmsnorm, rope, swiglu
 from plyx.kernel._errors import KernelInputError
 from plyx.kernel._registry import KernelConformanceWarning, KernelFallbackWarning, Registry, query_for
 from plyx.kernel._rope_tables import inv_frequencies, rope_tables
@@ -21,11 +23,13 @@ __all__ = [
     "KernelFallbackWarning",
     "KernelInputError",
     "Registry",
+    "attention",
     "configure",
     "cross_entropy",
     "inv_frequencies",
     "linear_cross_entropy",
     "matmul",
+    "paged_attention",
     "query_for",
     "registry",
     "reset_registry",

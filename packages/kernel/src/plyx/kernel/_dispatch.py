@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from plyx.kernel._default import registry
 
-__all__ = ["matmul", "rmsnorm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy"]
+__all__ = ["matmul", "rmsnorm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy", "paged_attention"]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -42,3 +42,13 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **options: Any) -
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, **options: Any) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits."""
     return registry().get("linear_cross_entropy", hidden, weight, targets)(hidden, weight, targets, **options)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, **options: Any) -> torch.Tensor:
+    """Attention of ``q [B, Tq, H, Dh]`` against a paged cache; options ``scale``, ``window``.
+
+    ``attention`` itself is ``plyx.kernel.attention(q, k, v, **options)`` (the subpackage is callable).
+    """
+    fn = registry().get("paged_attention", q, k_pool, v_pool)
+    return fn(q, k_pool, v_pool, block_tables, context_lens, **options)

@@ -296,7 +296,7 @@ class Registry:
             if other is not None:
                 if other != device:
                     return None  # mixed devices: query_for raises
-                grad = grad or t.requires_grad
+                grad = grad or bool(getattr(t, "requires_grad", False))
         if grad:
             grad = _grad_enabled()
         if name in self._by_shape:

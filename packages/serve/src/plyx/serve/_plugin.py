@@ -18,3 +18,11 @@ def plyx_samplers() -> list[Any]:
     from plyx.serve._pipeline import BUILTIN_COMPONENTS
 
     return [Component(name, factory, description) for name, (factory, description) in BUILTIN_COMPONENTS.items()]
+
+
+@hookimpl
+def plyx_cli_commands() -> list[Any]:
+    # importing the command does not import fastapi/uvicorn: they load when `plyx serve` runs
+    from plyx.serve.server import SERVE_COMMAND
+
+    return [SERVE_COMMAND]

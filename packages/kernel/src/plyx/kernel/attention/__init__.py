@@ -11,10 +11,17 @@ and ``paged_attention_reference``):
 ``register(registry)`` adds them to a ``KernelRegistry``; the kernel plugin
 calls it from its ``plyx_register_attention_backends`` hook. Selection query
 sizes understood by the predicates: ``head_dim``.
+
+The package itself is callable: ``plyx.kernel.attention(q, k, v, **options)``
+dispatches through the default registry like ``plyx.kernel.rmsnorm`` does (a
+function of that name could not live beside the subpackage: importing the
+subpackage rebinds the attribute ``plyx.kernel.attention`` to the module).
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
 from plyx.kernel.attention._reference import attention_reference, paged_attention_reference
@@ -49,3 +56,16 @@ def register(registry: Any) -> None:
     from plyx.kernel.attention._register import register_all
 
     register_all(registry)
+
+
+class _DispatchingPackage(types.ModuleType):
+    """``plyx.kernel.attention``: this package, and when called the ``attention`` kernel of the default registry."""
+
+    def __call__(self, q: Any, k: Any, v: Any, **options: Any) -> Any:
+        """``attention(q [B, T, H, Dh], k, v [B, S, KV, Dh], *, causal=True, ...)`` chosen for q's device, dtype and head_dim."""
+        from plyx.kernel._default import registry
+
+        return registry().get("attention", q, k, v)(q, k, v, **options)
+
+
+sys.modules[__name__].__class__ = _DispatchingPackage

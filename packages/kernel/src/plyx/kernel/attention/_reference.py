@@ -133,8 +133,17 @@ def paged_attention_reference(
 
     Returns:
         o [B, Tq, H, Dh] in q's dtype.
+
+    Batched: every sequence's blocks are gathered at once into [B, S_max, KV, Dh]
+    (``index_select`` on the pool with the flattened block table), one mask holds
+    causality among the new tokens, the lengths and the window, and one attention
+    runs with the queries of each kv head grouped as [B, KV, group*Tq, Dh], so
+    K/V are never repeated per query head. One host sync (the longest length).
     """
     B, Tq, H, KV, D, block_size = check_paged(q, k_pool, v_pool, block_tables, context_lens)
+    if window is not None and window < 1:
+        raise ValueError(f"paged_attention: `window` must be >= 1 (keys with q_pos - k_pos >= window are masked), "
+                         f"got {window}")
     lens = context_lens.to(device=q.device, dtype=torch.long)  # (B,)
     shortest, longest = torch.stack(torch.aminmax(lens)).tolist() if B else (Tq, Tq)  # one host sync
     if shortest < Tq:
@@ -169,9 +178,6 @@ def paged_attention_reference(
     k_pos = torch.arange(S, device=q.device)  # (S,)
     allowed = k_pos <= q_pos  # (B, Tq, S)
     if window is not None:
-        if window < 1:
-            raise ValueError(f"paged_attention: `window` must be >= 1 (keys with q_pos - k_pos >= window are masked), "
-                             f"got {window}")
         allowed &= (q_pos - k_pos) < window
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
     # Every row keeps at least its own key (lens >= Tq, window >= 1), so no row is all -inf. The
