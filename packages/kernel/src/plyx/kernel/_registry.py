@@ -235,7 +235,7 @@ class Registry:
             return hit
         candidates = self._decide(name, query, overrides, warn=True)
         chosen = next(c.impl for c in candidates if c.taken)
-        if hit is None:  # keep the first choice of the class; exact re-checks handle the rest
+        if hit is None and not _tracing():  # keep the first choice of the class; exact re-checks handle the rest
             with self._lock:
                 self._cache[key] = chosen
         return chosen
@@ -282,8 +282,8 @@ class Registry:
 
         Read straight off the tensors: each attribute read costs ~0.05 us, a ``KernelQuery`` ~10 us.
         """
-        if not tensors:
-            return None
+        if not tensors or _tracing():
+            return None  # under torch.compile/export sizes may be symbolic: only select() can answer
         first = tensors[0]
         device = getattr(first, "device", None)
         if device is None:
@@ -305,6 +305,10 @@ class Registry:
             sizes: Any = tuple([getattr(t, "shape", None) for t in tensors])
             if shape:
                 sizes += tuple(sorted(shape.items()))
+            try:
+                hash(sizes)
+            except TypeError:  # symbolic sizes (SymInt) do not hash
+                return None
         else:
             sizes = None  # no implementation looks at sizes: the choice cannot depend on them
         policy = (self._generation, self._scoped.get(), _env(_KEY_OVERRIDES), _env(_KEY_STRICT))
@@ -336,6 +340,10 @@ class Registry:
 
     def _conformance(self, impl: KernelImpl, query: KernelQuery) -> str | None:
         key = (impl.qualname, query.device_type, query.dtype)
+        if key not in self._verified and _tracing():
+            # the probe runs real kernels on random data and reads results on the host, which
+            # torch.compile/export cannot trace: refuse for now, probe at the first eager use
+            return "not yet checked by the conformance kit (its first use is inside torch.compile/export tracing)"
         if key not in self._verified:
             from plyx.specs.testing.kernels import KERNEL_CASES, check_kernel
 
@@ -354,8 +362,13 @@ class Registry:
     def _decide(self, name: str, query: KernelQuery, overrides: Mapping[str, tuple[str, str]], *, warn: bool,
                 explaining: bool = False) -> list[Candidate]:
         impls = self.implementations(name)
-        refusals = {i.impl: self._refusal(i, query) for i in impls}
         forced, where = overrides.get(name, (None, ""))
+        if forced is not None and not explaining and forced in self._impls[name]:
+            forced_impl = self._impls[name][forced]
+            if self._refusal(forced_impl, query) is None:
+                # the override decides: evaluating the others would only run their conformance probes
+                return [Candidate(forced_impl, True, f"forced by {where}")]
+        refusals = {i.impl: self._refusal(i, query) for i in impls}
         chosen: KernelImpl | None = None
         forced_note = ""
         if forced is not None:
@@ -409,6 +422,13 @@ def _describe(query: KernelQuery) -> str:
     if query.requires_grad:
         parts.append("with grad")
     return " ".join(parts)
+
+
+def _tracing() -> bool:
+    """True inside torch.compile / torch.export tracing."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())
 
 
 def _grad_enabled() -> bool:
