@@ -25,7 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = ROOT / ".whl-plyx"
-PEERS = ["liger-kernel"]
+# third-party wheels the GPU image lacks: plyx-specs' msgspec and importlib-metadata, and the
+# peers the benchmarks compare against
+PEERS = ["liger-kernel", "msgspec", "importlib-metadata"]
 sys.path.insert(0, str(ROOT / "tools"))
 
 
@@ -68,12 +70,19 @@ def run(out: Path, bench: bool, tests: bool, bench_args: list[str]) -> int:
     site = Path("/tmp/plyx-site")
     # a fresh target: --upgrade would leave dist-info of removed planes pointing at missing modules
     shutil.rmtree(site, ignore_errors=True)
+    # only the GPU planes and what they declare: a plane whose third-party dependencies the image lacks
+    # (governance needs cryptography) would be a plugin that fails to import
+    import workspace
+
+    matrix = tomllib.loads((ROOT / "workspace.toml").read_text())["matrix"]
+    _, members = workspace.load(ROOT)
+    wanted = {members[n].distribution.replace("-", "_") for n in workspace.closure(members, matrix.get("gpu-planes", []))}
+    wheels = [w for w in WHEELS.glob("*.whl") if not w.name.startswith("plyx") or w.name.split("-")[0] in wanted]
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--upgrade", "--target", str(site), *map(str, WHEELS.glob("*.whl"))], check=True)
+                    "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
     env = {**os.environ, "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
-    matrix = tomllib.loads((ROOT / "workspace.toml").read_text())["matrix"]
     status = 0
     if tests:
         for plane in matrix.get("gpu-planes", []):
