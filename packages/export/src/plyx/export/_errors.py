@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plyx.specs.errors import PlyxError
+from plyx.specs.errors import PlyxError, describe
 
 __all__ = ["ExportError", "ExportHookError", "ExportVerificationError"]
 
@@ -24,12 +24,7 @@ class ExportError(PlyxError, ValueError):
         self.problem = problem
         self.value = value
         self.fix = fix
-        message = f"{field}: {problem}"
-        if value is not None:
-            message += f" (got {value!r})"
-        if fix:
-            message += f"; {fix}"
-        super().__init__(message)
+        super().__init__(describe(field, problem, value=value, fix=fix))
 
 
 class ExportVerificationError(ExportError):

@@ -424,11 +424,17 @@ def _describe(query: KernelQuery) -> str:
     return " ".join(parts)
 
 
-def _tracing() -> bool:
-    """True inside torch.compile / torch.export tracing."""
-    import torch
+_is_compiling: Callable[[], bool] | None = None
 
-    return bool(torch.compiler.is_compiling())
+
+def _tracing() -> bool:
+    """True inside torch.compile / torch.export tracing (on get's hot path: the lookup is bound once)."""
+    global _is_compiling
+    if _is_compiling is None:
+        import torch
+
+        _is_compiling = torch.compiler.is_compiling
+    return bool(_is_compiling())
 
 
 def _grad_enabled() -> bool:

@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from plyx.specs.errors import describe
+
 __all__ = ["Finding", "Detector", "DetectorOptionError", "Scope"]
 
 Scope = Literal["span", "text"]
@@ -75,9 +77,4 @@ class DetectorOptionError(ValueError):
         self.problem = problem
         self.value = value
         self.fix = fix
-        message = f"option `{option}`: {problem}"
-        if value is not None:
-            message += f" (got {value!r})"
-        if fix:
-            message += f"; {fix}"
-        super().__init__(message)
+        super().__init__(describe(f"option `{option}`", problem, value=value, fix=fix))

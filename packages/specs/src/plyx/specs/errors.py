@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "describe",
     "PlyxError",
     "ConfigError",
     "TensorSpecError",
@@ -23,6 +24,16 @@ __all__ = [
 
 class PlyxError(Exception):
     """Base class of every error plyx raises on purpose."""
+
+
+def describe(subject: str, problem: str, *, value: Any = None, fix: str = "") -> str:
+    """The message every plane's errors share: ``subject: problem (got value); fix``."""
+    message = f"{subject}: {problem}"
+    if value is not None:
+        message += f" (got {value!r})"
+    if fix:
+        message += f"; {fix}"
+    return message
 
 
 class ConfigError(PlyxError, ValueError):
