@@ -71,12 +71,14 @@ def test_llama3_scaling_matches_transformers():
 
     params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    common = {"hidden_size": 4096, "num_attention_heads": 32, "max_position_embeddings": 131072}
     try:
-        config = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=131072,
-                             rope_parameters=params)
+        config = LlamaConfig(**common, rope_parameters=params)
         want, _ = rope_utils.ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    except (TypeError, KeyError) as exc:  # transformers before 5 spells the config differently
-        pytest.skip(f"this transformers has another rope config API: {exc}")
+    except (TypeError, KeyError):  # transformers before 5 spells it rope_theta + rope_scaling
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        config = LlamaConfig(**common, rope_theta=params["rope_theta"], rope_scaling=scaling)
+        want, _ = rope_utils.ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     got = inv_frequencies(128, 500000.0, RopeScaling(kind="llama3", factor=8.0))
     assert torch.equal(got, want.float())
 
