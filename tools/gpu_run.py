@@ -28,6 +28,11 @@ WHEELS = ROOT / ".whl-plyx"
 # third-party wheels the GPU image lacks: plyx-specs' msgspec and importlib-metadata, and the
 # peers the benchmarks compare against
 PEERS = ["liger-kernel", "msgspec", "importlib-metadata"]
+# what plyx-serve's server and structured output need on top (``run --planes serve``); pydantic and its
+# core travel as a matched pair, since the target directory shadows the image's copies
+SERVE_PEERS = ["xgrammar==0.2.8", "fastapi", "starlette", "uvicorn", "httpx", "httpcore", "anyio", "h11",
+               "pydantic==2.14.3", "pydantic-core==2.50.4", "typing-inspection", "annotated-types", "annotated-doc",
+               "prometheus-client", "sniffio"]
 sys.path.insert(0, str(ROOT / "tools"))
 
 
@@ -43,7 +48,7 @@ def build() -> int:
     subprocess.run([
         sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
         "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux2014_x86_64",
-        "-d", str(WHEELS), *PEERS,
+        "-d", str(WHEELS), *PEERS, *SERVE_PEERS,
     ], check=True)
     print("\n".join(sorted(p.name for p in WHEELS.glob("*.whl"))))
     return 0
@@ -59,7 +64,7 @@ def _run(cmd: list[str], log: Path, env: dict[str, str]) -> int:
     return proc.returncode
 
 
-def run(out: Path, bench: bool, tests: bool, bench_args: list[str]) -> int:
+def run(out: Path, bench: bool, tests: bool, bench_args: list[str], extra_planes: list[str] | None = None) -> int:
     import tomllib
     import torch
 
@@ -76,16 +81,23 @@ def run(out: Path, bench: bool, tests: bool, bench_args: list[str]) -> int:
 
     matrix = tomllib.loads((ROOT / "workspace.toml").read_text())["matrix"]
     _, members = workspace.load(ROOT)
-    wanted = {members[n].distribution.replace("-", "_") for n in workspace.closure(members, matrix.get("gpu-planes", []))}
-    wheels = [w for w in WHEELS.glob("*.whl") if not w.name.startswith("plyx") or w.name.split("-")[0] in wanted]
+    planes = matrix.get("gpu-planes", []) + list(extra_planes or [])
+    wanted = {members[n].distribution.replace("-", "_") for n in workspace.closure(members, planes)}
+    serve_peers = {p.split("=")[0].replace("-", "_").lower() for p in SERVE_PEERS}
+    wheels = [w for w in WHEELS.glob("*.whl")
+              if (w.name.split("-")[0] in wanted if w.name.startswith("plyx") else
+                  "serve" in planes or w.name.split("-")[0].lower() not in serve_peers)]
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
     env = {**os.environ, "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    if not (tests or bench):
+        print(f"installed into {site}: export PYTHONPATH={site}")
+        return 0
     status = 0
     if tests:
-        for plane in matrix.get("gpu-planes", []):
+        for plane in planes:
             # Triton compiles every kernel variant on first use: spread the tests over the host's cores
             status |= _run([sys.executable, "-m", "pytest", "-q", "-n", "8", "-p", "no:cacheprovider",
                             f"packages/{plane}/tests"], out / f"tests-{plane}.log", env)
@@ -104,11 +116,16 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-results")))
     parser.add_argument("--bench-only", action="store_true")
     parser.add_argument("--tests-only", action="store_true")
+    parser.add_argument("--install-only", action="store_true", help="install into /tmp/plyx-site and stop")
+    parser.add_argument("--planes", default="", help="comma list of planes to install and test beside gpu-planes")
     parser.add_argument("bench_args", nargs="*", help="passed to every benchmark")
     args = parser.parse_args()
     if args.action == "build":
         return build()
-    return run(args.out, bench=not args.tests_only, tests=not args.bench_only, bench_args=args.bench_args)
+    extra = [p for p in args.planes.split(",") if p]
+    return run(args.out, bench=not (args.tests_only or args.install_only),
+               tests=not (args.bench_only or args.install_only), bench_args=args.bench_args,
+               extra_planes=extra)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,12 @@ CONFIGS = {
     # ~110M parameters: GPT-2-small width with a Llama block
     "100m": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10,
                  num_attention_heads=12, num_key_value_heads=4),
-    # ~1.2B parameters: Llama 3.2 1B's shape (GQA 32/8, SwiGLU 8192, 128k vocabulary)
+    # ~1.5B parameters: Llama 3.2 1B's shape (GQA 32/8, SwiGLU 8192, 128k vocabulary), head untied
     "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8),
+    # 1.10B parameters: TinyLlama 1.1B's shape, the model of the shared GPU anchors (hf_generate)
+    "1.1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4),
 }
 
 
@@ -50,13 +53,15 @@ def build(name: str, dtype: torch.dtype, device: str):
 
 
 def time_plyx(model, prompts, new_tokens: int, cache: str) -> tuple[float, list[list[int]]]:
+    """``cache`` is a kind, or ``kind:eager`` for CUDA graphs off (on by default on a GPU)."""
     from plyx.serve import SamplingParams, generate
 
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     device = next(model.parameters()).device
+    kind, _, mode = cache.partition(":")
     _sync(device)
     start = time.perf_counter()
-    out = generate(model, prompts, params, cache=cache)
+    out = generate(model, prompts, params, cache=kind, cuda_graphs=False if mode == "eager" else None)
     _sync(device)
     elapsed = time.perf_counter() - start
     return elapsed, [list(o.outputs[0].token_ids) for o in out]
@@ -86,7 +91,8 @@ def main() -> None:
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--caches", default="contiguous,paged")
+    ap.add_argument("--caches", default="contiguous,paged",
+                    help="plyx cache kinds; append :eager to turn CUDA graphs off (e.g. paged,paged:eager)")
     ap.add_argument("--hf-caches", default="dynamic", help="transformers cache implementations: dynamic,static")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cpu")
@@ -104,6 +110,10 @@ def main() -> None:
     for name in args.configs.split(","):
         hf, ours = build(name, dtype, args.device)
         n_params = sum(p.numel() for p in ours.parameters())
+        roofline = _roofline(ours) if args.device.startswith("cuda") else None
+        if roofline:
+            print(f"{name}: weights {roofline[0] / 1e9:.2f} GB, copy {roofline[1] / 1e9:.0f} GB/s: batch-1 decode "
+                  f"roofline {roofline[1] / roofline[0]:.0f} tok/s", flush=True)
         for b in (int(x) for x in args.batch.split(",")):
             g = torch.Generator().manual_seed(b)
             prompts = torch.randint(3, CONFIGS[name]["vocab_size"], (b, args.prompt_len), generator=g).tolist()
@@ -134,6 +144,8 @@ def main() -> None:
                     "cache": cache, "plyx_tok_s": b * args.new_tokens / s, "hf_tok_s": b * args.new_tokens / hf_s,
                     "hf_cache": hf_caches[0], "ratio": hf_s / s, "same_tokens": same,
                 }
+                if roofline:
+                    row["roofline_tok_s"] = b * roofline[1] / roofline[0]
                 for hc in hf_caches[1:]:
                     row[f"hf_{hc}_tok_s"] = b * args.new_tokens / best[f"hf:{hc}"]
                     row[f"ratio_vs_{hc}"] = best[f"hf:{hc}"] / s
@@ -145,6 +157,25 @@ def main() -> None:
                       + "".join(f"  | vs {hc} cache: {row[f'hf_{hc}_tok_s']:.1f} tok/s, {row[f'ratio_vs_{hc}']:.2f}x"
                                 for hc in hf_caches[1:]), flush=True)
         del hf, ours
+
+
+def _roofline(model) -> tuple[int, float]:
+    """(weight bytes, measured device copy bandwidth in B/s counting read + write): one decode step must
+    read every weight once, so bytes / bandwidth bounds batch-1 decode from below."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    bandwidth = 2 * 10 * src.numel() / (start.elapsed_time(end) / 1e3)
+    del src, dst
+    return weights, bandwidth
 
 
 def _append(args: argparse.Namespace, row: dict) -> None:

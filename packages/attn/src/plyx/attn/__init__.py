@@ -6,6 +6,7 @@ by name from the plyx kernel registry; no implementation is imported here.
 
 from plyx.attn._attention import Attention
 from plyx.attn._contiguous import ContiguousKVCache
+from plyx.attn._decode import StaticDecode, supports_static_decode
 from plyx.attn._factory import cache_kinds, cache_layout, make_cache
 from plyx.attn._norm import RMSNorm
 from plyx.attn._paged import PagedKVCache
@@ -18,8 +19,10 @@ __all__ = [
     "KVStep",
     "PagedKVCache",
     "RMSNorm",
+    "StaticDecode",
     "begin_step",
     "cache_kinds",
     "cache_layout",
     "make_cache",
+    "supports_static_decode",
 ]

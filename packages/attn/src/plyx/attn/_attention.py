@@ -118,7 +118,7 @@ class Attention(nn.Module):
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: KVStep) -> torch.Tensor:
         step.store(self.layer_idx, k, v)
         if step.paged is not None:
-            k_pool, v_pool = step.cache.kv_pool(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
+            k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
             tables, lens = step.paged
             q = q.to(k_pool.dtype)
             fn = kernel("paged_attention", q, k_pool, v_pool, head_dim=self.head_dim)

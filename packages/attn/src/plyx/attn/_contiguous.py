@@ -54,7 +54,11 @@ class ContiguousKVCache:
         self._rows: dict[int, int] = {}  # seq id -> row
         self._lens: dict[int, int] = {}
         self._free_rows = list(range(max_batch - 1, -1, -1))
-        self._pending: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = None
+        # the last reserve: its ids and flat slot ids (host ints until the first append needs a tensor)
+        self._pending: tuple[tuple[int, ...], list[int] | torch.Tensor] | None = None
+        # static decode steps address the slab as blocks: the largest power of two <= 16 dividing max_seq_len
+        S = layout.max_seq_len
+        self._block = min(16, S & -S)
 
     # -- the KVCache contract --------------------------------------------------------
     @property
@@ -84,26 +88,26 @@ class ContiguousKVCache:
                     f"sequence {sid} would hold {self._lens[sid] + n} tokens, more than max_seq_len="
                     f"{self._layout.max_seq_len}; crop it or build the cache with a larger max_seq_len"
                 )
-        rows: list[int] = []  # host ints, one tensor each at the end
-        cols: list[int] = []
+        S = self._layout.max_seq_len
+        slots: list[int] = []  # slot ids in the [max_batch * max_seq_len] view; host ints, one tensor at the end
         for sid, n in zip(ids, counts):
             start = self._lens[sid]
-            rows.extend([self._rows[sid]] * n)
-            cols.extend(range(start, start + n))
+            base = self._rows[sid] * S
+            slots.extend(range(base + start, base + start + n))
             self._lens[sid] = start + n
-        device = self._layout.device
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long).to(device)  # noqa: E731
-        self._pending = (tuple(ids), as_tensor(rows), as_tensor(cols))
+        self._pending = (tuple(ids), slots)
 
     def append(self, layer: int, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         if self._pending is None:
             raise RuntimeError("append() without a matching reserve(); call reserve(seq_ids, num_tokens) first")
-        ids, rows, cols = self._pending
+        ids, flat = self._pending
         if tuple(seq_ids) != ids:
             raise ValueError(f"append() got seq_ids {list(seq_ids)}, but the last reserve() was for {list(ids)}")
+        if isinstance(flat, list):
+            flat = torch.tensor(flat, dtype=torch.long).to(self._layout.device)
+            self._pending = (ids, flat)
         self._check_layer(layer)
-        check_kv(self._layout, k, v, rows.numel())
-        flat = rows * self._layout.max_seq_len + cols  # slot ids in the [max_batch * max_seq_len] view
+        check_kv(self._layout, k, v, flat.numel())
         kv = (self._layout.num_kv_heads, self._layout.head_dim)
         self._k[layer].view(-1, *kv).index_copy_(0, flat, k.to(self._k[layer].dtype))
         self._v[layer].view(-1, *kv).index_copy_(0, flat, v.to(self._v[layer].dtype))
@@ -149,6 +153,25 @@ class ContiguousKVCache:
 
     def kv_pool(self, layer: int) -> None:
         return None
+
+    # -- block addressing (static decode steps, see plyx.attn.StaticDecode) ------------
+    @property
+    def block_size(self) -> int:
+        """Tokens per block when the slab is addressed as blocks (a power of two dividing max_seq_len)."""
+        return self._block
+
+    def kv_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s slab viewed as ``[max_batch * max_seq_len / block_size, block_size, KV, Dh]`` (no copy):
+        row ``r`` is blocks ``r * max_seq_len / block_size`` onwards, so ``paged_attention`` reads it."""
+        self._check_layer(layer)
+        shape = (-1, self._block, self._layout.num_kv_heads, self._layout.head_dim)
+        return self._k[layer].view(shape), self._v[layer].view(shape)
+
+    def seq_blocks(self, seq_id: int) -> Sequence[int]:
+        """The block ids holding ``seq_id``'s tokens, in order (consecutive: a sequence is one row)."""
+        per_row = self._layout.max_seq_len // self._block
+        first = self._row(seq_id) * per_row
+        return range(first, first + -(-self._lens[seq_id] // self._block))
 
     def usage(self) -> CacheUsage:
         slots = self.max_batch * self._layout.max_seq_len

@@ -75,7 +75,9 @@ class PagedKVCache:
         # a stack popped from the end: lowest ids are handed out first (deterministic)
         self._free = list(range(layout.num_blocks - 1, -1, -1))
         self._seqs: dict[int, _Seq] = {}
-        self._pending: tuple[tuple[int, ...], torch.Tensor] | None = None
+        # the last reserve: its ids and flat slots (host ints until the first append needs a tensor,
+        # so a caller that writes slots itself -- a captured decode step -- pays no host-to-device copy)
+        self._pending: tuple[tuple[int, ...], list[int] | torch.Tensor] | None = None
         self._appended: set[int] = set()
 
     # -- the KVCache contract --------------------------------------------------------
@@ -114,8 +116,7 @@ class PagedKVCache:
             # flat slot ids in the [num_blocks * block_size] view of a pool
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(seq.length, seq.length + n))
             seq.length += n
-        flat = torch.tensor(slots, dtype=torch.long)
-        self._pending = (tuple(ids), flat.to(self._layout.device))
+        self._pending = (tuple(ids), slots)
         self._appended = set()
 
     def append(self, layer: int, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
@@ -222,6 +223,22 @@ class PagedKVCache:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    # -- block addressing (static decode steps, see plyx.attn.StaticDecode) ------------
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        bs = self._layout.block_size
+        assert bs is not None
+        return bs
+
+    def kv_blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s pools as ``[num_blocks, block_size, KV, Dh]`` (the pools themselves)."""
+        return self.kv_pool(layer)
+
+    def seq_blocks(self, seq_id: int) -> Sequence[int]:
+        """The block ids holding ``seq_id``, in token order (the live list: read it, do not change it)."""
+        return self._get(seq_id).blocks
+
     # -- internals -------------------------------------------------------------------
     def _plan(self, ids: list[int], counts: list[int]) -> tuple[list[tuple[_Seq, bool, int]], int]:
         """Per sequence: (state, copy its shared last block?, blocks to add); and the total blocks needed.
@@ -284,6 +301,9 @@ class PagedKVCache:
         ids, slots = self._pending
         if tuple(seq_ids) != ids:
             raise ValueError(f"append() got seq_ids {list(seq_ids)}, but the last reserve() was for {list(ids)}")
+        if isinstance(slots, list):
+            slots = torch.tensor(slots, dtype=torch.long).to(self._layout.device)
+            self._pending = (ids, slots)
         return slots
 
     def __repr__(self) -> str:

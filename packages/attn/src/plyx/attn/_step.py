@@ -44,6 +44,9 @@ class KVStep:
         lengths_after: host list of lengths after the step.
         paged: ``(block_tables, context_lens)`` when the paged kernel is used, else None.
         key_mask: bool ``[B, 1, 1, S]`` marking real keys of the gathered path (None when no row is padded).
+        slots: long ``[B]`` for a static decode step (``plyx.attn.StaticDecode``): the flat slot of each
+            row's one new token in the cache's ``kv_blocks`` view, written directly (no ``append``, no
+            host work), so the step can be captured in a CUDA graph. None: ``append`` as usual.
     """
 
     cache: KVCache
@@ -53,11 +56,23 @@ class KVStep:
     lengths_after: tuple[int, ...]
     paged: tuple[torch.Tensor, torch.Tensor] | None
     key_mask: torch.Tensor | None
+    slots: torch.Tensor | None = None
+
+    def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s keys and values as ``[num_blocks, block_size, KV, Dh]``, the layout ``paged_attention`` reads."""
+        if self.slots is not None:
+            return self.cache.kv_blocks(layer)  # type: ignore[attr-defined]
+        return self.cache.kv_pool(layer)  # type: ignore[return-value]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append the real tokens of ``k``, ``v`` (``[B, T, KV, Dh]``) to ``layer``."""
         kv = k.shape[2:]
         k_flat, v_flat = k.reshape(-1, *kv), v.reshape(-1, *kv)  # (B*T, KV, Dh)
+        if self.slots is not None:
+            k_pool, v_pool = self.pools(layer)
+            k_pool.view(-1, *kv).index_copy_(0, self.slots, k_flat.to(k_pool.dtype))
+            v_pool.view(-1, *kv).index_copy_(0, self.slots, v_flat.to(v_pool.dtype))
+            return
         if self.token_index is not None:
             k_flat, v_flat = k_flat.index_select(0, self.token_index), v_flat.index_select(0, self.token_index)
         self.cache.append(layer, self.seq_ids, k_flat, v_flat)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from plyx.attn import Attention, RMSNorm, begin_step
+from plyx.attn import Attention, KVStep, RMSNorm, begin_step
 from plyx.specs.config.model import ModelConfig
 from plyx.specs.kvcache import KVCache
 from torch import nn
@@ -175,6 +175,7 @@ class TransformerLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         seq_ids: Sequence[int] | None = None,
+        kv_step: KVStep | None = None,
         return_hidden: bool = False,
     ) -> torch.Tensor:
         """Logits ``[B, T, V]`` (float32), or the final-norm hidden states ``[B, T, D]``.
@@ -190,10 +191,16 @@ class TransformerLM(nn.Module):
                 tokens (``cache.reserve(seq_ids, counts)``), appends every layer's keys and
                 values, and attends over everything cached. Unknown ``seq_ids`` are allocated.
             seq_ids: cache sequence id of each row (default ``0..B-1``).
+            kv_step: a prepared cache step instead of ``cache`` (``plyx.attn.StaticDecode.inputs``):
+                the forward then does no host work, so it can be captured in a CUDA graph;
+                ``position_ids`` are required.
             return_hidden: return the final-norm hidden states instead of logits
                 (the trainer feeds them to ``linear_cross_entropy`` with ``lm_head_weight``).
         """
-        h, cos, sin, attn = self._prologue(input_ids, position_ids, document_ids, attention_mask, cache, seq_ids)
+        if kv_step is not None:
+            h, cos, sin, attn = self._static_prologue(input_ids, position_ids, kv_step)
+        else:
+            h, cos, sin, attn = self._prologue(input_ids, position_ids, document_ids, attention_mask, cache, seq_ids)
         for layer in self.layers:
             h = layer(h, cos, sin, **attn)
         return self._epilogue(h, return_hidden)
@@ -244,6 +251,18 @@ class TransformerLM(nn.Module):
         c = self.config
         cos, sin = rope_tables(position_ids, self.rotary_dim, c.rope_theta, c.rope_scaling, dtype=h.dtype)
         return h, cos, sin, attn
+
+    def _static_prologue(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, step: KVStep
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """``_prologue`` of a prepared step: device tensors in, no checks that read them on the host."""
+        if position_ids is None:
+            raise ValueError("kv_step needs position_ids (the step's, from StaticDecode.inputs)")
+        h = self.embed_tokens(input_ids)  # (B, T, D)
+        from plyx.kernel import rope_tables
+
+        c = self.config
+        cos, sin = rope_tables(position_ids, self.rotary_dim, c.rope_theta, c.rope_scaling, dtype=h.dtype)
+        return h, cos, sin, {"step": step}
 
     def _epilogue(self, h: torch.Tensor, return_hidden: bool) -> torch.Tensor:
         h = self.norm(h)  # (B, T, D)

@@ -187,6 +187,7 @@ def stream_generate(
     num_speculative_tokens: int = 4,
     draft_cache: str | KVCache = "contiguous",
     generator: torch.Generator | None = None,
+    cuda_graphs: bool | None = None,
 ) -> GenerationStream:
     """Decode ``prompts`` and yield each completion's new tokens as they are produced.
 
@@ -204,7 +205,7 @@ def stream_generate(
         spec = SpeculativeDecoder(plan, model, draft_model, num_speculative_tokens=num_speculative_tokens,
                                   cache=cache if use_cache else None, draft_cache=draft_cache if use_cache else None)
         return GenerationStream(plan, spec.rows, spec.run(generator))
-    rows, events = _decode(plan, model, cache if use_cache else None, generator)
+    rows, events = _decode(plan, model, cache if use_cache else None, generator, cuda_graphs)
     return GenerationStream(plan, rows, events)
 
 
@@ -231,11 +232,11 @@ class GenerationStream:
         return _outputs(self._plan, self._rows)
 
 
-def _decode(plan: _Plan, model: Any, cache: str | KVCache | None,
-            generator: torch.Generator | None) -> tuple[list[Completion], Iterator[StreamEvent]]:
+def _decode(plan: _Plan, model: Any, cache: str | KVCache | None, generator: torch.Generator | None,
+            cuda_graphs: bool | None = None) -> tuple[list[Completion], Iterator[StreamEvent]]:
     device = model_device(model)
     total_rows = sum(p.n for p in plan.params)
-    runner = Runner(model, cache, num_sequences=total_rows, max_seq_len=plan.longest())
+    runner = Runner(model, cache, num_sequences=total_rows, max_seq_len=plan.longest(), cuda_graphs=cuda_graphs)
     rows: list[Completion] = []
     for r, (ids, p) in enumerate(zip(plan.prompt_ids, plan.params)):
         for j in range(p.n):
@@ -320,6 +321,7 @@ def generate(
     num_speculative_tokens: int = 4,
     draft_cache: str | KVCache = "contiguous",
     generator: torch.Generator | None = None,
+    cuda_graphs: bool | None = None,
 ) -> list[RequestOutput]:
     """Generate completions for a batch of prompts. The serve ABI: stable across minor versions.
 
@@ -339,6 +341,9 @@ def generate(
         num_speculative_tokens: draft tokens proposed per verification step (k).
         draft_cache: the draft model's KV-cache kind or instance.
         generator: random source of requests without a seed (default: torch's global RNG).
+        cuda_graphs: replay the one-token decode step as CUDA graphs (``DecodeGraphs``). None (the
+            default): on when the model is on a GPU and the cache is block-addressable (contiguous,
+            paged); True insists (an error names why it cannot); False runs every step eagerly.
 
     Returns:
         One ``RequestOutput`` per prompt, in order, each with ``n`` ``CompletionOutput``.
@@ -355,7 +360,7 @@ def generate(
     stream = stream_generate(
         model, prompts, params, tokenizer=tokenizer, eos_token_id=eos_token_id, cache=cache, use_cache=use_cache,
         draft_model=draft_model, num_speculative_tokens=num_speculative_tokens, draft_cache=draft_cache,
-        generator=generator,
+        generator=generator, cuda_graphs=cuda_graphs,
     )
     for _ in stream:
         pass

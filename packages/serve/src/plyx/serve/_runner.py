@@ -9,6 +9,7 @@ decode together with no padding in the cache.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,7 +56,7 @@ class Runner:
     """
 
     def __init__(self, model: Any, cache: str | KVCache | None, *, num_sequences: int, max_seq_len: int,
-                 where: str = "cache") -> None:
+                 where: str = "cache", cuda_graphs: bool | None = False) -> None:
         self.model = model
         self.device = model_device(model)
         self.owned = isinstance(cache, str)
@@ -68,16 +69,39 @@ class Runner:
                     where, f"KV-cache kind {cache!r} not found. It is either misspelled or not installed",
                     value=cache, fix=f"use one of {', '.join(sorted(kinds)) or '(none installed)'} or use_cache=False",
                 )
+            if cuda_graphs is not False:  # whole 16-token blocks: the graphed step reads the cache by block
+                max_seq_len = -(-max_seq_len // 16) * 16
             cache = make_cache(cache, model.config, batch_size=num_sequences, max_seq_len=max_seq_len,
                                device=self.device, dtype=model_dtype(model))
         elif cache is not None and not isinstance(cache, KVCache):
             raise ConfigError(where, "cache must be a KV-cache kind name or an object satisfying plyx.specs.KVCache",
                               value=type(cache).__name__, fix='pass cache="contiguous", cache="paged" or a KVCache')
         self.cache: KVCache | None = cache
+        self.graphs = self._decode_graphs(cuda_graphs, num_sequences)
         self._next_id = 1 + max(cache.sequences(), default=-1) if cache is not None else 0
         self._ids: set[int] = set()
         # without a cache: the full token list of each live sequence, recomputed every step
         self._tokens: dict[int, list[int]] = {}
+
+    def _decode_graphs(self, wanted: bool | None, num_sequences: int) -> Any:
+        """The ``DecodeGraphs`` of ``step`` when CUDA graphs are wanted (None: where possible), else None."""
+        if wanted is False:
+            return None
+        from plyx.attn import supports_static_decode
+
+        takes_step = "kv_step" in inspect.signature(self.model.forward).parameters
+        why = ("use_cache=False (no cache)" if self.cache is None else
+               f"the model is on {self.device}, not a CUDA device" if self.device.type != "cuda" else
+               f"{type(self.cache).__name__} is not block-addressable" if not supports_static_decode(self.cache)
+               else f"{type(self.model).__name__}.forward takes no kv_step" if not takes_step else None)
+        if why is not None:
+            if wanted:
+                raise ConfigError("cuda_graphs", f"CUDA graphs cannot run here: {why}", value=True,
+                                  fix="pass cuda_graphs=None (use them where possible) or False")
+            return None
+        from plyx.serve._graphs import DecodeGraphs
+
+        return DecodeGraphs(self.model, self.cache, max_batch=max(1, num_sequences))
 
     # -- sequence ids ----------------------------------------------------------------
     def new_id(self) -> int:
@@ -155,4 +179,6 @@ class Runner:
         """One token per sequence (``tokens`` [B] on device, no host copy); returns ``[B, V]``."""
         if self.cache is None:
             return self.extend(seq_ids, [[t] for t in tokens.tolist()])
+        if self.graphs is not None and self.graphs.bucket(len(seq_ids)) is not None:
+            return self.graphs.step(seq_ids, tokens)  # a view of the graph's output: read before the next step
         return self.model(tokens[:, None], cache=self.cache, seq_ids=list(seq_ids))[:, -1]

@@ -91,6 +91,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.accepting = True
         self.error: BaseException | None = None
+        self.step_seconds = 0.0  # wall time the thread spent in Engine.step (its mean is the step time TPOT pays)
 
     def start(self) -> AsyncEngine:
         if self._thread is None:
@@ -224,7 +225,9 @@ class AsyncEngine:
                 continue
             steps = self.engine.stats.steps
             try:
+                t0 = time.perf_counter()
                 outputs = self.engine.step()
+                self.step_seconds += time.perf_counter() - t0
                 if self.engine.stats.steps == steps:  # nothing could be scheduled: wait for news, do not spin
                     with contextlib.suppress(queue.Empty):
                         self._handle(self._inbox.get(timeout=0.005))

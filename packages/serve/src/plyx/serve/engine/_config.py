@@ -35,6 +35,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     Worth it where a forward's fixed cost dominates (GPU: kernel launches and Python); on CPU the padded
     decode rows cost compute, so 0 (off) keeps separate forwards."""
 
+    cuda_graphs: bool = True
+    """On a CUDA device, replay decode steps as CUDA graphs (one per batch-size bucket, captured on first
+    use); prefill chunks then run in their own forward (``mixed_chunk`` is ignored). No effect on CPU."""
+
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "block_size", "max_queue"):
             value = getattr(self, name)

@@ -150,6 +150,21 @@ class Engine:
         self._priority: dict[int, tuple[int, int]] = {}  # seq_id -> (request order, index)
         self._grammar_cache: dict[str, Any] = {}
         self._lm_head = getattr(model, "lm_head_weight", None) is not None
+        self.graphs = self._decode_graphs()
+        # decode steps replayed as graphs must hold decodes alone: prefill chunks get their own forward
+        self._mixed = 0 if self.graphs is not None else c.mixed_chunk
+
+    def _decode_graphs(self) -> Any:
+        """CUDA-graph decode steps (``DecodeGraphs``) when the config asks and the model and device allow."""
+        import inspect
+
+        if not self.config.cuda_graphs or self.device.type != "cuda":
+            return None
+        if "kv_step" not in inspect.signature(self.model.forward).parameters:
+            return None  # a model without the static-step entry point runs eagerly
+        from plyx.serve._graphs import DecodeGraphs
+
+        return DecodeGraphs(self.model, self.cache, max_batch=self.config.max_batch_size)
 
     # -- requests --------------------------------------------------------------------------
     def compile_grammar(self, params: SamplingParams) -> Any:
@@ -275,8 +290,7 @@ class Engine:
             rows.extend(self._forward(group, finishing))
         outputs: list[EngineOutput] = []
         if finishing:
-            seqs, hidden = self._with_followers(finishing, rows)
-            logits = self._logits(hidden)  # [R, V]
+            seqs, logits = self._with_followers(finishing, rows)  # [R, V]
             tokens, logprobs = sample_rows(seqs, logits, self.generator)
             for seq, tok, lp in zip(seqs, tokens, logprobs):
                 outputs.extend(self._accept(seq, tok, lp))
@@ -288,7 +302,7 @@ class Engine:
         from plyx.attn import PAGED_MAX_QUERY
 
         groups: dict[Any, list[tuple[Sequence, int]]] = {}
-        mixed = self.config.mixed_chunk
+        mixed = self._mixed
         width = max((n for _, n in planned if n <= mixed), default=0)
         for seq, n in planned:
             if n <= mixed and seq.num_computed + n >= width:
@@ -300,8 +314,13 @@ class Engine:
         return groups.values()
 
     def _forward(self, group: list[tuple[Sequence, int]], finishing: list[Sequence]) -> list[torch.Tensor]:
-        """Feed each row its next ``n`` tokens; the last hidden state (or logits) of rows that reached their end."""
+        """Feed each row its next ``n`` tokens; the last position's logits ``[V]`` of rows that reached their end."""
         width = max(n for _, n in group)
+        seq_ids = [s.seq_id for s, _ in group]
+        if width == 1 and self.graphs is not None and self.graphs.bucket(len(group)) is not None:
+            tokens = torch.tensor([s.tokens[s.num_computed] for s, _ in group], dtype=torch.long)
+            logits = self.graphs.step(seq_ids, tokens)  # [B, V], the graph's buffer: copied by the stack below
+            return [logits[i] for i in self._advance(group, finishing)]
         mask = None
         if any(n != width for _, n in group):  # a mixed group: left padding, the last column is real in every row
             rows_ids = [[0] * (width - n) + s.tokens[s.num_computed:s.num_computed + n] for s, n in group]
@@ -309,13 +328,20 @@ class Engine:
         else:
             rows_ids = [s.tokens[s.num_computed:s.num_computed + n] for s, n in group]
         ids = torch.tensor(rows_ids, dtype=torch.long, device=self.device)  # [B, T]
-        seq_ids = [s.seq_id for s, _ in group]
         kw: dict[str, Any] = {"cache": self.cache, "seq_ids": seq_ids, "attention_mask": mask}
         if self._lm_head:
             out = self.model(ids, return_hidden=True, **kw)  # [B, T, D]
         else:
             out = self.model(ids, **kw)  # [B, T, V]
-        rows = []
+        done = self._advance(group, finishing)
+        if not done:
+            return []
+        logits = self._logits(out[done, -1])  # [R, V]: the LM head only on rows that sample
+        return list(logits.unbind(0))
+
+    def _advance(self, group: list[tuple[Sequence, int]], finishing: list[Sequence]) -> list[int]:
+        """Count the group's tokens as computed; the rows that reached their end (they sample), in order."""
+        done = []
         for i, (seq, n) in enumerate(group):
             first = seq.num_computed
             seq.num_computed += n
@@ -324,8 +350,8 @@ class Engine:
             self._register_prefix(seq)
             if seq.pending == 0:
                 finishing.append(seq)
-                rows.append(out[i, -1])
-        return rows
+                done.append(i)
+        return done
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self._lm_head:
@@ -428,7 +454,7 @@ class Engine:
                 preempted = True
             return True
 
-        mixed = self.config.mixed_chunk
+        mixed = self._mixed
 
         def chunk(seq: Sequence) -> int:
             n = min(seq.pending, budget)

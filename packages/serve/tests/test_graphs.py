@@ -1,0 +1,183 @@
+"""The graphed decode step (``DecodeGraphs``): its static inputs give what the ordinary forward gives.
+
+On CPU the static step runs eagerly (``capture=False``): the same buffers, padding rows, slot writes and
+block-table reads that a captured graph replays. The CUDA tests capture and replay for real.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plyx.attn import StaticDecode, make_cache
+from plyx.serve import SamplingParams, generate
+from plyx.serve._graphs import DecodeGraphs, default_buckets
+from plyx.specs.errors import ConfigError
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _prefill(model, cache, prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    seq_ids = list(range(10, 10 + len(prompts)))
+    logits = model(ids, attention_mask=mask, cache=cache, seq_ids=seq_ids)[:, -1]
+    return seq_ids, logits.argmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("buckets", [None, [2, 5]])
+def test_static_step_matches_the_ordinary_forward(make_model, kind, buckets):
+    """Logits and cache contents of five decode steps, rows of different lengths, batch padded to a bucket."""
+    model = make_model(vocab=96, seed=3)
+    g = torch.Generator().manual_seed(int(kind == "paged"))
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    caches = [make_cache(kind, model.config, batch_size=4, max_seq_len=48, dtype=torch.float32) for _ in range(2)]
+    with torch.inference_mode():
+        seq_ids, tokens = _prefill(model, caches[0], prompts)
+        _prefill(model, caches[1], prompts)
+        graphs = DecodeGraphs(model, caches[1], max_batch=5 if buckets else 3, capture=False, buckets=buckets)
+        for _ in range(5):
+            want = model(tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1]
+            got = graphs.step(seq_ids, tokens)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            tokens = want.argmax(-1)
+    for layer in range(model.config.n_layers):
+        for sid in seq_ids:
+            a, b = caches[0].read(layer, sid), caches[1].read(layer, sid)
+            torch.testing.assert_close(b[0], a[0])
+            torch.testing.assert_close(b[1], a[1])
+            assert caches[1].length(sid) == caches[0].length(sid) == a[0].shape[0]
+
+
+def test_padding_rows_repeat_row_zero(make_model):
+    model = make_model(vocab=64)
+    cache = make_cache("paged", model.config, batch_size=4, max_seq_len=32, dtype=torch.float32)
+    decode = StaticDecode(cache, max_batch=4)
+    for sid, n in ((0, 3), (1, 20)):
+        cache.allocate(sid)
+        cache.reserve([sid], [n])
+    decode.prepare([1, 0], torch.tensor([7, 8]), bucket=4)
+    assert decode.row_map.tolist() == [0, 1, 0, 0]
+    assert decode.positions.tolist() == [20, 3, 20, 20]
+    assert decode.lens.tolist() == [21, 4, 21, 21]
+    bs = cache.block_size
+    blocks = list(cache.seq_blocks(1))
+    assert decode.slots[0].item() == blocks[20 // bs] * bs + 20 % bs
+    assert decode.slots[2].item() == decode.slots[3].item() == decode.slots[0].item()
+    assert decode.tables[3, :len(blocks)].tolist() == blocks
+    ids, positions, step = decode.inputs(4)
+    assert ids[:, 0].tolist() == [7, 8, 7, 7]
+    assert positions[:, 0].tolist() == [20, 3, 20, 20]
+
+
+def test_contiguous_cache_seen_as_blocks(make_model):
+    """The contiguous slab addressed by block: slot ids land where ``read`` finds them."""
+    model = make_model(vocab=64)
+    cache = make_cache("contiguous", model.config, batch_size=3, max_seq_len=40, dtype=torch.float32)
+    assert cache.block_size == 8  # the largest power of two <= 16 dividing 40
+    cache.allocate(5)
+    cache.allocate(6)
+    cache.reserve([6], [11])
+    k_blocks, _ = cache.kv_blocks(0)
+    assert k_blocks.shape[:2] == (3 * 40 // 8, 8)
+    assert list(cache.seq_blocks(6)) == [5, 6]  # row 1 starts at block 40 // 8 = 5; 11 tokens: 2 blocks
+    assert k_blocks.data_ptr() == cache._k[0].data_ptr()  # a view, not a copy
+
+
+def test_buckets():
+    assert default_buckets(1) == [1]
+    assert default_buckets(6) == [1, 2, 4, 6]
+    assert default_buckets(128) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128]
+    assert default_buckets(100)[-2:] == [96, 100]
+
+
+def test_unsupported_cache_is_named(make_model):
+    model = make_model(vocab=64)
+
+    class Opaque:
+        layout = make_cache("paged", model.config, batch_size=1, max_seq_len=16).layout
+
+    with pytest.raises(TypeError, match="lacks block_size, kv_blocks, seq_blocks"):
+        StaticDecode(Opaque(), max_batch=1)
+
+
+def test_cuda_graphs_true_on_cpu_is_a_clear_error(make_model):
+    model = make_model(vocab=64)
+    with pytest.raises(ConfigError, match="not a CUDA device"):
+        generate(model, [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=2), cuda_graphs=True)
+
+
+def test_generate_with_a_graph_step_equals_without(make_model):
+    """generate's Runner with the (eager) static step gives the same greedy tokens as the ordinary step."""
+    from plyx.serve import _runner
+
+    model = make_model(vocab=96, seed=5)
+    prompts = [[3, 4, 5, 6], [9, 8], [1, 2, 3, 4, 5, 6, 7]]
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    want = [o.outputs[0].token_ids for o in generate(model, prompts, params, cache="paged")]
+
+    made = []
+    original = _runner.Runner._decode_graphs
+
+    def eager_graphs(self, wanted, num_sequences):
+        made.append(DecodeGraphs(self.model, self.cache, max_batch=num_sequences, capture=False))
+        return made[-1]
+
+    _runner.Runner._decode_graphs = eager_graphs
+    try:
+        for kind in ("paged", "contiguous"):
+            got = [o.outputs[0].token_ids for o in generate(model, prompts, params, cache=kind)]
+            assert got == want, kind
+    finally:
+        _runner.Runner._decode_graphs = original
+    assert len(made) == 2
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_captured_graphs_replay_the_eager_steps(make_model, kind):
+    model = make_model(vocab=128, seed=7).cuda()
+    prompts = [[5, 6, 7], list(range(1, 30)), [9, 10, 11, 12, 13]]
+    params = SamplingParams(temperature=0, max_new_tokens=20)
+    eager = generate(model, prompts, params, cache=kind, cuda_graphs=False)
+    graphed = generate(model, prompts, params, cache=kind, cuda_graphs=True)
+    assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
+
+
+@cuda
+def test_graphs_are_captured_once_per_bucket(make_model):
+    model = make_model(vocab=128, seed=8).cuda()
+    cache = make_cache("paged", model.config, batch_size=4, max_seq_len=64)
+    with torch.inference_mode():
+        seq_ids, tokens = _prefill(model, cache, [[1, 2, 3], [4, 5], [6]])
+        graphs = DecodeGraphs(model, cache, max_batch=4)
+        for _ in range(4):
+            tokens = graphs.step(seq_ids, tokens).argmax(-1)
+    assert graphs.captured == [4] and graphs.replays == 3
+
+
+def _engine_outputs(model, graphs: bool, prompts, params):
+    from plyx.serve.engine import Engine, EngineConfig
+
+    engine = Engine(model, config=EngineConfig(max_batch_size=4, max_batch_tokens=64, num_blocks=40,
+                                               max_model_len=64))
+    if graphs:  # the CPU stand-in for what CUDA gets: the static step, run eagerly
+        engine.graphs = DecodeGraphs(engine.model, engine.cache, max_batch=4, capture=False)
+        engine._mixed = 0
+    outs = engine.generate(prompts, params)
+    return [c.token_ids for o in outs for c in o.outputs], engine
+
+
+def test_engine_with_static_decode_steps_equals_without(make_model):
+    """Continuous batching (admissions mid-run, prefix sharing, n=2 forks) through the static step."""
+    model = make_model(vocab=96, seed=11)
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(1, 96, (20,), generator=g).tolist()
+    prompts = [shared + torch.randint(1, 96, (n,), generator=g).tolist() for n in (3, 9, 1, 14, 6, 2)]
+    params = [SamplingParams(temperature=0, max_new_tokens=m, n=2 if m == 7 else 1, ignore_eos=True)
+              for m in (5, 12, 7, 3, 9, 10)]
+    want, _ = _engine_outputs(model, False, prompts, params)
+    got, engine = _engine_outputs(model, True, prompts, params)
+    assert got == want
+    assert engine.graphs.steps > 10  # the decodes went through the static step
