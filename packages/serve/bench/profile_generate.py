@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_generate import CONFIGS, build  # noqa: E402
+from bench_generate import CONFIGS, build
 
 
 def main() -> None:
@@ -31,6 +31,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--kernels", action="store_true",
+                    help="CUDA: the GPU time of one replayed step, and the kernels of one eager step")
     args = ap.parse_args()
     from plyx.serve import SamplingParams, generate
 
@@ -48,11 +50,45 @@ def main() -> None:
     wall = time.perf_counter() - start
     print(f"{args.config} batch {args.batch} {args.cache}{' eager' if args.eager else ''}: "
           f"{args.batch * args.new_tokens / wall:.1f} tok/s, {wall / args.new_tokens * 1e3:.3f} ms per step")
+    if args.kernels:
+        gpu_breakdown(model, prompts, args.top)
     prof = cProfile.Profile()
     prof.enable()
     run()
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
+def gpu_breakdown(model, prompts, top: int) -> None:
+    """Replay one captured step back to back (GPU time alone, no host gaps); list an eager step's kernels."""
+    from plyx.attn import make_cache
+    from plyx.serve._graphs import DecodeGraphs
+
+    cache = make_cache("paged", model.config, batch_size=len(prompts), max_seq_len=160, device="cuda",
+                       dtype=next(model.parameters()).dtype)
+    seq_ids = list(range(len(prompts)))
+    with torch.inference_mode():
+        tokens = model(torch.tensor(prompts, device="cuda"), cache=cache, seq_ids=seq_ids)[:, -1].argmax(-1)
+        graphs = DecodeGraphs(model, cache, max_batch=len(prompts))
+        graphs.step(seq_ids, tokens)  # captures
+        graph, _ = graphs._graphs[graphs.bucket(len(prompts))]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(50):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        print(f"graph replay, GPU time per step: {start.elapsed_time(end) / 50 * 1e3:.1f} us")
+        from torch.profiler import ProfilerActivity, profile
+
+        graphs.capture = False
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graphs.step(seq_ids, tokens)
+            torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        print(f"eager static step: {len(events)} kernels, {sum(e.device_time for e in events):.1f} us of kernel time")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top))
 
 
 if __name__ == "__main__":

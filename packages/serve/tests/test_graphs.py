@@ -18,8 +18,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 def _prefill(model, cache, prompts):
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = next(model.parameters()).device
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     seq_ids = list(range(10, 10 + len(prompts)))
     logits = model(ids, attention_mask=mask, cache=cache, seq_ids=seq_ids)[:, -1]
     return seq_ids, logits.argmax(-1)
@@ -137,7 +138,7 @@ def test_generate_with_a_graph_step_equals_without(make_model):
 @cuda
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_captured_graphs_replay_the_eager_steps(make_model, kind):
-    model = make_model(vocab=128, seed=7).cuda()
+    model = make_model(vocab=128, seed=7).to("cuda", torch.bfloat16)  # the Triton kernels' dtypes
     prompts = [[5, 6, 7], list(range(1, 30)), [9, 10, 11, 12, 13]]
     params = SamplingParams(temperature=0, max_new_tokens=20)
     eager = generate(model, prompts, params, cache=kind, cuda_graphs=False)
@@ -147,14 +148,26 @@ def test_captured_graphs_replay_the_eager_steps(make_model, kind):
 
 @cuda
 def test_graphs_are_captured_once_per_bucket(make_model):
-    model = make_model(vocab=128, seed=8).cuda()
-    cache = make_cache("paged", model.config, batch_size=4, max_seq_len=64)
+    model = make_model(vocab=128, seed=8).to("cuda", torch.bfloat16)
+    cache = make_cache("paged", model.config, batch_size=4, max_seq_len=64, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         seq_ids, tokens = _prefill(model, cache, [[1, 2, 3], [4, 5], [6]])
         graphs = DecodeGraphs(model, cache, max_batch=4)
         for _ in range(4):
             tokens = graphs.step(seq_ids, tokens).argmax(-1)
     assert graphs.captured == [4] and graphs.replays == 3
+
+
+@cuda
+def test_a_step_that_cannot_be_captured_falls_back_to_eager(make_model):
+    """float32 on CUDA: paged attention is the reference (it syncs with the host), so capture fails."""
+    model = make_model(vocab=128, seed=9).cuda()
+    prompts = [[5, 6, 7], [9, 10]]
+    params = SamplingParams(temperature=0, max_new_tokens=6)
+    eager = generate(model, prompts, params, cache="paged", cuda_graphs=False)
+    with pytest.warns(RuntimeWarning, match="capture of the decode step failed"):
+        graphed = generate(model, prompts, params, cache="paged")
+    assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
 
 
 def _engine_outputs(model, graphs: bool, prompts, params):

@@ -18,6 +18,7 @@ tests check against the ordinary forward.
 from __future__ import annotations
 
 import bisect
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,9 +103,18 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        # capturing records the kernels without running them: the cache is not written twice
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(bucket)
+        try:
+            # capturing records the kernels without running them: the cache is not written twice
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self._forward(bucket)
+        except RuntimeError as exc:  # a kernel that syncs with the host (a reference fallback) cannot be captured
+            torch.cuda.synchronize()
+            warnings.warn(
+                f"CUDA graph capture of the decode step failed, so decode steps run eagerly from now on "
+                f"(a kernel the registry chose syncs with the host; `plyx kernels explain paged_attention` "
+                f"shows which): {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=3)
+            self.capture = False
+            return logits
         self._graphs[bucket] = (graph, out)
         return logits
 
