@@ -138,7 +138,8 @@ def test_generate_with_a_graph_step_equals_without(make_model):
 @cuda
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_captured_graphs_replay_the_eager_steps(make_model, kind):
-    model = make_model(vocab=128, seed=7).to("cuda", torch.bfloat16)  # the Triton kernels' dtypes
+    # the Triton kernels take bf16 and head_dim >= 32 (tiny heads get the reference, which cannot be captured)
+    model = make_model(vocab=128, d_model=256, seed=7).to("cuda", torch.bfloat16)
     prompts = [[5, 6, 7], list(range(1, 30)), [9, 10, 11, 12, 13]]
     params = SamplingParams(temperature=0, max_new_tokens=20)
     eager = generate(model, prompts, params, cache=kind, cuda_graphs=False)
@@ -148,7 +149,7 @@ def test_captured_graphs_replay_the_eager_steps(make_model, kind):
 
 @cuda
 def test_graphs_are_captured_once_per_bucket(make_model):
-    model = make_model(vocab=128, seed=8).to("cuda", torch.bfloat16)
+    model = make_model(vocab=128, d_model=256, seed=8).to("cuda", torch.bfloat16)
     cache = make_cache("paged", model.config, batch_size=4, max_seq_len=64, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
         seq_ids, tokens = _prefill(model, cache, [[1, 2, 3], [4, 5], [6]])
@@ -194,3 +195,33 @@ def test_engine_with_static_decode_steps_equals_without(make_model):
     got, engine = _engine_outputs(model, True, prompts, params)
     assert got == want
     assert engine.graphs.steps > 10  # the decodes went through the static step
+
+
+def test_looking_ahead_one_step_changes_no_output(make_model, monkeypatch, tokenizer, tok_model):
+    """The CUDA loop queues step N + 1 before it reads step N's tokens; forced on here (CPU), every output
+    -- rows ending by EOS, by stop string, by length, n > 1, log-probs -- is what the plain loop gives."""
+    from plyx.serve import _generate
+
+    model = make_model(vocab=96, seed=12)
+    prompts = [[3, 4, 5, 6], [9, 8], [1, 2, 3, 4, 5, 6, 7], [40]]
+    params = [SamplingParams(temperature=0, max_new_tokens=m, logprobs=2 if m == 9 else None) for m in (9, 3, 14, 6)]
+    params.append(SamplingParams(temperature=0.8, seed=4, n=3, max_new_tokens=10))
+    prompts.append([7, 7, 7])
+
+    def run(eos):
+        outs = generate(model, prompts, params, eos_token_id=eos, cache="paged")
+        return [(c.token_ids, c.finish_reason, c.logprobs) for o in outs for c in o.outputs]
+
+    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: False)
+    free = run([95])
+    eos = [free[0][0][2], free[2][0][4]]  # two rows end early by EOS, mid-batch
+    want = run(eos)
+    assert {r[1] for r in want} == {"stop", "length"}  # both kinds of ending are exercised
+    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: True)
+    assert run(eos) == want
+    text = dict(prompts="hello world, the", params=SamplingParams(temperature=0, max_new_tokens=12, stop=["o"]))
+    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: False)
+    want_text = generate(tok_model, [text["prompts"]], text["params"], tokenizer=tokenizer)[0].outputs[0]
+    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: True)
+    got_text = generate(tok_model, [text["prompts"]], text["params"], tokenizer=tokenizer)[0].outputs[0]
+    assert (got_text.text, got_text.token_ids) == (want_text.text, want_text.token_ids)

@@ -149,6 +149,28 @@ def _seeded(p: SamplingParams, index: int, device: torch.device) -> torch.Genera
     return gen
 
 
+def _looks_ahead(device: torch.device) -> bool:
+    """Queue step N + 1 before reading step N's tokens: only where the device runs asynchronously (CUDA);
+    on a CPU the forward runs inline, so looking ahead would only add the rows that end by EOS."""
+    return device.type == "cuda"
+
+
+def _to_host(tokens: torch.Tensor) -> Any:
+    """Start copying ``tokens`` to the host; the returned callable waits for the copy and gives the list."""
+    if tokens.device.type != "cuda":
+        return tokens.tolist
+    pinned = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    pinned.copy_(tokens, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def wait() -> list[int]:
+        done.synchronize()
+        return pinned.tolist()
+
+    return wait
+
+
 def _token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[Completion]) -> list[list[TokenLogprob] | None]:
     """Log-probabilities of the chosen tokens (and top alternatives) of the rows that asked; one host copy."""
     want = [c.params.logprobs for c in rows]
@@ -276,7 +298,18 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
                 tokens = pipeline.sample(processed, state)  # [B] on device
                 state.update(tokens)
                 lps = _token_logprobs(logits, tokens, active)
-                host = tokens.tolist()  # the step's one device-to-host copy
+                # Look ahead: queue the next forward before reading the tokens on the host, for every row
+                # that can go on by length (whether a token is EOS or ends a stop string is known only
+                # after the copy), so the GPU computes step N + 1 while the host handles step N. A row that
+                # turns out finished wasted one row of that step; its sequence is evicted below.
+                host_tokens = _to_host(tokens)
+                ahead_rows = [i for i, c in enumerate(active) if len(c.token_ids) + 1 < c.limit]
+                ahead = None
+                if ahead_rows and runner.cache is not None and _looks_ahead(device):
+                    ahead_tokens = tokens if len(ahead_rows) == len(active) else \
+                        tokens.index_select(0, torch.as_tensor(ahead_rows, device=device))
+                    ahead = runner.step([active[i].seq_id for i in ahead_rows], ahead_tokens)
+                host = host_tokens()  # the step's one wait for the device
                 keep: list[int] = []
                 for i, c in enumerate(active):
                     event = c.add([host[i]], lps[i])
@@ -291,11 +324,17 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
                     tokens = tokens.index_select(0, torch.as_tensor(keep, device=device))
                     state = state.select(keep)
                     pipeline = _pipeline(plan, active)
-            yield from events  # before the next forward pass: a streaming client sees tokens at once
+                if ahead is not None and keep:
+                    position = {row: j for j, row in enumerate(ahead_rows)}
+                    picked = [position[i] for i in keep]  # every kept row was looked ahead (limit not reached)
+                    logits = ahead if len(picked) == len(ahead_rows) else \
+                        ahead.index_select(0, torch.as_tensor(picked, device=device))
+            yield from events  # the next forward is already queued: a streaming client sees tokens at once
             if not keep:
                 return
-            with torch.inference_mode():
-                logits = runner.step([c.seq_id for c in active], tokens)
+            if ahead is None:
+                with torch.inference_mode():
+                    logits = runner.step([c.seq_id for c in active], tokens)
             for c in active:
                 c.model_steps += 1
     finally:
