@@ -58,7 +58,7 @@ def test_padding_rows_repeat_row_zero(make_model):
     for sid, n in ((0, 3), (1, 20)):
         cache.allocate(sid)
         cache.reserve([sid], [n])
-    decode.prepare([1, 0], torch.tensor([7, 8]), bucket=4)
+    decode.prepare([1, 0], [7, 8], bucket=4)  # host ints ride in the packed copy
     assert decode.row_map.tolist() == [0, 1, 0, 0]
     assert decode.positions.tolist() == [20, 3, 20, 20]
     assert decode.lens.tolist() == [21, 4, 21, 21]

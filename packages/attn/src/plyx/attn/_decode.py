@@ -62,26 +62,28 @@ class StaticDecode:
         self.width = -(-cache.layout.max_seq_len // self.block_size)  # block-table columns
         device = torch.device(cache.layout.device)
         self.device = device
-        # one int64 buffer: [row_map | positions | slots | lens] of n each, then the [n, width] block tables
+        # one int64 buffer: [row_map | positions | slots | lens | tokens] of n each, then the [n, width] tables
         pinned = device.type == "cuda"
-        self._host = torch.zeros(4 * n + n * self.width, dtype=torch.long, pin_memory=pinned)
+        self._host = torch.zeros(5 * n + n * self.width, dtype=torch.long, pin_memory=pinned)
         self._dev = torch.zeros(self._host.shape, dtype=torch.long, device=device)
         h = self._host.numpy()
-        self._row_map, self._pos, self._slots, self._lens = (h[i * n:(i + 1) * n] for i in range(4))
-        self._tables = h[4 * n:].reshape(n, self.width)
+        self._row_map, self._pos, self._slots, self._lens, self._tokens = (h[i * n:(i + 1) * n] for i in range(5))
+        self._tables = h[5 * n:].reshape(n, self.width)
         d = self._dev
-        self.row_map, self.positions, self.slots, self.lens = (d[i * n:(i + 1) * n] for i in range(4))
-        self.tables = d[4 * n:].view(n, self.width)
+        self.row_map, self.positions, self.slots, self.lens, self._dev_tokens = (
+            d[i * n:(i + 1) * n] for i in range(5))
+        self.tables = d[5 * n:].view(n, self.width)
         self.tokens = torch.zeros(n, dtype=torch.long, device=device)  # each row's input token
         # the kernel reads int32 tables and lengths: converted inside the step (so inside the graph)
         self._tables32 = torch.zeros(n, self.width, dtype=torch.int32, device=device)
         self._lens32 = torch.zeros(n, dtype=torch.int32, device=device)
         self._copied: torch.cuda.Event | None = None
 
-    def prepare(self, seq_ids: Sequence[int], tokens: torch.Tensor, bucket: int) -> None:
+    def prepare(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[int], bucket: int) -> None:
         """Reserve one token for each of ``seq_ids`` and load the step's inputs for ``bucket`` rows.
 
-        ``tokens`` (``[B]`` long, on the cache's device) are the new tokens, one per sequence;
+        ``tokens`` are the new tokens, one per sequence: a ``[B]`` long tensor on the cache's device
+        (sampled there), or host ints (they travel in the same copy as the rest);
         ``bucket`` (>= B, <= max_batch) is the padded batch the step runs with.
         """
         B = len(seq_ids)
@@ -101,19 +103,23 @@ class StaticDecode:
             self._slots[i] = blocks[pos // bs] * bs + pos % bs
             self._lens[i] = length
             self._tables[i, :len(blocks)] = blocks
+        on_host = not isinstance(tokens, torch.Tensor)
+        if on_host:
+            self._tokens[:B] = tokens
         if bucket > B:  # padding rows repeat row 0
             for part in (self._pos, self._slots, self._lens):
                 part[B:bucket] = part[0]
             self._row_map[B:bucket] = 0
             self._tables[B:bucket] = self._tables[0]
         n = self.max_batch
-        self._dev[:4 * n].copy_(self._host[:4 * n], non_blocking=True)
-        tables = slice(4 * n, 4 * n + bucket * self.width)
+        self._dev[:5 * n].copy_(self._host[:5 * n], non_blocking=True)
+        tables = slice(5 * n, 5 * n + bucket * self.width)
         self._dev[tables].copy_(self._host[tables], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        self.tokens[:B].copy_(tokens.reshape(-1), non_blocking=True)
+        source = self._dev_tokens[:B] if on_host else tokens.reshape(-1)  # type: ignore[union-attr]
+        self.tokens[:B].copy_(source, non_blocking=True)
 
     def inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, KVStep]:
         """``(ids [bucket, 1], positions [bucket, 1], step)`` for the model; device work only (capturable)."""

@@ -70,8 +70,8 @@ class DecodeGraphs:
         return self.buckets[i] if i < len(self.buckets) else None
 
     @torch.inference_mode()
-    def step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
-        """Feed each sequence its one new token (``tokens`` ``[B]`` on device); logits ``[B, V]`` (float32)."""
+    def step(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Feed each sequence its one new token (``[B]`` on device, or host ints); logits ``[B, V]`` (float32)."""
         B = len(seq_ids)
         bucket = self.bucket(B)
         if bucket is None:

@@ -318,7 +318,7 @@ class Engine:
         width = max(n for _, n in group)
         seq_ids = [s.seq_id for s, _ in group]
         if width == 1 and self.graphs is not None and self.graphs.bucket(len(group)) is not None:
-            tokens = torch.tensor([s.tokens[s.num_computed] for s, _ in group], dtype=torch.long)
+            tokens = [s.tokens[s.num_computed] for s, _ in group]  # host ints: they ride in the step's one copy
             logits = self.graphs.step(seq_ids, tokens)  # [B, V], the graph's buffer: copied by the stack below
             return [logits[i] for i in self._advance(group, finishing)]
         mask = None
