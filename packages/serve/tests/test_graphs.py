@@ -225,3 +225,23 @@ def test_looking_ahead_one_step_changes_no_output(make_model, monkeypatch, token
     monkeypatch.setattr(_generate, "_looks_ahead", lambda device: True)
     got_text = generate(tok_model, [text["prompts"]], text["params"], tokenizer=tokenizer)[0].outputs[0]
     assert (got_text.text, got_text.token_ids) == (want_text.text, want_text.token_ids)
+
+
+@cuda
+def test_graphs_are_reused_by_the_next_call_of_the_same_shape(make_model):
+    model = make_model(vocab=128, d_model=256, seed=10).to("cuda", torch.bfloat16)
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    first = generate(model, [[1, 2, 3]], params, cache="paged")
+    from plyx.serve._runner import _SPARES
+
+    (cache, graphs), = _SPARES[model].values()
+    assert graphs.captured == [1] and not cache.sequences()
+    again = generate(model, [[1, 2, 3]], params, cache="paged")
+    assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
+    assert graphs.replays >= 2 * 6  # the second call replayed the first call's graph
+    with torch.no_grad():  # new weights at new addresses: the spare graphs must not be used
+        for p in model.parameters():
+            p.data = p.data * 1.5
+    generate(model, [[1, 2, 3]], params, cache="paged")
+    (_, newer), = _SPARES[model].values()
+    assert newer is not graphs

@@ -10,6 +10,7 @@ decode together with no padding in the cache.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,11 @@ def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch
     return ids.to(device), (mask.to(device) if padded else None)
 
 
+#: per model: idle (cache, DecodeGraphs) pairs by (kind, sequences, max_seq_len, weight addresses), reused by the next
+#: generate call of that shape on a GPU; dropped with the model
+_SPARES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[Any, Any]]] = weakref.WeakKeyDictionary()
+
+
 class Runner:
     """One model and (optionally) its KV cache; sequence ids are allocated here and evicted on ``close``.
 
@@ -71,6 +77,14 @@ class Runner:
                 )
             if cuda_graphs is not False:  # whole 16-token blocks: the graphed step reads the cache by block
                 max_seq_len = -(-max_seq_len // 16) * 16
+            # graphs read the weights where they were at capture: a moved or reassigned parameter voids them
+            self._spare_key = (cache, num_sequences, max_seq_len, tuple(p.data_ptr() for p in model.parameters()))
+            reuse = cuda_graphs is not False and self.device.type == "cuda"
+            spare = _SPARES.get(model, {}).pop(self._spare_key, None) if reuse else None
+            if spare is not None:  # the cache and captured graphs an earlier call of the same shape left idle
+                self.cache, self.graphs = spare
+                self._next_id, self._ids, self._tokens = 0, set(), {}
+                return
             cache = make_cache(cache, model.config, batch_size=num_sequences, max_seq_len=max_seq_len,
                                device=self.device, dtype=model_dtype(model))
         elif cache is not None and not isinstance(cache, KVCache):
@@ -131,6 +145,10 @@ class Runner:
     def close(self) -> None:
         for sid in list(self._ids):
             self.release(sid)
+        if self.graphs is not None and self.owned and not self.cache.sequences():  # type: ignore[union-attr]
+            # keep the (now empty) cache and its captured graphs for the next call of this shape, as
+            # transformers keeps its static cache: capturing costs a forward and ~400 kernel records per bucket
+            _SPARES[self.model] = {self._spare_key: (self.cache, self.graphs)}  # one per model: bounded memory
 
     def length(self, sid: int) -> int:
         if self.cache is not None:
