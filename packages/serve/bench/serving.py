@@ -3,9 +3,11 @@
 A fixed synthetic workload (vLLM's ``random`` dataset: input/output lengths drawn
 uniformly in ``[len * (1 - range_ratio), len * (1 + range_ratio)]``, an optional
 shared prefix of ``prefix_len`` tokens, Poisson arrivals at ``request_rate``) is sent
-as streaming ``/v1/completions`` requests to the server on loopback, and reported as
-vLLM does: requests/s, output tokens/s, TTFT, TPOT and ITL (mean, median, p99), once
-with prefix caching on and once off.
+as streaming ``/v1/completions`` requests to the server on loopback, by a client in its
+own (spawned) process as vLLM's is, and reported as vLLM does: requests/s, output
+tokens/s, TTFT, TPOT and ITL (mean, median, p99), once with prefix caching on and once
+off, with the engine's own mean step time beside them (TPOT above it is scheduling and
+the HTTP path).
 
 The baseline is the naive way: ``transformers`` ``generate()`` on the same requests,
 one static batch of ``--hf-batch`` at a time in arrival order (left padding, greedy,
@@ -108,7 +110,10 @@ def summarize(name: str, reqs: list[Request], timings: list[Timing], duration: f
     }
 
 
-# -- plyx: the server on loopback ---------------------------------------------------------
+# -- plyx: the server on loopback, the client in its own process ---------------------------
+# The client (up to --num-prompts httpx streams parsing JSON lines) runs in a spawned process, as vLLM's
+# benchmark_serving runs apart from the server: in the server's process it would take the GIL from the
+# event loop and the engine thread at every token and add its own parsing to the measured latencies.
 async def _one(client: Any, url: str, req: Request, start: float, sem: asyncio.Semaphore | None) -> Timing:
     await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
     timing = Timing()
@@ -143,9 +148,74 @@ async def _one(client: Any, url: str, req: Request, start: float, sem: asyncio.S
     return timing
 
 
+async def _client(url: str, reqs: list[Request], max_concurrency: int, conn: Any) -> None:
+    """Warm-up, then the handshake (``"warm"`` out, ``"go"`` in), then the measured load; sends the timings."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+        # warm-up, not counted: a few short requests at once compile the kernels of every shape class
+        # (prefill chunks, mixed and decode steps) and fill the allocator
+        warm = [Request(r.prompt, 4, 0.0) for r in reqs[:16]]
+        await asyncio.gather(*(_one(client, url, r, time.perf_counter(), None) for r in warm))
+        conn.send("warm")
+        if conn.recv() != "go":  # the server side resets its prefix cache and counters meanwhile
+            return
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        start = time.perf_counter()
+        timings = await asyncio.gather(*(_one(client, url, r, start, sem) for r in reqs))
+        conn.send(([vars(t) for t in timings], time.perf_counter() - start))
+
+
+def _client_main(url: str, reqs: list[tuple[list[int], int, float]], max_concurrency: int, conn: Any) -> None:
+    """The client process's entry point (module level, so that the spawn context can pickle it)."""
+    try:
+        asyncio.run(_client(url, [Request(*r) for r in reqs], max_concurrency, conn))
+    except BaseException as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _recv(conn: Any, proc: Any, what: str) -> Any:
+    """The client's next message; raises (instead of hanging) when the client process died."""
+    while not conn.poll(0.5):
+        if not proc.is_alive():
+            raise RuntimeError(f"the benchmark client process exited (code {proc.exitcode}) before sending {what}; "
+                               "its traceback is above")
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "error":
+        raise RuntimeError(f"the benchmark client process failed before sending {what}: {msg[1]}")
+    return msg
+
+
+def run_client(url: str, reqs: list[Request], max_concurrency: int, on_warm: Any) -> tuple[list[Timing], float]:
+    """Run the load from a spawned process: warm-up, ``on_warm()`` here, then the measured requests."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of the server's threads, model or torch state
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_client_main, name="plyx-bench-client", daemon=True,
+                       args=(url, [(r.prompt, r.output_len, r.arrival) for r in reqs], max_concurrency, child))
+    proc.start()
+    child.close()
+    try:
+        if _recv(parent, proc, "the end of the warm-up") != "warm":
+            raise RuntimeError("the benchmark client broke the handshake (expected 'warm')")
+        on_warm()
+        parent.send("go")
+        raw, duration = _recv(parent, proc, "its timings")
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        parent.close()
+    return [Timing(**t) for t in raw], duration
+
+
 def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.Namespace, prefix_caching: bool
                ) -> dict[str, Any]:
-    import httpx
+    import threading
+
     import uvicorn
     from plyx.serve.engine import Engine, EngineConfig
     from plyx.serve.server import ServerSettings, create_app
@@ -155,40 +225,40 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, max_model_len=max_len, prefix_caching=prefix_caching, max_queue=100_000,
         mixed_chunk=(16 if args.device.startswith("cuda") else 0) if args.mixed_chunk < 0 else args.mixed_chunk))
-    app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000))
+    app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000,
+                                                     switch_interval=args.switch_interval))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    import threading
-
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the uvicorn server thread exited before it started; see its log above")
         time.sleep(0.01)
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/completions"
-
-    async def go() -> tuple[list[Timing], float]:
-        limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
-        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-            # warm-up, not counted: a few short requests at once compile the kernels of every shape class
-            # (prefill chunks, mixed and decode steps) and fill the allocator
-            warm = [Request(r.prompt, 4, 0.0) for r in reqs[:16]]
-            await asyncio.gather(*(_one(client, url, r, time.perf_counter(), None) for r in warm))
-            if engine.prefix is not None:
-                engine.prefix.clear()  # the measured run starts with an empty prefix cache
-                marks["hits"], marks["queried"] = engine.prefix.hit_tokens, engine.prefix.queried_tokens
-            marks["preemptions"] = engine.stats.preemptions
-            sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-            start = time.perf_counter()
-            timings = await asyncio.gather(*(_one(client, url, r, start, sem) for r in reqs))
-            return list(timings), time.perf_counter() - start
-
     marks: dict[str, int] = {}
-    timings, duration = asyncio.run(go())
+
+    def on_warm() -> None:  # between warm-up and measured run; the engine thread is idle by then
+        if engine.prefix is not None:
+            engine.prefix.clear()  # the measured run starts with an empty prefix cache
+            marks["hits"], marks["queried"] = engine.prefix.hit_tokens, engine.prefix.queried_tokens
+        marks["preemptions"] = engine.stats.preemptions
+        marks["steps"] = engine.stats.steps
+        marks["step_s"] = aengine.step_seconds
+
+    aengine = app.state.plyx.aengine
+    try:
+        timings, duration = run_client(url, reqs, args.max_concurrency, on_warm)
+    finally:
+        server.should_exit = True
+        thread.join(30)
     p = engine.prefix
     extra = {"prefix_caching": prefix_caching, "preemptions": engine.stats.preemptions - marks["preemptions"],
+             "engine_steps": engine.stats.steps - marks["steps"],
+             # the engine's own time per step (the thread's wall time in Engine.step): TPOT above it is the
+             # scheduling of requests and the HTTP path
+             "engine_step_ms": (aengine.step_seconds - marks["step_s"]) * 1e3 / max(1, engine.stats.steps - marks["steps"]),
              "prefix_hit_rate": (p.hit_tokens - marks["hits"]) / max(1, p.queried_tokens - marks["queried"])
              if p is not None else 0.0}
-    server.should_exit = True
-    thread.join(30)
     return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'})", reqs, timings, duration,
                      extra)
 
@@ -294,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-chunk", type=int, default=-1, help="EngineConfig.mixed_chunk (-1: 16 on CUDA, 0 on CPU)")
     p.add_argument("--hf-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads on CPU (0: torch's default)")
+    p.add_argument("--switch-interval", type=float, default=0.0,
+                   help="ServerSettings.switch_interval: sys.setswitchinterval in the server (0: Python's 5 ms)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--out", default="", help="result file stem (default: results/serving-<device>-<model>-<date>)")
@@ -348,6 +420,8 @@ def render(report: dict[str, Any]) -> str:
             row(f"{m[:-3].upper()} {s} (ms)", lambda r, m=m, s=s: f"{r[m][s]:.1f}")
     row("prefix-cache hit rate", lambda r: f"{r['prefix_hit_rate']:.2f}" if "prefix_hit_rate" in r else "-")
     row("preemptions", lambda r: str(r.get("preemptions", "-")))
+    row("engine steps", lambda r: str(r.get("engine_steps", "-")))
+    row("engine step mean (ms)", lambda r: f"{r['engine_step_ms']:.1f}" if "engine_step_ms" in r else "-")
     return "\n".join(lines)
 
 

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -25,11 +26,8 @@ __all__ = ["AsyncEngine", "RequestStream"]
 
 log = logging.getLogger("plyx.serve.engine")
 
-_END = object()
-
-
 class RequestStream:
-    """The outputs of one request, as an async iterator of ``EngineOutput``.
+    """The outputs of one request, as an async iterator of ``EngineOutput`` (or ``next_batch()``, all ready ones).
 
     Iteration ends after the output with ``request_finished`` (or ``aborted``); an engine failure is raised.
     """
@@ -37,30 +35,67 @@ class RequestStream:
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.request_id = request_id
         self.loop = loop
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        # a deque and one waiter future instead of an asyncio.Queue: this is touched once per token and
+        # stream, and the queue's getter bookkeeping costs the event loop (which shares the GIL with the
+        # engine thread) several times more
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._last_out = False  # the finishing output was handed out: the next read ends the stream
         self.finished = False
         self.created = time.monotonic()
 
     def _push(self, items: list[Any]) -> None:  # on the event loop
-        for item in items:
-            self._queue.put_nowait(item)
+        self._items.extend(items)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._items:
+            self._waiter = self.loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def _take(self) -> Any:
+        item = self._items.popleft()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.request_finished:
+            self._last_out = True
+        return item
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> EngineOutput:
+        if self._last_out:
+            self.finished = True
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if item is _END:
+        if not self._items:
+            await self._wait()
+        return self._take()
+
+    async def next_batch(self) -> list[EngineOutput]:
+        """Every output ready now, in order (waits for the first); ``[]`` once the stream ended.
+
+        A reader that fell a few steps behind gets them in one go, and can answer them with one write.
+        """
+        if self._last_out:
             self.finished = True
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.request_finished:
-            self._queue.put_nowait(_END)
-        return item
+        if self.finished:
+            return []
+        if not self._items:
+            await self._wait()
+        batch = [self._take()]
+        while self._items and not self._last_out:
+            if isinstance(self._items[0], BaseException):
+                break  # raised by the next call, after this batch was handled
+            batch.append(self._take())
+        return batch
 
 
 def _push_all(batch: list[tuple[RequestStream, list[Any]]]) -> None:

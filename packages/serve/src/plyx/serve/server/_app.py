@@ -60,7 +60,8 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     switch_interval: float = 0.0
     """``sys.setswitchinterval`` while the app runs (0 leaves Python's 5 ms). The engine thread and the event
     loop share the GIL; a shorter interval hands it back to the engine sooner after the loop took it (on an
-    H100 run, 0.5 ms did not change throughput measurably, so it is off by default)."""
+    H100 run, 0.5 ms did not change throughput measurably, nor on a 2-core CPU with the benchmark client in
+    its own process, where TPOT was no better; so it is off by default)."""
 
 
 class _State:
@@ -485,37 +486,44 @@ async def _stream(state: _State, job: Job, kind: str, include_usage: bool, finis
     tok = state.tokenizer
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     base = {"id": job.id, "object": obj, "created": job.created, "model": state.settings.model_name}
+    # every chunk is `data: {<base>,"choices":[<entry>]}`: the constant part is encoded once per request, not per
+    # token (this runs on the event loop, which shares the GIL with the engine thread)
+    head = b"data: " + msgspec.json.encode(base)[:-1] + b',"choices":['
+    encode = msgspec.json.encode
     offsets = [0] * len(job.choices)
     status = 200
     try:
         if kind == "chat":  # the role first, as OpenAI does
             yield sse({**base, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None} for c in job.choices]})
-        async for choice, text, lps in job.events():
-            want_lp = job.params.logprobs is not None and lps
-            if kind == "chat":
-                delta = {"content": text} if text else {}
-                entry = {"index": choice.index, "delta": delta,
-                         "logprobs": chat_logprobs(tok, lps) if want_lp else None,
-                         "finish_reason": choice.finish_reason}
-            else:
-                entry = {"index": choice.index, "text": text, "finish_reason": choice.finish_reason,
-                         "logprobs": completion_logprobs(tok, lps, offsets[choice.index]) if want_lp else None}
-                offsets[choice.index] += len(text)
-            # completions: one chunk per token event, text or not (a held-back partial character or stop-string
-            # prefix still shows the client progress, and ITL is measured per token); chat: deltas with content
-            if kind != "chat" or text or choice.finish_reason is not None or want_lp:
-                yield sse({**base, "choices": [entry]})
-        if include_usage:
-            yield sse({**base, "choices": [], "usage": job.usage()})
-        yield b"data: [DONE]\n\n"
+        async for batch in job.batches():
+            parts = []
+            for choice, text, lps in batch:
+                want_lp = job.params.logprobs is not None and lps
+                if kind == "chat":
+                    delta = {"content": text} if text else {}
+                    entry = {"index": choice.index, "delta": delta,
+                             "logprobs": chat_logprobs(tok, lps) if want_lp else None,
+                             "finish_reason": choice.finish_reason}
+                else:
+                    entry = {"index": choice.index, "text": text, "finish_reason": choice.finish_reason,
+                             "logprobs": completion_logprobs(tok, lps, offsets[choice.index]) if want_lp else None}
+                    offsets[choice.index] += len(text)
+                # completions: one chunk per token event, text or not (a held-back partial character or
+                # stop-string prefix still shows the client progress, and ITL is measured per token); chat:
+                # deltas with content
+                if kind != "chat" or text or choice.finish_reason is not None or want_lp:
+                    parts.append(head + encode(entry) + b"]}\n\n")
+            if parts:  # the events that were ready together leave in one write
+                yield parts[0] if len(parts) == 1 else b"".join(parts)
+        # usage and the end marker in one write
+        yield (sse({**base, "choices": [], "usage": job.usage()}) if include_usage else b"") + b"data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
         status = 499  # the client went away: job.events() aborted the engine requests
         raise
     except Exception as exc:
         status = 500
-        yield sse({"error": APIError(500, str(exc), code="engine_error").body()["error"]})
-        yield b"data: [DONE]\n\n"
+        yield sse({"error": APIError(500, str(exc), code="engine_error").body()["error"]}) + b"data: [DONE]\n\n"
     finally:
         job.abort()
         finish(status)

@@ -88,9 +88,16 @@ class Job:
 
     async def events(self) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
         """(choice, new text, new logprobs) as tokens arrive; the last event of a choice has its finish_reason."""
+        async for batch in self.batches():
+            for ev in batch:
+                yield ev
+
+    async def batches(self) -> AsyncIterator[list[tuple[Choice, str, list[TokenLogprob]]]]:
+        """The events of ``events()``, grouped: every event ready now (a streaming reply writes each group at
+        once, so a reader that fell behind the engine catches up with one socket write, not one per token)."""
         if len(self.streams) == 1:  # the common case: read the one stream directly, no relay task
-            async for out in self._single():
-                yield out
+            async for batch in self._single():
+                yield batch
             return
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -107,15 +114,22 @@ class Job:
         open_streams = len(tasks)
         try:
             while open_streams:
-                item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                p, out = item
-                if out is None:
-                    open_streams -= 1
-                    continue
-                for ev in self._apply(p, out):
-                    yield ev
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                batch = []
+                for item in items:
+                    if isinstance(item, Exception):
+                        if batch:
+                            yield batch
+                        raise item
+                    p, out = item
+                    if out is None:
+                        open_streams -= 1
+                        continue
+                    batch.extend(self._apply(p, out))
+                if batch:
+                    yield batch
             self.done = True
             self.finished_at = time.monotonic()
         finally:
@@ -124,11 +138,13 @@ class Job:
             if not self.done:
                 self.abort()
 
-    async def _single(self) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
+    async def _single(self) -> AsyncIterator[list[tuple[Choice, str, list[TokenLogprob]]]]:
+        stream = self.streams[0]
         try:
-            async for out in self.streams[0]:
-                for ev in self._apply(0, out):
-                    yield ev
+            while outs := await stream.next_batch():
+                batch = [ev for out in outs for ev in self._apply(0, out)]
+                if batch:
+                    yield batch
             self.done = True
             self.finished_at = time.monotonic()
         finally:

@@ -1,0 +1,52 @@
+"""``bench/serving.py`` end to end on a tiny model: the client runs in a spawned process, the warm-up /
+prefix-cache reset handshake happens, and every request's tokens are counted."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture(scope="module")
+def serving():
+    pytest.importorskip("transformers")
+    pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    sys.path.insert(0, str(BENCH))  # the spawned client imports the module by name: it inherits sys.path
+    try:
+        import serving as module
+
+        yield module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_benchmark_runs_the_client_in_another_process_and_reports_every_token(serving, tmp_path):
+    argv = ["--model", "tiny", "--num-prompts", "4", "--input-len", "8", "--prefix-len", "32", "--output-len", "4",
+            "--range-ratio", "0", "--threads", "1", "--skip-hf", "--out", str(tmp_path / "r")]
+    assert serving.main(argv) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    on, off = report["runs"]
+    for run in (on, off):
+        assert (run["completed"], run["failed"], run["total_output_tokens"]) == (4, 0, 16)
+        assert run["engine_steps"] >= 4 and run["engine_step_ms"] > 0
+    # (whether the measured requests hit the shared prefix depends on their admission order: not asserted)
+    assert on["prefix_caching"] and not off["prefix_caching"] and off["prefix_hit_rate"] == 0
+    assert "engine step mean (ms)" in (tmp_path / "r.md").read_text()
+
+
+def test_a_client_that_cannot_connect_fails_the_run_instead_of_hanging(serving):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    warmed = []
+    with pytest.raises(RuntimeError, match="client process failed before sending the end of the warm-up"):
+        serving.run_client(f"http://127.0.0.1:{port}/v1/completions", [serving.Request([1, 2], 2, 0.0)], 0,
+                           lambda: warmed.append(True))
+    assert warmed == []
