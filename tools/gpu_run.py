@@ -32,7 +32,7 @@ PEERS = ["liger-kernel", "msgspec", "importlib-metadata"]
 # core travel as a matched pair, since the target directory shadows the image's copies
 SERVE_PEERS = ["xgrammar==0.2.8", "fastapi", "starlette", "uvicorn", "httpx", "httpcore", "anyio", "h11",
                "pydantic==2.14.3", "pydantic-core==2.50.4", "typing-inspection", "annotated-types", "annotated-doc",
-               "prometheus-client", "sniffio"]
+               "prometheus-client", "sniffio", "opentelemetry-api"]
 sys.path.insert(0, str(ROOT / "tools"))
 
 
