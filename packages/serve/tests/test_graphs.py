@@ -234,7 +234,7 @@ def test_graphs_are_reused_by_the_next_call_of_the_same_shape(make_model):
     first = generate(model, [[1, 2, 3]], params, cache="paged")
     from plyx.serve._runner import _SPARES
 
-    (cache, graphs), = _SPARES[model].values()
+    (_, cache, graphs), = _SPARES[model].values()
     assert graphs.captured == [1] and not cache.sequences()
     again = generate(model, [[1, 2, 3]], params, cache="paged")
     assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
@@ -243,5 +243,40 @@ def test_graphs_are_reused_by_the_next_call_of_the_same_shape(make_model):
         for p in model.parameters():
             p.data = p.data * 1.5
     generate(model, [[1, 2, 3]], params, cache="paged")
-    (_, newer), = _SPARES[model].values()
+    (_, _, newer), = _SPARES[model].values()
     assert newer is not graphs
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_static_step_with_packed_projections_per_architecture(arch, tmp_path):
+    """q/k/v biases (qwen2) and QK-norm (qwen3) through the packed GEMVs; the packed weights save and load."""
+    from plyx.model import TransformerLM, load_hf, save_hf
+    from plyx.specs import ModelConfig
+
+    torch.manual_seed(1)
+    config = ModelConfig(arch=arch, vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+                         max_seq_len=64, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+    model = TransformerLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)  # non-trivial biases and norm weights
+    caches = [make_cache("paged", config, batch_size=2, max_seq_len=48, dtype=torch.float32) for _ in range(2)]
+    with torch.inference_mode():
+        seq_ids, tokens = _prefill(model, caches[0], [[3, 4, 5], [6, 7, 8, 9, 10]])
+        _prefill(model, caches[1], [[3, 4, 5], [6, 7, 8, 9, 10]])
+        graphs = DecodeGraphs(model, caches[1], max_batch=2, capture=False)
+        from plyx.attn import packed_linear
+
+        layer = model.layers[0]
+        assert packed_linear((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)) is not None
+        assert packed_linear((layer.mlp.gate_proj, layer.mlp.up_proj)) is not None
+        for _ in range(3):
+            want = model(tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1]
+            got = graphs.step(seq_ids, tokens)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            tokens = want.argmax(-1)
+    save_hf(model, tmp_path / "packed")  # shared storage must not trouble the writer
+    again = load_hf(tmp_path / "packed")
+    for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

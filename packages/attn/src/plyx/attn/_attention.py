@@ -14,8 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from plyx.attn._kernels import kernel
 from plyx.attn._norm import RMSNorm
+from plyx.attn._packing import pack_linears_, packed_linear
 from plyx.attn._step import KVStep
 from torch import nn
 
@@ -97,13 +99,17 @@ class Attention(nn.Module):
             ``[B, T, D]``.
         """
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, Dh)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, Dh)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        rope = kernel("rope", q, cos, sin, head_dim=self.head_dim)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        packed = self._packed() if step is not None and step.slots is not None else None
+        if packed is not None:
+            q, k, v = self._project_packed(x, cos, sin, *packed)
+        else:
+            q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, Dh)
+            k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, Dh)
+            v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            rope = kernel("rope", q, cos, sin, head_dim=self.head_dim)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
         if step is None:
             if key_mask is not None:  # the kernels take [B|1, H|1, T, S]: a broadcast view, no copy
                 key_mask = key_mask.expand(B, 1, T, key_mask.shape[-1])
@@ -114,6 +120,31 @@ class Attention(nn.Module):
         else:
             out = self._attend_cached(q, k, v, step).to(x.dtype)  # the cache may store another dtype
         return self.o_proj(out.reshape(B, T, self.n_heads * self.head_dim))
+
+    # -- packed q/k/v (static decode steps; see plyx.attn.pack_linears_) ------------------
+    def pack_projections_(self) -> None:
+        """Stack the q, k and v weights in one buffer (same parameters and values): one GEMV per decode step."""
+        pack_linears_((self.q_proj, self.k_proj, self.v_proj))
+
+    def _packed(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        if torch.is_grad_enabled() and self.q_proj.weight.requires_grad:
+            return None  # the stacked view has no autograd history
+        return packed_linear((self.q_proj, self.k_proj, self.v_proj))
+
+    def _project_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v from one GEMV; without QK-norm, RoPE turns q and k in one launch (they are adjacent)."""
+        B, T, _ = x.shape
+        H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = F.linear(x, weight, bias).view(B, T, H + 2 * KV, Dh)  # (B, T, H + 2 KV, Dh)
+        v = qkv[:, :, H + KV:]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + KV])
+            rope = kernel("rope", q, cos, sin, head_dim=Dh)
+            return rope(q, cos, sin), rope(k, cos, sin), v
+        qk = qkv[:, :, :H + KV]
+        qk = kernel("rope", qk, cos, sin, head_dim=Dh)(qk, cos, sin)  # (B, T, H + KV, Dh)
+        return qk[:, :, :H], qk[:, :, H:], v
 
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: KVStep) -> torch.Tensor:
         step.store(self.layer_idx, k, v)

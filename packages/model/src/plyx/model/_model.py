@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from plyx.attn import Attention, KVStep, RMSNorm, begin_step
+import torch.nn.functional as F
+from plyx.attn import Attention, KVStep, RMSNorm, begin_step, pack_linears_, packed_linear
 from plyx.specs.config.model import ModelConfig
 from plyx.specs.kvcache import KVCache
 from torch import nn
@@ -56,9 +57,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=False, device=device, dtype=dtype)
         self.down_proj = nn.Linear(d_ff, d_model, bias=False, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, F) each
+    def forward(self, x: torch.Tensor, *, packed: bool = False) -> torch.Tensor:
+        """``packed``: use the stacked gate/up weight when there is one (static decode steps, no gradient)."""
+        stacked = packed_linear((self.gate_proj, self.up_proj)) if packed and not torch.is_grad_enabled() else None
+        if stacked is not None:
+            gate, up = F.linear(x, *stacked).chunk(2, dim=-1)  # one GEMV; the swiglu kernel takes the row stride
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, F) each
         return self.down_proj(_kernel("swiglu", gate, up, hidden=gate.shape[-1])(gate, up))
+
+    def pack_projections_(self) -> None:
+        """Stack the gate and up weights in one buffer (same parameters and values)."""
+        pack_linears_((self.gate_proj, self.up_proj))
 
 
 class DecoderLayer(nn.Module):
@@ -90,7 +100,8 @@ class DecoderLayer(nn.Module):
         # Under autocast the projections return bf16 while the residual stream stays in
         # the parameters' dtype; the stream keeps its precision, as transformers' does.
         x, h = self.post_attention_layernorm(a.to(h.dtype), residual=h)
-        return h + self.mlp(x)
+        step = attn.get("step")
+        return h + self.mlp(x, packed=step is not None and step.slots is not None)
 
 
 class TransformerLM(nn.Module):
@@ -142,6 +153,20 @@ class TransformerLM(nn.Module):
                 p.normal_(0.0, out_std)
             else:
                 p.normal_(0.0, std)
+
+    @torch.no_grad()
+    def pack_projections_(self) -> TransformerLM:
+        """Stack each layer's q/k/v weights and its gate/up weights in one buffer each, in place.
+
+        Parameters keep their names and values (each becomes a row slice of the buffer; no copy is
+        kept), so ``state_dict``, checkpoints and optimizers are unchanged. Static decode steps
+        (``kv_step``) then run one GEMV for q/k/v and one for gate/up. Moving or replacing the
+        weights undoes it (the layers fall back to one GEMV per projection). Returns the model.
+        """
+        for layer in self.layers:
+            layer.self_attn.pack_projections_()
+            layer.mlp.pack_projections_()
+        return self
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

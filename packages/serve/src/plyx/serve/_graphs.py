@@ -53,6 +53,9 @@ class DecodeGraphs:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the cache is on {device}. Pass cuda_graphs=False")
         self.model = model
+        pack = getattr(model, "pack_projections_", None)
+        if pack is not None:  # one GEMV for q/k/v and one for gate/up per layer: same weights, restacked in place
+            pack()
         self.capture = capture
         self.decode = StaticDecode(cache, max_batch=max_batch)
         self.buckets = sorted(set(buckets)) if buckets else default_buckets(max_batch)

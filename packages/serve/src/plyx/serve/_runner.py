@@ -45,9 +45,13 @@ def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch
     return ids.to(device), (mask.to(device) if padded else None)
 
 
-#: per model: idle (cache, DecodeGraphs) pairs by (kind, sequences, max_seq_len, weight addresses), reused by the next
+#: per model: an idle (weight addresses, cache, DecodeGraphs) by (kind, sequences, max_seq_len), reused by the next
 #: generate call of that shape on a GPU; dropped with the model
 _SPARES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[Any, Any]]] = weakref.WeakKeyDictionary()
+
+
+def _weight_addresses(model: Any) -> tuple[int, ...]:
+    return tuple(p.data_ptr() for p in model.parameters())
 
 
 class Runner:
@@ -77,12 +81,13 @@ class Runner:
                 )
             if cuda_graphs is not False:  # whole 16-token blocks: the graphed step reads the cache by block
                 max_seq_len = -(-max_seq_len // 16) * 16
-            # graphs read the weights where they were at capture: a moved or reassigned parameter voids them
-            self._spare_key = (cache, num_sequences, max_seq_len, tuple(p.data_ptr() for p in model.parameters()))
+            self._spare_key = (cache, num_sequences, max_seq_len)
             reuse = cuda_graphs is not False and self.device.type == "cuda"
             spare = _SPARES.get(model, {}).pop(self._spare_key, None) if reuse else None
-            if spare is not None:  # the cache and captured graphs an earlier call of the same shape left idle
-                self.cache, self.graphs = spare
+            # graphs read the weights where they were at capture: a moved or reassigned parameter voids them
+            if spare is not None and spare[0] == _weight_addresses(model):
+                # the cache and captured graphs an earlier call of the same shape left idle
+                _, self.cache, self.graphs = spare
                 self._next_id, self._ids, self._tokens = 0, set(), {}
                 return
             cache = make_cache(cache, model.config, batch_size=num_sequences, max_seq_len=max_seq_len,
@@ -148,7 +153,8 @@ class Runner:
         if self.graphs is not None and self.owned and not self.cache.sequences():  # type: ignore[union-attr]
             # keep the (now empty) cache and its captured graphs for the next call of this shape, as
             # transformers keeps its static cache: capturing costs a forward and ~400 kernel records per bucket
-            _SPARES[self.model] = {self._spare_key: (self.cache, self.graphs)}  # one per model: bounded memory
+            # one per model (bounded memory); the addresses are read now, after DecodeGraphs packed the weights
+            _SPARES[self.model] = {self._spare_key: (_weight_addresses(self.model), self.cache, self.graphs)}
 
     def length(self, sid: int) -> int:
         if self.cache is not None:

@@ -1,0 +1,69 @@
+"""Packed projections: linears that read the same input, their weights stacked in one buffer.
+
+At batch 1 a decode step is memory-bound GEMVs, and small ones (the k and v
+projections of a GQA layer are 1 MB each at 1B scale) do not reach the GPU's
+bandwidth: one GEMV over the stacked ``[q; k; v]`` rows does (vLLM's
+``QKVParallelLinear`` and ``MergedColumnParallelLinear``). ``pack_linears_``
+moves each weight into a shared buffer in place (``param.data`` becomes a row
+slice of it): names, values, ``state_dict`` and optimizers see the same
+parameters, and no second copy is kept. ``packed_linear`` finds the stacked
+view again, and says None as soon as a parameter was replaced or moved
+(``.to()``, ``load_state_dict(assign=True)``): the caller then runs the linears
+one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["pack_linears_", "packed_linear"]
+
+
+@torch.no_grad()
+def pack_linears_(linears: Sequence[nn.Linear]) -> None:
+    """Stack the weights (and biases, when all have one) of ``linears`` in one buffer each, in order."""
+    if packed_linear(linears) is not None:
+        return  # already packed
+    for attr in ("weight", "bias"):
+        params = [getattr(lin, attr) for lin in linears]
+        if any(p is None for p in params):
+            continue
+        buffer = torch.cat([p.detach() for p in params])
+        start = 0
+        for p in params:
+            rows = p.shape[0]
+            p.data = buffer[start:start + rows]
+            start += rows
+
+
+def _stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The view covering ``tensors`` when they lie back to back in one storage, else None."""
+    first = tensors[0]
+    expected = first.data_ptr()
+    for t in tensors:
+        if (t.data_ptr() != expected or not t.is_contiguous() or t.dtype != first.dtype
+                or t.shape[1:] != first.shape[1:]):
+            return None
+        expected += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())
+
+
+def packed_linear(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight, bias)`` stacked views of linears packed by ``pack_linears_`` (None: not packed now).
+
+    The views carry no autograd history: use them where no gradient is needed (decode steps).
+    """
+    weight = _stacked([lin.weight for lin in linears])
+    if weight is None:
+        return None
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return weight, None
+    if any(b is None for b in biases):
+        return None
+    bias = _stacked(biases)  # type: ignore[arg-type]
+    return (weight, bias) if bias is not None else None

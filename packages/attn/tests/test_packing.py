@@ -1,0 +1,50 @@
+"""Packed projections: weights restacked in place, same parameters and values, found again or refused."""
+
+from __future__ import annotations
+
+import torch
+from plyx.attn import pack_linears_, packed_linear
+from torch import nn
+
+
+def _linears(bias: bool):
+    torch.manual_seed(0)
+    return [nn.Linear(8, n, bias=bias) for n in (6, 2, 2)]
+
+
+def test_packing_keeps_parameters_and_values():
+    lins = _linears(bias=True)
+    params = [p for lin in lins for p in lin.parameters()]
+    before = [p.detach().clone() for p in params]
+    assert packed_linear(lins) is None  # separate allocations
+    pack_linears_(lins)
+    assert [p for lin in lins for p in lin.parameters()] == params  # the same Parameter objects
+    for p, old in zip(params, before):
+        torch.testing.assert_close(p, old, rtol=0, atol=0)
+    weight, bias = packed_linear(lins)
+    torch.testing.assert_close(weight, torch.cat([lin.weight for lin in lins]), rtol=0, atol=0)
+    torch.testing.assert_close(bias, torch.cat([lin.bias for lin in lins]), rtol=0, atol=0)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(nn.functional.linear(x, weight, bias), torch.cat([lin(x) for lin in lins], -1))
+
+
+def test_an_update_in_place_shows_in_the_stack_and_a_replacement_voids_it():
+    lins = _linears(bias=False)
+    pack_linears_(lins)
+    with torch.no_grad():
+        lins[1].weight.add_(1.0)  # an optimizer step: in place
+    weight, bias = packed_linear(lins)
+    assert bias is None
+    torch.testing.assert_close(weight[6:8], lins[1].weight, rtol=0, atol=0)
+    lins[2].weight = nn.Parameter(lins[2].weight.detach().clone())  # load_state_dict(assign=True), .to(): new storage
+    assert packed_linear(lins) is None
+    pack_linears_(lins)  # packing again works
+    assert packed_linear(lins) is not None
+
+
+def test_gradients_still_flow_through_packed_parameters():
+    lins = _linears(bias=True)
+    pack_linears_(lins)
+    x = torch.randn(4, 8)
+    sum(lin(x).square().sum() for lin in lins).backward()
+    assert all(lin.weight.grad is not None and lin.weight.grad.shape == lin.weight.shape for lin in lins)
