@@ -48,3 +48,14 @@ def test_gradients_still_flow_through_packed_parameters():
     x = torch.randn(4, 8)
     sum(lin(x).square().sum() for lin in lins).backward()
     assert all(lin.weight.grad is not None and lin.weight.grad.shape == lin.weight.shape for lin in lins)
+
+
+def test_adjacent_but_separate_tensors_are_not_a_stack():
+    """Two allocations that happen to sit back to back are not one buffer (the CUDA allocator does this)."""
+    block = torch.zeros(8, 4)
+    lins = [nn.Linear(4, 4, bias=False) for _ in range(2)]
+    lins[0].weight.data = block[:4]
+    lins[1].weight.data = block[4:].clone()  # its own storage, wherever it lands
+    assert packed_linear(lins) is None
+    lins[1].weight.data = block[4:]
+    assert packed_linear(lins) is not None

@@ -42,10 +42,12 @@ def pack_linears_(linears: Sequence[nn.Linear]) -> None:
 def _stacked(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """The view covering ``tensors`` when they lie back to back in one storage, else None."""
     first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
     expected = first.data_ptr()
     for t in tensors:
-        if (t.data_ptr() != expected or not t.is_contiguous() or t.dtype != first.dtype
-                or t.shape[1:] != first.shape[1:]):
+        # one storage, not merely adjacent addresses: the allocator may place separate tensors back to back
+        if (t.untyped_storage().data_ptr() != storage or t.data_ptr() != expected or not t.is_contiguous()
+                or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]):
             return None
         expected += t.numel() * t.element_size()
     rows = sum(t.shape[0] for t in tensors)
