@@ -46,6 +46,12 @@ detector = "prompt_injection"
 action = "block"
 message = "I can't follow instructions that try to override my guidelines."
 
+[[input]]
+id = "redact-email"
+detector = "email"
+action = "redact"
+replacement = "[{LABEL}]"
+
 [[output]]
 id = "redact-villain"
 detector = "regex"
@@ -162,6 +168,29 @@ def test_a_clean_prompt_is_served_and_equals_the_library(served, trained):
     if "villain" in text or "dagger" in text:  # the policy's output rails apply to free text too
         pytest.skip("the greedy continuation holds a marker word; the redaction tests below cover it")
     assert out.choices[0].text == text and out.choices[0].finish_reason == "length"
+
+
+def test_an_input_redaction_is_what_the_model_reads(served, trained):
+    """The policy redacts e-mail addresses in prompts: the served completion is the library's completion
+    of the redacted prompt, and the prompt token count is the redacted prompt's."""
+    from plyx.model import load_checkpoint
+    from plyx.safety import Guard
+    from plyx.serve import SamplingParams, generate
+
+    client, app = served
+    tok = app.state.plyx_test_tokenizer
+    prompt = "SPEAKER 3:\nwrite to kate@example.com, the queen"
+    redacted = Guard(str(app.state.plyx.settings.guardrail_policy)).check_input(prompt).text
+    assert redacted != prompt and "kate@example.com" not in redacted
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    want = generate(load_checkpoint(trained.checkpoint).eval(), [tok.encode(redacted).ids],
+                    SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True), tokenizer=tok)[0]
+    assert out.usage.prompt_tokens == len(tok.encode(redacted).ids) != len(tok.encode(prompt).ids)
+    text = want.outputs[0].text
+    if "villain" in text or "dagger" in text:  # the output rails apply to the continuation too
+        pytest.skip("the greedy continuation holds a marker word; the output-rail tests cover it")
+    assert out.choices[0].text == text
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -34,9 +34,11 @@ class Rails:
 
     @hookimpl
     def plyx_on_request_received(self, request, context):
-        self.contexts.append(context)
+        self.contexts.append(dict(context))  # as it was when the hook ran
         if "forbidden" in request["prompt_text"]:
             return {"message": "this topic is refused", "rule_id": "topic", "status": 400}
+        if "secret" in request["prompt_text"]:  # an input redaction, as plyx-safety's redact rules do
+            request["prompt_text"] = request["prompt_text"].replace("secret", "hello")
         return None
 
     @hookimpl
@@ -78,3 +80,23 @@ def test_output_rail_filters_and_blocks(server, rails, bpe, greedy_reference, se
                             "ignore_eos": True}).json()["choices"][0]
     assert long["finish_reason"] == "content_filter" and len(long["text"]) <= 40
     assert rails.responses[-1]["status"] == 200 and rails.responses[-1]["finish_reason"] == "content_filter"
+
+
+def test_input_rail_redaction_reaches_the_model(server, rails, bpe, greedy_reference, server_lm):
+    """The server tokenizes the rewritten prompt_text: the model sees the redacted prompt, not the original."""
+    body = {"model": "tiny", "prompt": "secret world", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers, json=body).json()
+    redacted = bpe.encode("hello world").ids
+    want = greedy_reference(server_lm, bpe, redacted, 6, ignore_eos=True)
+    assert r["choices"][0]["text"] == want.text.replace("x", "*")
+    assert r["usage"]["prompt_tokens"] == len(redacted) != len(bpe.encode("secret world").ids)
+    assert rails.contexts[-1]["request_id"] == r["id"]  # the hooks see the response's id
+
+
+def test_redacting_one_of_several_prompts(server, rails, bpe, greedy_reference, server_lm):
+    body = {"model": "tiny", "prompt": ["secret world", "hello there"], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}
+    r = httpx.post(server.base_url + "/v1/completions", headers=server.headers, json=body).json()
+    texts = [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])]
+    for prompt, text in zip(["hello world", "hello there"], texts):
+        assert text == greedy_reference(server_lm, bpe, bpe.encode(prompt).ids, 4, ignore_eos=True).text.replace("x", "*")

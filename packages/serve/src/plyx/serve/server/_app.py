@@ -24,7 +24,7 @@ from fastapi import FastAPI
 from plyx.serve.engine import AsyncEngine, Engine, QueueFullError
 from plyx.serve.server._chat import ChatTemplate, ChatTemplateError, load_chat_template
 from plyx.serve.server._errors import APIError, error_response, from_config_error, from_validation_error
-from plyx.serve.server._generation import Job, chat_logprobs, completion_logprobs, sse
+from plyx.serve.server._generation import Job, chat_logprobs, completion_logprobs, new_job_id, sse
 from plyx.serve.server._metrics import ServerMetrics
 from plyx.serve.server._protocol import (
     ChatCompletionRequest,
@@ -362,6 +362,23 @@ def _completion_prompts(state: _State, prompt: Any) -> tuple[list[list[int]], li
     return ids, texts
 
 
+def _reencode(state: _State, kind: str, text: str, count: int) -> list[list[int]]:
+    """The token ids of a prompt an input rail rewrote (chat: the rendered conversation; completions:
+    the prompts, joined by newlines when there are several, as the hook saw them)."""
+    tok = _need_tokenizer(state)
+    texts = [text] if count == 1 else text.split("\n")
+    if len(texts) != count:
+        raise APIError(400, f"a guardrail rewrote this request's {count} prompts into a text that no longer "
+                       f"splits into {count}; send one prompt per request", param="prompt", code="invalid_value")
+    ids = [_encode(tok, t, special=kind != "chat") for t in texts]
+    for i, p in enumerate(ids):
+        try:
+            state.engine.check_prompt(p, where=f"prompt[{i}] (after the guardrail's rewrite)")
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
+    return ids
+
+
 def _clamp(engine: Engine, prompts: list[list[int]], params: Any, explicit: bool) -> Any:
     """Reject an explicit max_tokens that does not fit the context (as OpenAI does); clamp a default one."""
     longest = max(len(p) for p in prompts)
@@ -381,7 +398,8 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
                     prompts: list[list[int]], params: Any, raw: dict[str, Any], prompt_text: str) -> Response:
     settings = state.settings
     hook = _pm()
-    context = {"request_id": "", "client": request.client.host if request.client else "", "endpoint":
+    job_id = new_job_id(kind)  # known before the hooks run, so audit records carry it
+    context = {"request_id": job_id, "client": request.client.host if request.client else "", "endpoint":
                request.url.path, "guardrail_policy": settings.guardrail_policy}
     hook_request = {**raw, "prompt_text": prompt_text}
     refusal = hook.plyx_on_request_received(request=hook_request, context=context)
@@ -397,12 +415,15 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
         raise APIError(429, f"too many requests in flight ({settings.max_concurrent}); retry later",
                        code="too_many_requests")
 
+    rewritten = hook_request.get("prompt_text")
+    if isinstance(rewritten, str) and rewritten != prompt_text:  # an input rail redacted the prompt
+        prompts = _reencode(state, kind, rewritten, len(prompts))
+
     def make_filters() -> list[Any]:
         lists = hook.plyx_output_filters(request=hook_request, context=context)
         return [f for group in lists or () for f in (group or ())]
 
-    job = Job(state.aengine, prompts, params, make_filters, kind)
-    context["request_id"] = job.id
+    job = Job(state.aengine, prompts, params, make_filters, kind, job_id=job_id)
     state.inflight += 1
     try:
         await job.start()

@@ -14,7 +14,7 @@ from plyx.serve._outputs import TokenLogprob
 from plyx.serve._params import SamplingParams
 from plyx.serve.engine import AsyncEngine, EngineOutput, RequestStream
 
-__all__ = ["Choice", "Job"]
+__all__ = ["Choice", "Job", "new_job_id"]
 
 
 class Choice:
@@ -50,6 +50,11 @@ class Choice:
         return None
 
 
+def new_job_id(kind: str) -> str:
+    """The response id of an API call (``chatcmpl-...`` or ``cmpl-...``, as OpenAI's)."""
+    return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+
 class Job:
     """The engine requests of one API call (one per prompt) and their choices (``prompt * n + index``).
 
@@ -59,11 +64,11 @@ class Job:
     """
 
     def __init__(self, aengine: AsyncEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 make_filters: Any, kind: str) -> None:
+                 make_filters: Any, kind: str, job_id: str | None = None) -> None:
         self.aengine = aengine
         self.prompts = [list(p) for p in prompts]
         self.params = params
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = job_id or new_job_id(kind)
         self.created = int(time.time())
         self.choices = [Choice(i, make_filters()) for i in range(len(prompts) * params.n)]
         self.streams: list[RequestStream] = []
