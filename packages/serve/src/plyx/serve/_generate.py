@@ -383,6 +383,9 @@ def generate(
         cuda_graphs: replay the one-token decode step as CUDA graphs (``DecodeGraphs``). None (the
             default): on when the model is on a GPU and the cache is block-addressable (contiguous,
             paged); True insists (an error names why it cannot); False runs every step eagerly.
+            With graphs, each layer's q/k/v and gate/up weights are restacked in place
+            (``TransformerLM.pack_projections_``: same parameters and values) so a step runs one GEMV
+            per group, and the cache and graphs of the call are kept for the next call of its shape.
 
     Returns:
         One ``RequestOutput`` per prompt, in order, each with ``n`` ``CompletionOutput``.
