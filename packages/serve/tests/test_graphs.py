@@ -280,3 +280,38 @@ def test_static_step_with_packed_projections_per_architecture(arch, tmp_path):
     again = load_hf(tmp_path / "packed")
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_greedy_tokens_from_the_graph_change_no_output(make_model, monkeypatch):
+    """Plain greedy rows take the argmax computed in the step's graph (here: its eager stand-in) instead of
+    sampling after it; tokens, finish reasons and EOS endings are those of the plain loop."""
+    from plyx.serve import _generate, _runner
+
+    model = make_model(vocab=96, seed=13)
+    prompts = [[3, 4, 5, 6], [9, 8], [1, 2, 3, 4, 5, 6, 7], [40]]
+    params = [SamplingParams(temperature=0, max_new_tokens=m) for m in (9, 3, 14, 6)]
+
+    def run(eos):
+        outs = generate(model, prompts, params, eos_token_id=eos, cache="paged")
+        return [(c.token_ids, c.finish_reason) for o in outs for c in o.outputs]
+
+    free = run([95])
+    eos = [free[0][0][2], free[2][0][4]]
+    want = run(eos)
+    calls = []
+    original = _runner.Runner.greedy_step
+
+    def counting(self, seq_ids, tokens):
+        calls.append(len(seq_ids))
+        return original(self, seq_ids, tokens)
+
+    monkeypatch.setattr(_runner.Runner, "_decode_graphs",
+                        lambda self, wanted, n: DecodeGraphs(self.model, self.cache, max_batch=n, capture=False))
+    monkeypatch.setattr(_runner.Runner, "greedy_step", counting)
+    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: True)
+    assert run(eos) == want
+    assert len(calls) >= 3  # every look-ahead step of the run (rows end by EOS after a few tokens)
+    calls.clear()
+    sampled = [SamplingParams(temperature=0, max_new_tokens=4, repetition_penalty=1.3)]  # a processor: not plain
+    generate(model, [[3, 4]], sampled, cache="paged")
+    assert not calls

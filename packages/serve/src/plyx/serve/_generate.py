@@ -149,6 +149,14 @@ def _seeded(p: SamplingParams, index: int, device: torch.device) -> torch.Genera
     return gen
 
 
+def _plain_greedy(pipeline: LogitsPipeline, rows: Sequence[Completion]) -> bool:
+    """Every row greedy through the built-in sampler, nothing processing the logits, no log-probs asked."""
+    from plyx.serve._processors import GreedySampler
+
+    return (not pipeline.processors and len(pipeline.samplers) == 1
+            and type(pipeline.samplers[0][0]) is GreedySampler and all(c.params.logprobs is None for c in rows))
+
+
 def _looks_ahead(device: torch.device) -> bool:
     """Queue step N + 1 before reading step N's tokens: only where the device runs asynchronously (CUDA);
     on a CPU the forward runs inline, so looking ahead would only add the rows that end by EOS."""
@@ -291,12 +299,19 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
             state = SamplingState.for_prompts([c.prompt_ids for c in active], plan.vocab, device,
                                               [c.generator for c in active], generator)
             pipeline = _pipeline(plan, active)
+            # plain greedy rows (no processor, no grammar, no log-probs) take their tokens from the graph
+            # that computed the logits: no sampler launch from Python between two replays
+            plain = _plain_greedy(pipeline, active)
+            greedy_next: torch.Tensor | None = None
         while True:
             events: list[StreamEvent] = []
             with torch.inference_mode():
-                processed = pipeline.process(logits, state)
-                tokens = pipeline.sample(processed, state)  # [B] on device
-                state.update(tokens)
+                if greedy_next is not None:
+                    tokens = greedy_next  # the graph's argmax of these logits, the greedy sampler's kernel
+                else:
+                    processed = pipeline.process(logits, state)
+                    tokens = pipeline.sample(processed, state)  # [B] on device
+                    state.update(tokens)
                 lps = _token_logprobs(logits, tokens, active)
                 # Look ahead: queue the next forward before reading the tokens on the host, for every row
                 # that can go on by length (whether a token is EOS or ends a stop string is known only
@@ -304,11 +319,16 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
                 # turns out finished wasted one row of that step; its sequence is evicted below.
                 host_tokens = _to_host(tokens)
                 ahead_rows = [i for i, c in enumerate(active) if len(c.token_ids) + 1 < c.limit]
-                ahead = None
+                ahead = ahead_greedy = None
                 if ahead_rows and runner.cache is not None and _looks_ahead(device):
                     ahead_tokens = tokens if len(ahead_rows) == len(active) else \
                         tokens.index_select(0, torch.as_tensor(ahead_rows, device=device))
-                    ahead = runner.step([active[i].seq_id for i in ahead_rows], ahead_tokens)
+                    ahead_ids = [active[i].seq_id for i in ahead_rows]
+                    both = runner.greedy_step(ahead_ids, ahead_tokens) if plain else None
+                    if both is not None:
+                        ahead, ahead_greedy = both
+                    else:
+                        ahead = runner.step(ahead_ids, ahead_tokens)
                 host = host_tokens()  # the step's one wait for the device
                 keep: list[int] = []
                 for i, c in enumerate(active):
@@ -324,11 +344,15 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
                     tokens = tokens.index_select(0, torch.as_tensor(keep, device=device))
                     state = state.select(keep)
                     pipeline = _pipeline(plan, active)
+                greedy_next = None
                 if ahead is not None and keep:
                     position = {row: j for j, row in enumerate(ahead_rows)}
                     picked = [position[i] for i in keep]  # every kept row was looked ahead (limit not reached)
-                    logits = ahead if len(picked) == len(ahead_rows) else \
-                        ahead.index_select(0, torch.as_tensor(picked, device=device))
+                    every = len(picked) == len(ahead_rows)
+                    index = None if every else torch.as_tensor(picked, device=device)
+                    logits = ahead if index is None else ahead.index_select(0, index)
+                    if ahead_greedy is not None:
+                        greedy_next = ahead_greedy if index is None else ahead_greedy.index_select(0, index)
             yield from events  # the next forward is already queued: a streaming client sees tokens at once
             if not keep:
                 return

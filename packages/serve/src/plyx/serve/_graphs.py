@@ -62,7 +62,7 @@ class DecodeGraphs:
         if self.buckets[-1] > max_batch or self.buckets[0] < 1:
             raise ValueError(f"buckets {self.buckets} must lie in [1, max_batch={max_batch}]")
         self.max_batch = self.buckets[-1]
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool: Any = None
         self.steps = 0  # every step run here
         self.replays = 0  # the steps that replayed a captured graph
@@ -73,8 +73,13 @@ class DecodeGraphs:
         return self.buckets[i] if i < len(self.buckets) else None
 
     @torch.inference_mode()
-    def step(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[int]) -> torch.Tensor:
-        """Feed each sequence its one new token (``[B]`` on device, or host ints); logits ``[B, V]`` (float32)."""
+    def step(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[int], *, greedy: bool = False) -> Any:
+        """Feed each sequence its one new token (``[B]`` on device, or host ints); logits ``[B, V]`` (float32).
+
+        ``greedy`` also returns each row's argmax token ``[B]``, computed inside the graph by the same
+        fused kernel as the greedy sampler: plain greedy decoding then launches nothing from Python
+        between two replays.
+        """
         B = len(seq_ids)
         bucket = self.bucket(B)
         if bucket is None:
@@ -82,34 +87,40 @@ class DecodeGraphs:
         self.decode.prepare(seq_ids, tokens, bucket)
         self.steps += 1
         if not self.capture:
-            return self._forward(bucket)[:B]
-        entry = self._graphs.get(bucket)
-        if entry is None:
-            return self._capture(bucket)[:B]
-        graph, out = entry
-        graph.replay()
-        self.replays += 1
-        return out[:B]
+            out = self._forward(bucket, greedy)
+        elif (entry := self._graphs.get((bucket, greedy))) is None:
+            out = self._capture(bucket, greedy)
+        else:
+            graph, out = entry
+            graph.replay()
+            self.replays += 1
+        return (out[0][:B], out[1][:B]) if greedy else out[:B]
 
-    def _forward(self, bucket: int) -> torch.Tensor:
+    def _forward(self, bucket: int, greedy: bool) -> Any:
         ids, positions, step = self.decode.inputs(bucket)
-        return self.model(ids, position_ids=positions, kv_step=step)[:, -1]  # [bucket, V]
+        logits = self.model(ids, position_ids=positions, kv_step=step)[:, -1]  # [bucket, V]
+        if not greedy:
+            return logits
+        from plyx.serve._processors import GreedySampler
 
-    def _capture(self, bucket: int) -> torch.Tensor:
+        return logits, GreedySampler()(logits, None)  # type: ignore[arg-type]  # greedy reads no state
+
+    def _capture(self, bucket: int, greedy: bool) -> Any:
         # warm-up on a side stream (torch's rule for capture): this step's real result, kernels compiled
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            logits = self._forward(bucket)
+            result = self._forward(bucket, greedy)
         torch.cuda.current_stream().wait_stream(side)
-        logits.record_stream(torch.cuda.current_stream())  # allocated on the side stream, read on this one
+        for t in result if greedy else (result,):
+            t.record_stream(torch.cuda.current_stream())  # allocated on the side stream, read on this one
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
             # capturing records the kernels without running them: the cache is not written twice
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(bucket)
+                out = self._forward(bucket, greedy)
         except RuntimeError as exc:  # a kernel that syncs with the host (a reference fallback) cannot be captured
             torch.cuda.synchronize()
             warnings.warn(
@@ -117,11 +128,11 @@ class DecodeGraphs:
                 f"(a kernel the registry chose syncs with the host; `plyx kernels explain paged_attention` "
                 f"shows which): {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=3)
             self.capture = False
-            return logits
-        self._graphs[bucket] = (graph, out)
-        return logits
+            return result
+        self._graphs[(bucket, greedy)] = (graph, out)
+        return result
 
     @property
     def captured(self) -> list[int]:
-        """The buckets captured so far."""
-        return sorted(self._graphs)
+        """The buckets captured so far (with or without the greedy token output)."""
+        return sorted({bucket for bucket, _ in self._graphs})

@@ -199,6 +199,12 @@ class Runner:
         hidden = self.model(ids, return_hidden=True, **kwargs)[:, -1]  # [B, D]
         return torch.matmul(hidden, head.t()).float()  # [B, V]
 
+    def greedy_step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``step`` plus each row's greedy token, both from one replayed graph; None where no graph runs it."""
+        if self.graphs is None or self.graphs.bucket(len(seq_ids)) is None:
+            return None
+        return self.graphs.step(seq_ids, tokens, greedy=True)  # type: ignore[no-any-return]
+
     def step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
         """One token per sequence (``tokens`` [B] on device, no host copy); returns ``[B, V]``."""
         if self.cache is None:
