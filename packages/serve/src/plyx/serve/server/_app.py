@@ -519,21 +519,21 @@ async def _stream(state: _State, job: Job, kind: str, include_usage: bool, finis
                                             "logprobs": None, "finish_reason": None} for c in job.choices]})
         async for batch in job.batches():
             parts = []
-            for choice, text, lps in batch:
+            for choice, text, lps, finish_reason in batch:
                 want_lp = job.params.logprobs is not None and lps
                 if kind == "chat":
                     delta = {"content": text} if text else {}
                     entry = {"index": choice.index, "delta": delta,
                              "logprobs": chat_logprobs(tok, lps) if want_lp else None,
-                             "finish_reason": choice.finish_reason}
+                             "finish_reason": finish_reason}
                 else:
-                    entry = {"index": choice.index, "text": text, "finish_reason": choice.finish_reason,
+                    entry = {"index": choice.index, "text": text, "finish_reason": finish_reason,
                              "logprobs": completion_logprobs(tok, lps, offsets[choice.index]) if want_lp else None}
                     offsets[choice.index] += len(text)
                 # completions: one chunk per token event, text or not (a held-back partial character or
                 # stop-string prefix still shows the client progress, and ITL is measured per token); chat:
                 # deltas with content
-                if kind != "chat" or text or choice.finish_reason is not None or want_lp:
+                if kind != "chat" or text or finish_reason is not None or want_lp:
                     parts.append(head + encode(entry) + b"]}\n\n")
             if parts:  # the events that were ready together leave in one write
                 yield parts[0] if len(parts) == 1 else b"".join(parts)

@@ -17,6 +17,12 @@ from plyx.serve.engine import AsyncEngine, EngineOutput, RequestStream
 __all__ = ["Choice", "Job", "new_job_id"]
 
 
+#: one streamed piece of a choice: (choice, new text, its log-probs, the finish reason this event set or None).
+#: The finish reason travels with the event: a batch of several events read together must not show the
+#: choice's final state on every chunk.
+Event = tuple["Choice", str, list[TokenLogprob], "str | None"]
+
+
 class Choice:
     """One returned choice: prompt ``p``'s completion ``i``, its text after the output rails, and its logprobs."""
 
@@ -91,13 +97,13 @@ class Job:
             for s in self.streams:
                 self.aengine.abort(s.request_id)
 
-    async def events(self) -> AsyncIterator[tuple[Choice, str, list[TokenLogprob]]]:
+    async def events(self) -> AsyncIterator[Event]:
         """(choice, new text, new logprobs) as tokens arrive; the last event of a choice has its finish_reason."""
         async for batch in self.batches():
             for ev in batch:
                 yield ev
 
-    async def batches(self) -> AsyncIterator[list[tuple[Choice, str, list[TokenLogprob]]]]:
+    async def batches(self) -> AsyncIterator[list[Event]]:
         """The events of ``events()``, grouped: every event ready now (a streaming reply writes each group at
         once, so a reader that fell behind the engine catches up with one socket write, not one per token)."""
         if len(self.streams) == 1:  # the common case: read the one stream directly, no relay task
@@ -143,7 +149,7 @@ class Job:
             if not self.done:
                 self.abort()
 
-    async def _single(self) -> AsyncIterator[list[tuple[Choice, str, list[TokenLogprob]]]]:
+    async def _single(self) -> AsyncIterator[list[Event]]:
         stream = self.streams[0]
         try:
             while outs := await stream.next_batch():
@@ -156,7 +162,7 @@ class Job:
             if not self.done:
                 self.abort()
 
-    def _apply(self, p: int, out: EngineOutput) -> list[tuple[Choice, str, list[TokenLogprob]]]:
+    def _apply(self, p: int, out: EngineOutput) -> list[Event]:
         choice = self.choices[p * self.params.n + out.index]
         if choice.finish_reason is not None:
             return []
@@ -165,7 +171,7 @@ class Job:
             for c in self.choices[p * self.params.n:(p + 1) * self.params.n]:
                 if c.finish_reason is None:
                     c.finish_reason = "abort"
-                    events.append((c, c.flush(), []))
+                    events.append((c, c.flush(), [], "abort"))
             return events
         ev = out.event
         assert ev is not None
@@ -179,12 +185,12 @@ class Job:
             choice.finish_reason = "content_filter"
             if all(c.finish_reason is not None for c in self.choices[p * self.params.n:(p + 1) * self.params.n]):
                 self.aengine.abort(f"{self.id}-{p}")
-            return [(choice, text, new_lp)]
+            return [(choice, text, new_lp, choice.finish_reason)]
         if ev.finish_reason is not None:
             choice.finish_reason = ev.finish_reason
             text += choice.flush()
         choice.text += text
-        return [(choice, text, new_lp)]
+        return [(choice, text, new_lp, choice.finish_reason)]
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(p) for p in self.prompts)
