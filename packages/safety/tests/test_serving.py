@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from plyx.safety import AuditLog, Guard, activate
@@ -63,8 +64,10 @@ def test_request_and_response_rails_through_the_hooks(tmp_path):
                           context=context)
 
     raw = (tmp_path / "audit.jsonl").read_text()
+    # fingerprints and the client are 16-hex-digit digests: a digest may contain "4111" by chance
+    readable = re.sub(r'"[0-9a-f]{16}"', '"<digest>"', raw)
     for leaked in ("4111", "jane", "555 0132", "10.0.0.7", "Ignore all"):
-        assert leaked not in raw
+        assert leaked not in readable
     records = [json.loads(line) for line in raw.splitlines()]
     assert [(r["event"], r.get("rule_id"), r["request_id"]) for r in records] == [
         ("rule", "inj", "r1"), ("rule", "cards-in", "r2"), ("rule", "pii-out", "r2"), ("response", None, "r2")]
