@@ -71,7 +71,7 @@ def gpu_breakdown(model, prompts, top: int) -> None:
         tokens = model(torch.tensor(prompts, device="cuda"), cache=cache, seq_ids=seq_ids)[:, -1].argmax(-1)
         graphs = DecodeGraphs(model, cache, max_batch=len(prompts))
         graphs.step(seq_ids, tokens)  # captures
-        graph, _ = graphs._graphs[graphs.bucket(len(prompts))]
+        graph, _ = graphs._graphs[(graphs.bucket(len(prompts)), False)]  # (bucket, greedy output)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()

@@ -9,7 +9,7 @@ from plyx.attn._contiguous import ContiguousKVCache
 from plyx.attn._decode import StaticDecode, supports_static_decode
 from plyx.attn._factory import cache_kinds, cache_layout, make_cache
 from plyx.attn._norm import RMSNorm
-from plyx.attn._packing import pack_linears_, packed_linear
+from plyx.attn._packing import pack_linears_, packed_for_inference, packed_linear
 from plyx.attn._paged import PagedKVCache
 from plyx.attn._step import PAGED_MAX_QUERY, KVStep, begin_step
 
@@ -26,6 +26,7 @@ __all__ = [
     "cache_layout",
     "make_cache",
     "pack_linears_",
+    "packed_for_inference",
     "packed_linear",
     "supports_static_decode",
 ]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from plyx.attn._kernels import kernel
 from plyx.attn._norm import RMSNorm
-from plyx.attn._packing import pack_linears_, packed_linear
+from plyx.attn._packing import pack_linears_, packed_for_inference
 from plyx.attn._step import KVStep
 from torch import nn
 
@@ -99,7 +99,7 @@ class Attention(nn.Module):
             ``[B, T, D]``.
         """
         B, T, _ = x.shape
-        packed = self._packed() if step is not None and step.slots is not None else None
+        packed = packed_for_inference((self.q_proj, self.k_proj, self.v_proj)) if step is not None and step.slots is not None else None
         if packed is not None:
             q, k, v = self._project_packed(x, cos, sin, *packed)
         else:
@@ -126,10 +126,6 @@ class Attention(nn.Module):
         """Stack the q, k and v weights in one buffer (same parameters and values): one GEMV per decode step."""
         pack_linears_((self.q_proj, self.k_proj, self.v_proj))
 
-    def _packed(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        if torch.is_grad_enabled() and self.q_proj.weight.requires_grad:
-            return None  # the stacked view has no autograd history
-        return packed_linear((self.q_proj, self.k_proj, self.v_proj))
 
     def _project_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["pack_linears_", "packed_linear"]
+__all__ = ["pack_linears_", "packed_for_inference", "packed_linear"]
 
 
 @torch.no_grad()
@@ -69,3 +69,10 @@ def packed_linear(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Ten
         return None
     bias = _stacked(biases)  # type: ignore[arg-type]
     return (weight, bias) if bias is not None else None
+
+
+def packed_for_inference(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``packed_linear``, or None when this call could need gradients (the stacked views have no history)."""
+    if torch.is_grad_enabled() and any(p.requires_grad for lin in linears for p in lin.parameters()):
+        return None
+    return packed_linear(linears)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from plyx.attn import Attention, KVStep, RMSNorm, begin_step, pack_linears_, packed_linear
+from plyx.attn import Attention, KVStep, RMSNorm, begin_step, pack_linears_, packed_for_inference
 from plyx.specs.config.model import ModelConfig
 from plyx.specs.kvcache import KVCache
 from torch import nn
@@ -59,7 +59,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, *, packed: bool = False) -> torch.Tensor:
         """``packed``: use the stacked gate/up weight when there is one (static decode steps, no gradient)."""
-        stacked = packed_linear((self.gate_proj, self.up_proj)) if packed and not torch.is_grad_enabled() else None
+        stacked = packed_for_inference((self.gate_proj, self.up_proj)) if packed else None
         if stacked is not None:
             gate, up = F.linear(x, *stacked).chunk(2, dim=-1)  # one GEMV; the swiglu kernel takes the row stride
         else:
