@@ -16,8 +16,6 @@ with the official ``openai`` client:
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -80,24 +78,11 @@ def policy(tmp_path_factory) -> Path:
 @contextlib.contextmanager
 def _uvicorn(app: Any) -> Iterator[str]:
     """uvicorn on 127.0.0.1 (a free port) in a daemon thread; stopped, and waited for, on exit."""
-    import uvicorn
+    from plyx.serve.server import serve_in_thread
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            server.should_exit = True
-            raise RuntimeError("uvicorn did not start on 127.0.0.1")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        assert not thread.is_alive(), "the server did not stop within 30 s"
+    with serve_in_thread(app, timeout_graceful_shutdown=5) as running:
+        yield running.base_url
+    assert not running.thread.is_alive(), "the server did not stop within 30 s"
 
 
 @pytest.fixture(scope="module")

@@ -214,11 +214,8 @@ def run_client(url: str, reqs: list[Request], max_concurrency: int, on_warm: Any
 
 def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.Namespace, prefix_caching: bool
                ) -> dict[str, Any]:
-    import threading
-
-    import uvicorn
     from plyx.serve.engine import Engine, EngineConfig
-    from plyx.serve.server import ServerSettings, create_app
+    from plyx.serve.server import ServerSettings, create_app, serve_in_thread
 
     max_len = max(len(r.prompt) + r.output_len for r in reqs)
     engine = Engine(model, tokenizer=tokenizer, config=EngineConfig(
@@ -227,14 +224,6 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
         mixed_chunk=(16 if args.device.startswith("cuda") else 0) if args.mixed_chunk < 0 else args.mixed_chunk))
     app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000,
                                                      switch_interval=args.switch_interval))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the uvicorn server thread exited before it started; see its log above")
-        time.sleep(0.01)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1/completions"
     marks: dict[str, int] = {}
 
     def on_warm() -> None:  # between warm-up and measured run; the engine thread is idle by then
@@ -246,11 +235,8 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
         marks["step_s"] = aengine.step_seconds
 
     aengine = app.state.plyx.aengine
-    try:
-        timings, duration = run_client(url, reqs, args.max_concurrency, on_warm)
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with serve_in_thread(app) as running:
+        timings, duration = run_client(running.base_url + "/v1/completions", reqs, args.max_concurrency, on_warm)
     p = engine.prefix
     extra = {"prefix_caching": prefix_caching, "preemptions": engine.stats.preemptions - marks["preemptions"],
              "engine_steps": engine.stats.steps - marks["steps"],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -95,22 +94,10 @@ class Running:
 
 @contextlib.contextmanager
 def serve(app: Any) -> Iterator[Running]:
-    import uvicorn
+    from plyx.serve.server import serve_in_thread
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.01)
-    try:
-        yield Running(app, server, thread)
-    finally:
-        server.should_exit = True
-        thread.join(30)
+    with serve_in_thread(app, start_timeout=30, timeout_graceful_shutdown=5) as running:
+        yield Running(app, running.server, running.thread)
 
 
 def make_app(model: Any, tok: Any, *, engine_kw: dict[str, Any] | None = None, **settings: Any) -> Any:

@@ -25,10 +25,12 @@ __all__ = [
     "APIError",
     "ChatTemplate",
     "ServerSettings",
+    "ServerThread",
     "build_server",
     "create_app",
     "load_chat_template",
     "serve_config_from_args",
+    "serve_in_thread",
 ]
 
 _LAZY = {
@@ -38,6 +40,8 @@ _LAZY = {
     "ChatTemplate": "plyx.serve.server._chat",
     "load_chat_template": "plyx.serve.server._chat",
     "APIError": "plyx.serve.server._errors",
+    "ServerThread": "plyx.serve.server._thread",
+    "serve_in_thread": "plyx.serve.server._thread",
 }
 
 
