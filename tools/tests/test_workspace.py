@@ -54,7 +54,9 @@ def test_internal_range_disagreement(tree):
 
 
 def test_undeclared_internal_dependency(tree):
-    _edit(tree / "packages/governance/pyproject.toml", "'plyx-specs>=1.0,<2'", "'plyx-specs>=1.0,<2', 'plyx-kernel>=1.0,<2'")
+    pyproject = tree / "packages/governance/pyproject.toml"
+    specs = re.search(r"'plyx-specs>=[^']*'", pyproject.read_text()).group(0)  # whatever its range is today
+    _edit(pyproject, specs, f"{specs}, 'plyx-kernel>=1.0,<2'")
     problems = workspace.check(tree)
     assert any("depends on plyx-kernel, which workspace.toml does not list for governance" in p for p in problems)
 
