@@ -16,23 +16,14 @@ import statistics
 import time
 
 import torch
-from plyx.kernel.attention import attention_reference, paged_attention_reference
+from plyx.kernel.attention import paged_attention_reference
+from plyx.kernel.attention._reference import paged_attention_per_sequence
 
 SIZES = {"batch": 32, "contexts": (64, 512), "heads": 4, "kv_heads": 2, "head_dim": 16, "block_size": 16,
          "new_tokens": [1, 4], "repeats": 30}
 
 
-def per_sequence_loop(q, k_pool, v_pool, block_tables, context_lens, *, window=None):
-    """The reference as it was before batching: one dense attention per sequence (the "before" figure)."""
-    block_size, KV, D = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
-    out = []
-    for b, length in enumerate(context_lens.tolist()):
-        n_blocks = -(-length // block_size)
-        blocks = block_tables[b, :n_blocks].long()
-        k = k_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]
-        v = v_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]
-        out.append(attention_reference(q[b : b + 1], k[None], v[None], causal=True, window=window))
-    return torch.cat(out, dim=0)
+per_sequence_loop = paged_attention_per_sequence  # the reference as it was before batching (the "before" figure)
 
 
 def _median_ms(fn, repeats: int) -> float:

@@ -12,22 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from plyx.kernel.attention import attention_reference, paged_attention_reference
+from plyx.kernel.attention import paged_attention_reference
+from plyx.kernel.attention._reference import paged_attention_per_sequence
 
 from .conftest import rel_err
 
-
-def _loop(q, k_pool, v_pool, block_tables, context_lens, *, scale=None, window=None):
-    """The former reference: one sequence at a time."""
-    block_size, KV, D = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
-    out = []
-    for b, length in enumerate(context_lens.tolist()):
-        n_blocks = -(-length // block_size)
-        blocks = block_tables[b, :n_blocks].long()
-        k = k_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]
-        v = v_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]
-        out.append(attention_reference(q[b : b + 1], k[None], v[None], causal=True, scale=scale, window=window))
-    return torch.cat(out, dim=0)
+_loop = paged_attention_per_sequence  # the former reference: one sequence at a time
 
 
 def _case(B, Tq, H, KV, D, block_size, *, zero_tail, dtype=torch.float64):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from plyx.kernel.attention._checks import check_attention, check_paged
 
-__all__ = ["allowed_mask", "attention_reference", "paged_attention_reference"]
+__all__ = ["allowed_mask", "attention_reference", "paged_attention_per_sequence", "paged_attention_reference"]
 
 
 def allowed_mask(
@@ -187,3 +187,22 @@ def paged_attention_reference(
     p = (e / e.sum(dim=-1, keepdim=True)).view(B, KV, group * Tq, S)
     o = (p @ v).view(B, KV, group, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, H, D)
     return o.to(q.dtype)
+
+
+def paged_attention_per_sequence(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                 block_tables: torch.Tensor, context_lens: torch.Tensor, *,
+                                 scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """The paged-attention contract one sequence at a time: gather its blocks, then dense attention.
+
+    Slow and plainly right: the oracle the batched reference is checked against, and the "before"
+    side of its CPU benchmark.
+    """
+    block_size, KV, D = k_pool.shape[1], k_pool.shape[2], k_pool.shape[3]
+    out = []
+    for b, length in enumerate(context_lens.tolist()):
+        n_blocks = -(-length // block_size)
+        blocks = block_tables[b, :n_blocks].long()
+        k = k_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]
+        v = v_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]
+        out.append(attention_reference(q[b : b + 1], k[None], v[None], causal=True, scale=scale, window=window))
+    return torch.cat(out, dim=0)
