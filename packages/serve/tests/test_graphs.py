@@ -72,6 +72,79 @@ def test_padding_rows_repeat_row_zero(make_model):
     assert positions[:, 0].tolist() == [20, 3, 20, 20]
 
 
+def test_a_prompt_chunk_fills_rows_of_query_len_tokens(make_model):
+    model = make_model(vocab=64)
+    cache = make_cache("paged", model.config, batch_size=4, max_seq_len=64, dtype=torch.float32)
+    decode = StaticDecode(cache, max_batch=4, max_query=4)
+    cache.allocate(0)
+    cache.reserve([0], [14])
+    cache.allocate(1)
+    decode.prepare([1, 0], [[5, 6, 7], [8, 9, 10]], bucket=3, query_len=3)
+    ids, positions, step = decode.inputs(3, query_len=3)
+    assert ids.tolist() == [[5, 6, 7], [8, 9, 10], [5, 6, 7]]  # the padding row repeats row 0
+    assert positions.tolist() == [[0, 1, 2], [14, 15, 16], [0, 1, 2]]
+    assert decode.lens[:3].tolist() == [3, 17, 3]
+    bs, blocks = cache.block_size, list(cache.seq_blocks(0))
+    assert step.slots[3:6].tolist() == [blocks[p // bs] * bs + p % bs for p in (14, 15, 16)]
+    with pytest.raises(ValueError, match="query_len 5 is outside"):
+        decode.prepare([1], [[1] * 5], bucket=1, query_len=5)
+    with pytest.raises(ValueError, match="rows of exactly query_len=3"):
+        decode.prepare([1, 0], [[1, 2, 3], [4, 5]], bucket=2, query_len=3)
+
+
+def test_prefill_chunk_sizes(make_model):
+    model = make_model(vocab=64, n_heads=8, n_kv_heads=1)  # 8 query heads per kv head: 128 // 8 = 16 rows
+    cache = make_cache("paged", model.config, batch_size=2, max_seq_len=512, dtype=torch.float32)
+    graphs = DecodeGraphs(model, cache, max_batch=2, capture=False)
+    assert graphs.max_query == 16
+    assert graphs.chunks(1, 37) == [16, 16, 4, 1]
+    assert graphs.chunks(2, 15) == [8, 4, 2, 1]
+    assert graphs.chunks(1, 1) is None  # a one-token prompt is a decode step's business
+    assert graphs.chunks(3, 20) is None  # above the largest bucket
+    assert graphs.chunks(1, 16 * 12) is not None and graphs.chunks(1, 16 * 12 + 1) is None  # 13 replays: eager
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_prefill_through_chunks_matches_the_ordinary_forward(make_model, kind):
+    """Three prompts of 23 tokens (chunks 16, 4, 2, 1; bucket 4 with a padding row): the last logits,
+    the cache contents and the decode steps after them equal an eager, left-padded forward's."""
+    model = make_model(vocab=96, seed=4)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 96, (23,), generator=g).tolist() for _ in range(3)]
+    caches = [make_cache(kind, model.config, batch_size=4, max_seq_len=48, dtype=torch.float32) for _ in range(2)]
+    with torch.inference_mode():
+        seq_ids, tokens = _prefill(model, caches[0], prompts)
+        graphs = DecodeGraphs(model, caches[1], max_batch=4, capture=False, buckets=[4])
+        want = model(torch.tensor(prompts), cache=make_cache(kind, model.config, batch_size=3, max_seq_len=48,
+                                                             dtype=torch.float32))[:, -1]
+        got = graphs.prefill(seq_ids, prompts)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert graphs.steps == 4
+        for _ in range(3):
+            want = model(tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1]
+            torch.testing.assert_close(graphs.step(seq_ids, tokens), want, rtol=1e-5, atol=1e-5)
+            tokens = want.argmax(-1)
+    for layer in range(model.config.n_layers):
+        for sid in seq_ids:
+            a, b = caches[0].read(layer, sid), caches[1].read(layer, sid)
+            torch.testing.assert_close(b[0], a[0])
+            torch.testing.assert_close(b[1], a[1])
+
+
+def test_prefill_declines_ragged_rows_and_keeps_the_cache_on_failure(make_model):
+    model = make_model(vocab=64)
+    cache = make_cache("paged", model.config, batch_size=2, max_seq_len=32, dtype=torch.float32)
+    graphs = DecodeGraphs(model, cache, max_batch=2, capture=False)
+    assert graphs.prefill([0, 1], [[1, 2, 3], [4, 5]]) is None and not cache.sequences()
+    cache.allocate(7)
+    cache.reserve([7], [20])
+    # chunks 8, 4, 1: sequence 7 holds 28 and 32 tokens after the first two, the third exceeds max_seq_len
+    with pytest.raises(ValueError, match="more than max_seq_len=32"):
+        graphs.prefill([7, 8], [[1] * 13, [2] * 13])
+    assert graphs.steps == 2
+    assert sorted(cache.sequences()) == [7] and cache.length(7) == 20  # all or nothing, as an eager forward
+
+
 def test_contiguous_cache_seen_as_blocks(make_model):
     """The contiguous slab addressed by block: slot ids land where ``read`` finds them."""
     model = make_model(vocab=64)
@@ -135,6 +208,28 @@ def test_generate_with_a_graph_step_equals_without(make_model):
     assert len(made) == 2
 
 
+def test_generate_prefills_equal_prompts_through_chunk_steps(make_model, monkeypatch):
+    """Prompts of one length go through DecodeGraphs.prefill (4 chunk steps for 29 tokens), same tokens."""
+    from plyx.serve import _runner
+
+    model = make_model(vocab=96, seed=6)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 96, (29,), generator=g).tolist() for _ in range(2)]
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in generate(model, prompts, params, cache="paged")]
+    made = []
+
+    def eager_graphs(self, wanted, num_sequences):
+        made.append(DecodeGraphs(self.model, self.cache, max_batch=num_sequences, capture=False))
+        return made[-1]
+
+    monkeypatch.setattr(_runner.Runner, "_decode_graphs", eager_graphs)
+    for kind in ("paged", "contiguous"):
+        got = [o.outputs[0].token_ids for o in generate(model, prompts, params, cache=kind)]
+        assert got == want, kind
+    assert [m.steps for m in made] == [4 + 5, 4 + 5]  # chunks 16, 8, 4, 1, then 5 decode steps
+
+
 @cuda
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 def test_captured_graphs_replay_the_eager_steps(make_model, kind):
@@ -145,6 +240,24 @@ def test_captured_graphs_replay_the_eager_steps(make_model, kind):
     eager = generate(model, prompts, params, cache=kind, cuda_graphs=False)
     graphed = generate(model, prompts, params, cache=kind, cuda_graphs=True)
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
+
+
+@cuda
+def test_captured_prefill_chunks_replay_the_eager_forward(make_model):
+    model = make_model(vocab=128, d_model=256, seed=7).to("cuda", torch.bfloat16)
+    prompts = [list(range(3, 40)), list(range(50, 87))]  # 37 tokens each: chunks 16, 16, 4, 1
+    with torch.inference_mode():
+        eager_cache = make_cache("paged", model.config, batch_size=2, max_seq_len=64, device="cuda",
+                                 dtype=torch.bfloat16)
+        want = model(torch.tensor(prompts, device="cuda"), cache=eager_cache)[:, -1]
+        cache = make_cache("paged", model.config, batch_size=4, max_seq_len=64, device="cuda", dtype=torch.bfloat16)
+        graphs = DecodeGraphs(model, cache, max_batch=2)
+        first = graphs.prefill([0, 1], prompts).clone()  # captures the 16, 4 and 1 chunk graphs
+        again = graphs.prefill([2, 3], prompts)  # replays all four chunks
+        assert graphs.replays == 1 + 4 and graphs.captured == [2]
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+        # bf16 through other kernels (flash attention over the whole prompt): rounding-level differences
+        torch.testing.assert_close(first, want, rtol=0.05, atol=0.05 * float(want.abs().max()))
 
 
 @cuda
@@ -239,11 +352,15 @@ def test_graphs_are_reused_by_the_next_call_of_the_same_shape(make_model):
     again = generate(model, [[1, 2, 3]], params, cache="paged")
     assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
     assert graphs.replays >= 2 * 6  # the second call replayed the first call's graph
+    generate(model, [[1, 2, 3]], params, cache="contiguous")  # another shape: kept beside the first
+    replays = graphs.replays
+    generate(model, [[1, 2, 3]], params, cache="paged")
+    assert graphs.replays > replays and len(_SPARES[model]) == 2
     with torch.no_grad():  # new weights at new addresses: the spare graphs must not be used
         for p in model.parameters():
             p.data = p.data * 1.5
     generate(model, [[1, 2, 3]], params, cache="paged")
-    (_, _, newer), = _SPARES[model].values()
+    newer = _SPARES[model][("paged", 1, 16)][2]
     assert newer is not graphs
 
 

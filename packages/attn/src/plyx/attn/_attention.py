@@ -19,6 +19,7 @@ from plyx.attn._kernels import kernel
 from plyx.attn._norm import RMSNorm
 from plyx.attn._packing import pack_linears_, packed_for_inference
 from plyx.attn._step import KVStep
+from plyx.specs.kernels import KernelNotFoundError
 from torch import nn
 
 __all__ = ["Attention"]
@@ -100,6 +101,11 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         packed = packed_for_inference((self.q_proj, self.k_proj, self.v_proj)) if step is not None and step.slots is not None else None
+        if packed is not None and self.q_norm is None:
+            q = self._project_and_store(x, cos, sin, *packed, step)  # type: ignore[arg-type]
+            if q is not None:  # keys and values are in the cache already
+                out = self._attend_paged(q, step)  # type: ignore[arg-type]
+                return self.o_proj(out.to(x.dtype).reshape(B, T, self.n_heads * self.head_dim))
         if packed is not None:
             q, k, v = self._project_packed(x, cos, sin, *packed)
         else:
@@ -142,14 +148,34 @@ class Attention(nn.Module):
         qk = kernel("rope", qk, cos, sin, head_dim=Dh)(qk, cos, sin)  # (B, T, H + KV, Dh)
         return qk[:, :, :H], qk[:, :, H:], v
 
+    def _project_and_store(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None, step: KVStep) -> torch.Tensor | None:
+        """Static step, packed q/k/v, no QK-norm: one GEMV, then one ``rope_store_kv`` launch turns q and k
+        and writes k and v to their slots (three launches otherwise). Returns q, or None when no
+        ``rope_store_kv`` kernel is installed (an older plyx-kernel): the caller takes the unfused path."""
+        try:
+            B, T, _ = x.shape
+            H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+            qkv = F.linear(x, weight, bias).view(B, T, H + 2 * KV, Dh)  # (B, T, H + 2 KV, Dh)
+            fn = kernel("rope_store_kv", qkv, cos, sin, head_dim=Dh)
+        except KernelNotFoundError:
+            return None
+        k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
+        return fn(qkv, cos, sin, k_pool.view(-1, KV, Dh), v_pool.view(-1, KV, Dh), step.slots,  # type: ignore[no-any-return]
+                  n_heads=H, n_kv_heads=KV)
+
+    def _attend_paged(self, q: torch.Tensor, step: KVStep) -> torch.Tensor:
+        """Paged attention of ``q`` over what ``step`` cached (the new tokens included)."""
+        k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
+        tables, lens = step.paged  # type: ignore[misc]
+        q = q.to(k_pool.dtype)
+        fn = kernel("paged_attention", q, k_pool, v_pool, head_dim=self.head_dim)
+        return fn(q, k_pool, v_pool, tables, lens, scale=self.scale, window=self.sliding_window)  # type: ignore[no-any-return]
+
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: KVStep) -> torch.Tensor:
         step.store(self.layer_idx, k, v)
         if step.paged is not None:
-            k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
-            tables, lens = step.paged
-            q = q.to(k_pool.dtype)
-            fn = kernel("paged_attention", q, k_pool, v_pool, head_dim=self.head_dim)
-            return fn(q, k_pool, v_pool, tables, lens, scale=self.scale, window=self.sliding_window)
+            return self._attend_paged(q, step)
         keys, values = step.gather(self.layer_idx)  # (B, S, KV, Dh), left-padded
         q = q.to(keys.dtype)
         mask = step.key_mask

@@ -15,6 +15,10 @@ Batches are padded to a bucket size (one graph per bucket). Padding rows repeat 
 does, so the duplicate writes into row 0's slot carry identical values and no other
 sequence's memory is touched.
 
+A step may also feed every row the same number T > 1 of tokens (``max_query``, ``query_len``): a
+prompt then goes in as a few such chunks (``plyx.serve``'s ``DecodeGraphs.prefill``), each a replay
+instead of an eager forward's few hundred launches from Python.
+
 Any cache with ``block_size``, ``kv_blocks(layer)`` and ``seq_blocks(seq_id)`` works:
 ``PagedKVCache`` (its pools) and ``ContiguousKVCache`` (its slab seen as blocks).
 """
@@ -22,9 +26,10 @@ Any cache with ``block_size``, ``kv_blocks(layer)`` and ``seq_blocks(seq_id)`` w
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
-from plyx.attn._step import KVStep
+from plyx.attn._step import PAGED_MAX_QUERY, KVStep
 from plyx.specs.kvcache import KVCache
 
 __all__ = ["StaticDecode", "supports_static_decode"]
@@ -38,16 +43,19 @@ def supports_static_decode(cache: object) -> bool:
 
 
 class StaticDecode:
-    """Fixed device buffers for one-token steps of up to ``max_batch`` sequences of ``cache``.
+    """Fixed device buffers for steps of up to ``max_batch`` sequences of ``cache``, ``query_len`` new tokens each.
 
     Args:
         cache: a block-addressable KV cache (see ``supports_static_decode``).
         max_batch: the most rows of one step (the largest bucket).
+        max_query: the most new tokens per row of one step: 1 for decoding; more lets a prompt be
+            fed in static chunks (every row of a chunk has the same count, so nothing is padded
+            within a row and the paged kernel's bottom-right causal alignment holds).
 
     The tensors ``inputs`` returns are views of the buffers: read them before the next ``prepare``.
     """
 
-    def __init__(self, cache: KVCache, *, max_batch: int) -> None:
+    def __init__(self, cache: KVCache, *, max_batch: int, max_query: int = 1) -> None:
         if not supports_static_decode(cache):
             missing = [n for n in _NEEDS if not hasattr(cache, n)]
             raise TypeError(
@@ -56,84 +64,114 @@ class StaticDecode:
             )
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
+        if not 1 <= max_query <= PAGED_MAX_QUERY:
+            raise ValueError(f"max_query must be in [1, {PAGED_MAX_QUERY}] (the paged kernel's query limit); got {max_query}")
         self.cache = cache
         self.max_batch = n = max_batch
+        self.max_query = q = max_query
         self.block_size = int(cache.block_size)  # type: ignore[attr-defined]
         self.width = -(-cache.layout.max_seq_len // self.block_size)  # block-table columns
         device = torch.device(cache.layout.device)
         self.device = device
-        # one int64 buffer: [row_map | positions | slots | lens | tokens] of n each, then the [n, width] tables
+        # one int64 buffer: [row_map | lens] of n each, [positions | slots | tokens] of n*q each, then the
+        # [n, width] tables. A step of T tokens per row uses the first bucket*T entries of each n*q part,
+        # row-major, so its [bucket, T] views are contiguous.
+        self._head = 2 * n + 3 * n * q
         pinned = device.type == "cuda"
-        self._host = torch.zeros(5 * n + n * self.width, dtype=torch.long, pin_memory=pinned)
+        self._host = torch.zeros(self._head + n * self.width, dtype=torch.long, pin_memory=pinned)
         self._dev = torch.zeros(self._host.shape, dtype=torch.long, device=device)
+        sizes = (n, n, n * q, n * q, n * q)
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
         h = self._host.numpy()
-        self._row_map, self._pos, self._slots, self._lens, self._tokens = (h[i * n:(i + 1) * n] for i in range(5))
-        self._tables = h[5 * n:].reshape(n, self.width)
+        self._row_map, self._lens, self._pos, self._slots, self._tokens = (
+            h[a:b] for a, b in zip(bounds, bounds[1:]))
+        self._tables = h[self._head:].reshape(n, self.width)
         d = self._dev
-        self.row_map, self.positions, self.slots, self.lens, self._dev_tokens = (
-            d[i * n:(i + 1) * n] for i in range(5))
-        self.tables = d[5 * n:].view(n, self.width)
-        self.tokens = torch.zeros(n, dtype=torch.long, device=device)  # each row's input token
+        self.row_map, self.lens, self.positions, self.slots, self._dev_tokens = (
+            d[a:b] for a, b in zip(bounds, bounds[1:]))
+        self.tables = d[self._head:].view(n, self.width)
+        self.tokens = torch.zeros(n, dtype=torch.long, device=device)  # each row's input token (one-token steps)
         # the kernel reads int32 tables and lengths: converted inside the step (so inside the graph)
         self._tables32 = torch.zeros(n, self.width, dtype=torch.int32, device=device)
         self._lens32 = torch.zeros(n, dtype=torch.int32, device=device)
         self._copied: torch.cuda.Event | None = None
 
-    def prepare(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[int], bucket: int) -> None:
-        """Reserve one token for each of ``seq_ids`` and load the step's inputs for ``bucket`` rows.
+    def prepare(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[Any], bucket: int, *,
+                query_len: int = 1) -> None:
+        """Reserve ``query_len`` tokens for each of ``seq_ids`` and load the step's inputs for ``bucket`` rows.
 
-        ``tokens`` are the new tokens, one per sequence: a ``[B]`` long tensor on the cache's device
-        (sampled there), or host ints (they travel in the same copy as the rest);
+        ``tokens`` are the new tokens. One per sequence (``query_len=1``): a ``[B]`` long tensor on the
+        cache's device (sampled there), or host ints (they travel in the same copy as the rest).
+        ``query_len=T > 1``: ``B`` host rows of exactly T ints each (a prompt chunk).
         ``bucket`` (>= B, <= max_batch) is the padded batch the step runs with.
         """
-        B = len(seq_ids)
+        B, T = len(seq_ids), query_len
         if not 1 <= B <= bucket <= self.max_batch:
             raise ValueError(f"need 1 <= batch ({B}) <= bucket ({bucket}) <= max_batch ({self.max_batch})")
+        if not 1 <= T <= self.max_query:
+            raise ValueError(f"query_len {T} is outside [1, max_query={self.max_query}]")
+        on_host = not isinstance(tokens, torch.Tensor)
+        if T > 1:
+            if not on_host:
+                raise TypeError("a step of several tokens per row takes host token rows (lists of ints), not a tensor")
+            if len(tokens) != B or any(len(row) != T for row in tokens):
+                raise ValueError(f"expected {B} rows of exactly query_len={T} tokens each")
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffer may still be in flight to the device
         cache = self.cache
-        cache.reserve(seq_ids, [1] * B)
+        cache.reserve(seq_ids, [T] * B)
         bs = self.block_size
+        pos = self._pos[:bucket * T].reshape(bucket, T)
+        slots = self._slots[:bucket * T].reshape(bucket, T)
         for i, sid in enumerate(seq_ids):
             blocks = cache.seq_blocks(sid)  # type: ignore[attr-defined]
             length = cache.length(sid)
-            pos = length - 1
             self._row_map[i] = i
-            self._pos[i] = pos
-            self._slots[i] = blocks[pos // bs] * bs + pos % bs
             self._lens[i] = length
             self._tables[i, :len(blocks)] = blocks
-        on_host = not isinstance(tokens, torch.Tensor)
+            for t, p in enumerate(range(length - T, length)):
+                pos[i, t] = p
+                slots[i, t] = blocks[p // bs] * bs + p % bs
         if on_host:
-            self._tokens[:B] = tokens
+            self._tokens[:B * T] = [int(x) for row in tokens for x in row] if T > 1 else tokens
         if bucket > B:  # padding rows repeat row 0
-            for part in (self._pos, self._slots, self._lens):
+            for part in (pos, slots):
                 part[B:bucket] = part[0]
+            self._lens[B:bucket] = self._lens[0]
             self._row_map[B:bucket] = 0
             self._tables[B:bucket] = self._tables[0]
-        n = self.max_batch
-        self._dev[:5 * n].copy_(self._host[:5 * n], non_blocking=True)
-        tables = slice(5 * n, 5 * n + bucket * self.width)
+            if T > 1:
+                self._tokens[B * T:bucket * T] = self._tokens[:T].tolist() * (bucket - B)
+        self._dev[:self._head].copy_(self._host[:self._head], non_blocking=True)
+        tables = slice(self._head, self._head + bucket * self.width)
         self._dev[tables].copy_(self._host[tables], non_blocking=True)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        source = self._dev_tokens[:B] if on_host else tokens.reshape(-1)  # type: ignore[union-attr]
-        self.tokens[:B].copy_(source, non_blocking=True)
+        if T == 1:
+            source = self._dev_tokens[:B] if on_host else tokens.reshape(-1)  # type: ignore[union-attr]
+            self.tokens[:B].copy_(source, non_blocking=True)
 
-    def inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, KVStep]:
-        """``(ids [bucket, 1], positions [bucket, 1], step)`` for the model; device work only (capturable)."""
-        ids = self.tokens.index_select(0, self.row_map[:bucket])[:, None]
+    def inputs(self, bucket: int, query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor, KVStep]:
+        """``(ids [bucket, T], positions [bucket, T], step)`` for the model; device work only (capturable)."""
+        T = query_len
+        if T == 1:
+            ids = self.tokens.index_select(0, self.row_map[:bucket])[:, None]
+        else:  # host rows, padding included, came in the copy
+            ids = self._dev_tokens[:bucket * T].view(bucket, T)
         self._tables32[:bucket].copy_(self.tables[:bucket])
         self._lens32[:bucket].copy_(self.lens[:bucket])
+        positions = self.positions[:bucket * T].view(bucket, T)
         step = KVStep(
             cache=self.cache,
             seq_ids=(),
             token_index=None,
-            lengths_before=self.positions[:bucket],
+            lengths_before=positions[:, 0],
             lengths_after=(),
             paged=(self._tables32[:bucket], self._lens32[:bucket]),
             key_mask=None,
-            slots=self.slots[:bucket],
+            slots=self.slots[:bucket * T],
         )
-        return ids, self.positions[:bucket, None], step
+        return ids, positions, step

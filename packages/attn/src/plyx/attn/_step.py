@@ -44,8 +44,8 @@ class KVStep:
         lengths_after: host list of lengths after the step.
         paged: ``(block_tables, context_lens)`` when the paged kernel is used, else None.
         key_mask: bool ``[B, 1, 1, S]`` marking real keys of the gathered path (None when no row is padded).
-        slots: long ``[B]`` for a static decode step (``plyx.attn.StaticDecode``): the flat slot of each
-            row's one new token in the cache's ``kv_blocks`` view, written directly (no ``append``, no
+        slots: long ``[B*T]`` for a static step (``plyx.attn.StaticDecode``): the flat slot of each new
+            token (row-major) in the cache's ``kv_blocks`` view, written directly (no ``append``, no
             host work), so the step can be captured in a CUDA graph. None: ``append`` as usual.
     """
 

@@ -6,14 +6,23 @@ Public surface:
   returns the implementation chosen for their device, dtype and sizes.
 - ``configure(KernelConfig)``, ``reset_registry()``, ``Registry`` (a private registry).
 - one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``,
-  ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
+  ``rope_store_kv``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
   is the callable subpackage ``plyx.kernel.attention``) and ``rope_tables``.
 - ``plyx.kernel.reference``: the pure-PyTorch definitions.
 """
 
 from plyx.kernel import attention  # the subpackage; calling it dispatches the `attention` kernel
 from plyx.kernel._default import configure, registry, reset_registry
-from plyx.kernel._dispatch import cross_entropy, linear_cross_entropy, matmul, paged_attention, rmsnorm, rope, swiglu
+from plyx.kernel._dispatch import (
+    cross_entropy,
+    linear_cross_entropy,
+    matmul,
+    paged_attention,
+    rmsnorm,
+    rope,
+    rope_store_kv,
+    swiglu,
+)
 from plyx.kernel._errors import KernelInputError
 from plyx.kernel._registry import KernelConformanceWarning, KernelFallbackWarning, Registry, query_for
 from plyx.kernel._rope_tables import inv_frequencies, rope_tables
@@ -35,6 +44,7 @@ __all__ = [
     "reset_registry",
     "rmsnorm",
     "rope",
+    "rope_store_kv",
     "rope_tables",
     "swiglu",
 ]

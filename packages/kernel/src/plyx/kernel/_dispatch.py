@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from plyx.kernel._default import registry
 
-__all__ = ["matmul", "rmsnorm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy", "paged_attention"]
+__all__ = ["matmul", "rmsnorm", "swiglu", "rope", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -32,6 +32,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
     """Rotate the first ``2 * cos.shape[-1]`` dims of ``x [B, T, H, Dh]``."""
     return registry().get("rope", x, cos, sin)(x, cos, sin, interleaved=interleaved)
+
+
+def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor, *, n_heads: int, n_kv_heads: int,
+                  interleaved: bool = False) -> torch.Tensor:
+    """RoPE of q and k of ``qkv [B, T, H + 2*KV, Dh]``; k and v stored at ``k_cache/v_cache[slots]``; returns q.
+
+    Inference only (no gradient); selected for qkv's device, dtype and head_dim.
+    """
+    fn = registry().get("rope_store_kv", qkv, cos, sin, head_dim=int(qkv.shape[-1]))
+    return fn(qkv, cos, sin, k_cache, v_cache, slots, n_heads=n_heads, n_kv_heads=n_kv_heads, interleaved=interleaved)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **options: Any) -> Any:

@@ -19,6 +19,7 @@ _REFERENCES = {
     "rmsnorm": "PyTorch RMSNorm, float32 statistics, optional fused residual add",
     "swiglu": "PyTorch silu(gate) * up in float32",
     "rope": "PyTorch RoPE, rotate-half or interleaved, partial rotary",
+    "rope_store_kv": "PyTorch RoPE of q and k, k and v stored at cache slots",
     "cross_entropy": "PyTorch cross-entropy with label smoothing, z-loss and argmax",
     "linear_cross_entropy": "PyTorch chunked lm-head + cross-entropy (never holds [N, V] logits)",
 }

@@ -103,6 +103,24 @@ class DecoderLayer(nn.Module):
         step = attn.get("step")
         return h + self.mlp(x, packed=step is not None and step.slots is not None)
 
+    def static_step(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                    step: KVStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of a static decode step with the residual add deferred (vLLM's layout).
+
+        Returns ``(mlp_out, residual)`` where ``forward`` would return their sum: the next layer's
+        input RMSNorm (or the final norm) adds them in its own kernel, so no layer launches a
+        separate residual add. ``residual`` is None for the first layer (``h`` is the stream).
+        Same values as ``forward``: the fused add rounds ``x + residual`` to the stream's dtype,
+        as the plain add does.
+        """
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h.to(residual.dtype), residual=residual)
+        a = self.self_attn(x, cos, sin, step=step)  # (B, T, D)
+        x, residual = self.post_attention_layernorm(a.to(residual.dtype), residual=residual)
+        return self.mlp(x, packed=True), residual
+
 
 class TransformerLM(nn.Module):
     """A decoder-only language model of ``config``.
@@ -223,9 +241,13 @@ class TransformerLM(nn.Module):
                 (the trainer feeds them to ``linear_cross_entropy`` with ``lm_head_weight``).
         """
         if kv_step is not None:
-            h, cos, sin, attn = self._static_prologue(input_ids, position_ids, kv_step)
-        else:
-            h, cos, sin, attn = self._prologue(input_ids, position_ids, document_ids, attention_mask, cache, seq_ids)
+            h, cos, sin, _ = self._static_prologue(input_ids, position_ids, kv_step)
+            residual = None
+            for layer in self.layers:
+                h, residual = layer.static_step(h, residual, cos, sin, kv_step)
+            h = self.norm(h.to(residual.dtype), residual=residual)[0]  # the last residual add, fused
+            return self._epilogue(h, return_hidden, normed=True)
+        h, cos, sin, attn = self._prologue(input_ids, position_ids, document_ids, attention_mask, cache, seq_ids)
         for layer in self.layers:
             h = layer(h, cos, sin, **attn)
         return self._epilogue(h, return_hidden)
@@ -289,8 +311,9 @@ class TransformerLM(nn.Module):
         cos, sin = rope_tables(position_ids, self.rotary_dim, c.rope_theta, c.rope_scaling, dtype=h.dtype)
         return h, cos, sin, {"step": step}
 
-    def _epilogue(self, h: torch.Tensor, return_hidden: bool) -> torch.Tensor:
-        h = self.norm(h)  # (B, T, D)
+    def _epilogue(self, h: torch.Tensor, return_hidden: bool, *, normed: bool = False) -> torch.Tensor:
+        if not normed:
+            h = self.norm(h)  # (B, T, D)
         if return_hidden:
             return h
         return torch.matmul(h, self.lm_head_weight.t()).float()  # (B, T, V)

@@ -24,7 +24,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecodeGraphs", "default_buckets"]
+__all__ = ["DecodeGraphs", "chunk_limit", "default_buckets"]
+
+
+#: a prompt needing more chunk replays than this is fed by one eager forward instead
+MAX_PREFILL_CHUNKS = 12
+
+
+def chunk_limit(model: Any) -> int:
+    """The most prompt tokens per row of one static step: 16 (the paged step's limit), and at most
+    128 query rows per key/value head in the paged kernel (``heads / kv_heads * T <= 128``); a power of two."""
+    from plyx.attn import PAGED_MAX_QUERY
+
+    config = getattr(model, "config", None)
+    heads, kv_heads = getattr(config, "n_heads", None), getattr(config, "kv_heads", None)
+    if not heads or not kv_heads:
+        return 1
+    limit = min(PAGED_MAX_QUERY, 128 // max(1, heads // kv_heads))
+    return 1 << (max(1, limit).bit_length() - 1)
 
 
 def default_buckets(max_batch: int) -> list[int]:
@@ -46,7 +63,7 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: Any, cache: Any, *, max_batch: int, capture: bool = True,
-                 buckets: Sequence[int] | None = None) -> None:
+                 buckets: Sequence[int] | None = None, max_query: int | None = None) -> None:
         from plyx.attn import StaticDecode
 
         device = torch.device(cache.layout.device)
@@ -57,12 +74,13 @@ class DecodeGraphs:
         if pack is not None:  # one GEMV for q/k/v and one for gate/up per layer: same weights, restacked in place
             pack()
         self.capture = capture
-        self.decode = StaticDecode(cache, max_batch=max_batch)
+        self.max_query = chunk_limit(model) if max_query is None else max_query
+        self.decode = StaticDecode(cache, max_batch=max_batch, max_query=self.max_query)
         self.buckets = sorted(set(buckets)) if buckets else default_buckets(max_batch)
         if self.buckets[-1] > max_batch or self.buckets[0] < 1:
             raise ValueError(f"buckets {self.buckets} must lie in [1, max_batch={max_batch}]")
         self.max_batch = self.buckets[-1]
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool: Any = None
         self.steps = 0  # every step run here
         self.replays = 0  # the steps that replayed a captured graph
@@ -72,45 +90,98 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, batch)
         return self.buckets[i] if i < len(self.buckets) else None
 
+    def chunks(self, batch: int, length: int) -> list[int] | None:
+        """How ``prefill`` feeds ``batch`` prompts of ``length`` tokens each: chunk sizes, or None (not worth it).
+
+        Whole chunks of ``max_query`` tokens, then the remainder in powers of two, so a few graphs per
+        bucket (one per chunk size) serve every prompt length. Beyond ``MAX_PREFILL_CHUNKS`` replays an
+        eager forward is cheaper: its launch cost no longer dominates a long prompt.
+        """
+        if self.max_query < 2 or self.bucket(batch) is None or length < 2:
+            return None
+        sizes = [self.max_query] * (length // self.max_query)
+        rest = length % self.max_query
+        sizes += [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+        return sizes if len(sizes) <= MAX_PREFILL_CHUNKS else None
+
+    def prefill(self, seq_ids: Sequence[int], rows: Sequence[Sequence[int]]) -> torch.Tensor | None:
+        """Feed each sequence its prompt (all of one length) through replayed chunk graphs; last logits ``[B, V]``.
+
+        None (nothing fed) when the rows differ in length or ``chunks`` says an eager forward is better.
+        The result is a view of a graph's output buffer: read it before the next step.
+        """
+        length = len(rows[0]) if rows else 0
+        sizes = self.chunks(len(rows), length) if all(len(r) == length for r in rows) else None
+        if sizes is None:
+            return None
+        cache = self.decode.cache
+        live = set(cache.sequences())
+        new = [s for s in seq_ids if s not in live]
+        before = {s: cache.length(s) for s in seq_ids if s in live}
+        for s in new:
+            cache.allocate(s)
+        start, logits = 0, None
+        try:
+            for size in sizes:
+                chunk = [list(r[start:start + size]) for r in rows]
+                logits = self.step(seq_ids, chunk if size > 1 else [c[0] for c in chunk], query_len=size)
+                start += size
+        except BaseException:  # all or nothing, as an eager forward's reserve: leave the cache as it was
+            for s in new:
+                cache.evict(s)
+            for s, length in before.items():
+                cache.crop(s, length)
+            raise
+        return logits
+
     @torch.inference_mode()
-    def step(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[int], *, greedy: bool = False) -> Any:
-        """Feed each sequence its one new token (``[B]`` on device, or host ints); logits ``[B, V]`` (float32).
+    def step(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[Any], *, greedy: bool = False,
+             query_len: int = 1) -> Any:
+        """Feed each sequence its new token (``[B]`` on device, or host ints); logits ``[B, V]`` (float32).
 
         ``greedy`` also returns each row's argmax token ``[B]``, computed inside the graph by the same
         fused kernel as the greedy sampler: plain greedy decoding then launches nothing from Python
-        between two replays.
+        between two replays. ``query_len > 1`` feeds ``B`` host rows of that many tokens (a prompt
+        chunk, see ``prefill``) and returns the logits of each row's last one.
         """
         B = len(seq_ids)
         bucket = self.bucket(B)
         if bucket is None:
             raise ValueError(f"a decode step of {B} sequences exceeds the largest graph bucket ({self.max_batch})")
-        self.decode.prepare(seq_ids, tokens, bucket)
+        self.decode.prepare(seq_ids, tokens, bucket, query_len=query_len)
         self.steps += 1
+        key = (bucket, query_len, greedy)
         if not self.capture:
-            out = self._forward(bucket, greedy)
-        elif (entry := self._graphs.get((bucket, greedy))) is None:
-            out = self._capture(bucket, greedy)
+            out = self._forward(*key)
+        elif (entry := self._graphs.get(key)) is None:
+            out = self._capture(key)
         else:
             graph, out = entry
             graph.replay()
             self.replays += 1
         return (out[0][:B], out[1][:B]) if greedy else out[:B]
 
-    def _forward(self, bucket: int, greedy: bool) -> Any:
-        ids, positions, step = self.decode.inputs(bucket)
-        logits = self.model(ids, position_ids=positions, kv_step=step)[:, -1]  # [bucket, V]
+    def _forward(self, bucket: int, query_len: int, greedy: bool) -> Any:
+        ids, positions, step = self.decode.inputs(bucket, query_len)
+        head = getattr(self.model, "lm_head_weight", None)
+        if query_len > 1 and head is not None:  # only the last position's logits: one LM-head row per sequence
+            hidden = self.model(ids, position_ids=positions, kv_step=step, return_hidden=True)[:, -1]
+            logits = torch.matmul(hidden, head.t()).float()  # [bucket, V]
+        else:
+            logits = self.model(ids, position_ids=positions, kv_step=step)[:, -1]  # [bucket, V]
         if not greedy:
             return logits
         from plyx.serve._processors import GreedySampler
 
         return logits, GreedySampler()(logits, None)  # type: ignore[arg-type]  # greedy reads no state
 
-    def _capture(self, bucket: int, greedy: bool) -> Any:
+    def _capture(self, key: tuple[int, int, bool]) -> Any:
+        greedy = key[2]
         # warm-up on a side stream (torch's rule for capture): this step's real result, kernels compiled
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            result = self._forward(bucket, greedy)
+            result = self._forward(*key)
         torch.cuda.current_stream().wait_stream(side)
         for t in result if greedy else (result,):
             t.record_stream(torch.cuda.current_stream())  # allocated on the side stream, read on this one
@@ -120,7 +191,7 @@ class DecodeGraphs:
         try:
             # capturing records the kernels without running them: the cache is not written twice
             with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(bucket, greedy)
+                out = self._forward(*key)
         except RuntimeError as exc:  # a kernel that syncs with the host (a reference fallback) cannot be captured
             torch.cuda.synchronize()
             warnings.warn(
@@ -129,10 +200,10 @@ class DecodeGraphs:
                 f"shows which): {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=3)
             self.capture = False
             return result
-        self._graphs[(bucket, greedy)] = (graph, out)
+        self._graphs[key] = (graph, out)
         return result
 
     @property
     def captured(self) -> list[int]:
         """The buckets captured so far (with or without the greedy token output)."""
-        return sorted({bucket for bucket, _ in self._graphs})
+        return sorted({bucket for bucket, _, _ in self._graphs})

@@ -45,8 +45,9 @@ def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch
     return ids.to(device), (mask.to(device) if padded else None)
 
 
-#: per model: an idle (weight addresses, cache, DecodeGraphs) by (kind, sequences, max_seq_len), reused by the next
+#: per model: idle (weight addresses, cache, DecodeGraphs) by (kind, sequences, max_seq_len), reused by the next
 #: generate call of that shape on a GPU; dropped with the model
+SPARES_PER_MODEL = 4
 _SPARES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[Any, Any]]] = weakref.WeakKeyDictionary()
 
 
@@ -153,8 +154,14 @@ class Runner:
         if self.graphs is not None and self.owned and not self.cache.sequences():  # type: ignore[union-attr]
             # keep the (now empty) cache and its captured graphs for the next call of this shape, as
             # transformers keeps its static cache: capturing costs a forward and ~400 kernel records per bucket
-            # one per model (bounded memory); the addresses are read now, after DecodeGraphs packed the weights
-            _SPARES[self.model] = {self._spare_key: (_weight_addresses(self.model), self.cache, self.graphs)}
+            # at most SPARES_PER_MODEL shapes per model, the least recently used dropped first (bounded memory:
+            # a caller alternating two cache kinds or lengths keeps both); the addresses are read now, after
+            # DecodeGraphs packed the weights
+            spares = _SPARES.setdefault(self.model, {})
+            spares.pop(self._spare_key, None)
+            spares[self._spare_key] = (_weight_addresses(self.model), self.cache, self.graphs)
+            while len(spares) > SPARES_PER_MODEL:
+                del spares[next(iter(spares))]
 
     def length(self, sid: int) -> int:
         if self.cache is not None:
@@ -185,6 +192,12 @@ class Runner:
             ids, mask = left_pad(rows, self.device)
             kwargs: dict[str, Any] = {"attention_mask": mask}
         else:
+            if self.graphs is not None and not all_logits:
+                # short prompts of one length: replayed chunk graphs instead of an eager forward, whose
+                # ~300 launches from Python cost more than the GPU work at batch 1 (DecodeGraphs.prefill)
+                logits = self.graphs.prefill(seq_ids, tokens)
+                if logits is not None:
+                    return logits
             ids, mask = left_pad(tokens, self.device)
             kwargs = {"attention_mask": mask, "cache": self.cache, "seq_ids": list(seq_ids)}
         if all_logits:
