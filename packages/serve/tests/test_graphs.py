@@ -51,6 +51,69 @@ def test_static_step_matches_the_ordinary_forward(make_model, kind, buckets):
             assert caches[1].length(sid) == caches[0].length(sid) == a[0].shape[0]
 
 
+@pytest.mark.parametrize("lengths", [(11,), (4, 13)], ids=["batch1", "batch2"])
+def test_static_step_with_norms_fused_into_projections(make_model, monkeypatch, lengths):
+    """At <= 2 rows each RMSNorm runs inside the projection after it (rmsnorm_linear, with the SwiGLU and the
+    LM head): the same logits and cache contents as the ordinary forward."""
+    from plyx.model import _model
+
+    calls = []
+    original = _model._optional_kernel
+
+    def spy(name, *tensors, **shape):
+        calls.append((name, shape["rows"]))
+        return original(name, *tensors, **shape)
+
+    monkeypatch.setattr(_model, "_optional_kernel", spy)
+    model = make_model(vocab=96, seed=12)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 96, (n,), generator=g).tolist() for n in lengths]
+    caches = [make_cache("paged", model.config, batch_size=2, max_seq_len=48, dtype=torch.float32) for _ in range(2)]
+    with torch.inference_mode():
+        seq_ids, tokens = _prefill(model, caches[0], prompts)
+        _prefill(model, caches[1], prompts)
+        graphs = DecodeGraphs(model, caches[1], max_batch=2, capture=False)
+        for _ in range(3):
+            want = model(tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1]
+            torch.testing.assert_close(graphs.step(seq_ids, tokens), want, rtol=1e-5, atol=1e-5)
+            tokens = want.argmax(-1)
+    rows = len(lengths)
+    assert calls.count(("rmsnorm_linear", rows)) == 3 * (model.config.n_layers + 1)  # every layer and the LM head
+    for layer in range(model.config.n_layers):
+        for sid in seq_ids:
+            a, b = caches[0].read(layer, sid), caches[1].read(layer, sid)
+            torch.testing.assert_close(b[0], a[0])
+            torch.testing.assert_close(b[1], a[1])
+
+
+def test_static_step_without_the_fused_kernels_takes_the_plain_path(make_model, monkeypatch):
+    """An older plyx-kernel (no rope_store_kv, no rmsnorm_linear): the static step falls back, same logits."""
+    from plyx.attn import _attention
+    from plyx.model import _model
+    from plyx.specs.kernels import KernelNotFoundError
+
+    real = _attention.kernel
+    missing = ("rope_store_kv", "rmsnorm_linear")
+
+    def older(name, *tensors, **shape):
+        if name in missing:
+            raise KernelNotFoundError(f"no kernel named {name!r}")
+        return real(name, *tensors, **shape)
+
+    monkeypatch.setattr(_attention, "kernel", older)
+    monkeypatch.setattr(_model, "_kernel", older)
+    model = make_model(vocab=96, seed=14)
+    caches = [make_cache("paged", model.config, batch_size=1, max_seq_len=32, dtype=torch.float32) for _ in range(2)]
+    with torch.inference_mode():
+        seq_ids, tokens = _prefill(model, caches[0], [[5, 9, 2, 7]])
+        _prefill(model, caches[1], [[5, 9, 2, 7]])
+        graphs = DecodeGraphs(model, caches[1], max_batch=1, capture=False)
+        for _ in range(3):
+            want = model(tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1]
+            torch.testing.assert_close(graphs.step(seq_ids, tokens), want, rtol=1e-5, atol=1e-5)
+            tokens = want.argmax(-1)
+
+
 def test_padding_rows_repeat_row_zero(make_model):
     model = make_model(vocab=64)
     cache = make_cache("paged", model.config, batch_size=4, max_seq_len=32, dtype=torch.float32)

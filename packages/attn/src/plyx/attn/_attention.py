@@ -153,16 +153,36 @@ class Attention(nn.Module):
         """Static step, packed q/k/v, no QK-norm: one GEMV, then one ``rope_store_kv`` launch turns q and k
         and writes k and v to their slots (three launches otherwise). Returns q, or None when no
         ``rope_store_kv`` kernel is installed (an older plyx-kernel): the caller takes the unfused path."""
+        B, T, _ = x.shape
+        qkv = F.linear(x, weight, bias).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        return self._rope_and_store(qkv, cos, sin, step)
+
+    def _rope_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: KVStep) -> torch.Tensor | None:
+        """q rotated; k rotated and v written to the step's slots (one ``rope_store_kv`` launch); None: no such kernel."""
+        H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
         try:
-            B, T, _ = x.shape
-            H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
-            qkv = F.linear(x, weight, bias).view(B, T, H + 2 * KV, Dh)  # (B, T, H + 2 KV, Dh)
             fn = kernel("rope_store_kv", qkv, cos, sin, head_dim=Dh)
         except KernelNotFoundError:
             return None
         k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
         return fn(qkv, cos, sin, k_pool.view(-1, KV, Dh), v_pool.view(-1, KV, Dh), step.slots,  # type: ignore[no-any-return]
                   n_heads=H, n_kv_heads=KV)
+
+    def attend_projected(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: KVStep) -> torch.Tensor | None:
+        """The rest of a static step after the packed q/k/v projection (computed by the caller, e.g. fused with
+        the layer's RMSNorm): RoPE and cache writes, paged attention, ``o_proj``. ``qkv`` is ``[B, T, H + 2 KV, Dh]``.
+
+        Returns ``[B, T, D]``, or None when that path is not available (QK-norm, or no ``rope_store_kv``
+        kernel): the caller then runs ``forward``.
+        """
+        if self.q_norm is not None or step.paged is None:
+            return None
+        q = self._rope_and_store(qkv, cos, sin, step)
+        if q is None:
+            return None
+        B, T = qkv.shape[:2]
+        out = self._attend_paged(q, step)
+        return self.o_proj(out.to(qkv.dtype).reshape(B, T, self.n_heads * self.head_dim))  # type: ignore[no-any-return]
 
     def _attend_paged(self, q: torch.Tensor, step: KVStep) -> torch.Tensor:
         """Paged attention of ``q`` over what ``step`` cached (the new tokens included)."""

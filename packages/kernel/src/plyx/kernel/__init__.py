@@ -6,7 +6,7 @@ Public surface:
   returns the implementation chosen for their device, dtype and sizes.
 - ``configure(KernelConfig)``, ``reset_registry()``, ``Registry`` (a private registry).
 - one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``,
-  ``rope_store_kv``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
+  ``rope_store_kv``, ``rmsnorm_linear``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
   is the callable subpackage ``plyx.kernel.attention``) and ``rope_tables``.
 - ``plyx.kernel.reference``: the pure-PyTorch definitions.
 """
@@ -19,6 +19,7 @@ from plyx.kernel._dispatch import (
     matmul,
     paged_attention,
     rmsnorm,
+    rmsnorm_linear,
     rope,
     rope_store_kv,
     swiglu,
@@ -43,6 +44,7 @@ __all__ = [
     "registry",
     "reset_registry",
     "rmsnorm",
+    "rmsnorm_linear",
     "rope",
     "rope_store_kv",
     "rope_tables",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from plyx.kernel._default import registry
 
-__all__ = ["matmul", "rmsnorm", "swiglu", "rope", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
+__all__ = ["matmul", "rmsnorm", "rmsnorm_linear", "swiglu", "rope", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -43,6 +43,18 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     """
     fn = registry().get("rope_store_kv", qkv, cos, sin, head_dim=int(qkv.shape[-1]))
     return fn(qkv, cos, sin, k_cache, v_cache, slots, n_heads=n_heads, n_kv_heads=n_kv_heads, interleaved=interleaved)
+
+
+def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
+                   residual: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                   swiglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(x + residual) @ weight.T + bias, x + residual)``, SwiGLU of the two halves with ``swiglu``.
+
+    Inference only (no gradient); selected for x's device, dtype and row count (Triton: at most 2 rows).
+    """
+    rows = x.numel() // max(1, x.shape[-1])
+    fn = registry().get("rmsnorm_linear", x, norm_weight, weight, rows=rows, hidden=int(x.shape[-1]))
+    return fn(x, norm_weight, weight, eps=eps, residual=residual, bias=bias, swiglu=swiglu)  # type: ignore[no-any-return]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **options: Any) -> Any:

@@ -48,6 +48,21 @@ def _kernel(name: str, *tensors: Any, **shape: int) -> Any:
     return registry().get(name, *tensors, **shape)
 
 
+def _optional_kernel(name: str, *tensors: Any, **shape: int) -> Any:
+    """``_kernel``, or None when no implementation of ``name`` is installed (an older plyx-kernel)."""
+    from plyx.specs.kernels import KernelNotFoundError
+
+    try:
+        return _kernel(name, *tensors, **shape)
+    except KernelNotFoundError:
+        return None
+
+
+#: static steps of at most this many rows (batch x new tokens) run each RMSNorm inside the projection after
+#: it (``rmsnorm_linear``): the Triton kernel's row limit; beyond it the separate norm + cuBLAS GEMM are faster
+FUSED_ROWS = 2
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with ``gate``/``up`` ``[F, D]`` and ``down`` ``[D, F]``."""
 
@@ -113,13 +128,41 @@ class DecoderLayer(nn.Module):
         Same values as ``forward``: the fused add rounds ``x + residual`` to the stream's dtype,
         as the plain add does.
         """
+        if residual is not None:
+            h = h.to(residual.dtype)
+        fused = self._fused_step(h, residual, cos, sin, step)
+        if fused is not None:
+            return fused
         if residual is None:
             x, residual = self.input_layernorm(h), h
         else:
-            x, residual = self.input_layernorm(h.to(residual.dtype), residual=residual)
+            x, residual = self.input_layernorm(h, residual=residual)
         a = self.self_attn(x, cos, sin, step=step)  # (B, T, D)
         x, residual = self.post_attention_layernorm(a.to(residual.dtype), residual=residual)
         return self.mlp(x, packed=True), residual
+
+    def _fused_step(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                    step: KVStep) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``static_step`` with each RMSNorm inside the projection after it (``rmsnorm_linear``): at a few rows
+        the norms, the SwiGLU and their launches disappear. None where it does not apply (more rows than
+        ``FUSED_ROWS``, unpacked weights, QK-norm, an older plyx-kernel): the caller takes the plain path."""
+        B, T, D = h.shape
+        attn, mlp = self.self_attn, self.mlp
+        if B * T > FUSED_ROWS or attn.q_norm is not None:
+            return None
+        qkv_w = packed_for_inference((attn.q_proj, attn.k_proj, attn.v_proj))
+        gate_up = packed_for_inference((mlp.gate_proj, mlp.up_proj))
+        norm = _optional_kernel("rmsnorm_linear", h, self.input_layernorm.weight, rows=B * T, hidden=D)
+        if qkv_w is None or gate_up is None or norm is None:
+            return None
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        qkv, residual = norm(h, ln1.weight, qkv_w[0], eps=ln1.eps, residual=residual, bias=qkv_w[1])
+        a = attn.attend_projected(qkv.view(B, T, attn.n_heads + 2 * attn.n_kv_heads, attn.head_dim), cos, sin, step)
+        if a is None:
+            return None  # nothing was written yet: rope_store_kv is the first cache write
+        act, residual = norm(a.to(residual.dtype), ln2.weight, gate_up[0], eps=ln2.eps, residual=residual,
+                             bias=gate_up[1], swiglu=True)
+        return mlp.down_proj(act), residual
 
 
 class TransformerLM(nn.Module):
@@ -245,7 +288,13 @@ class TransformerLM(nn.Module):
             residual = None
             for layer in self.layers:
                 h, residual = layer.static_step(h, residual, cos, sin, kv_step)
-            h = self.norm(h.to(residual.dtype), residual=residual)[0]  # the last residual add, fused
+            h = h.to(residual.dtype)
+            rows = h.shape[0] * h.shape[1]
+            head = None if return_hidden or rows > FUSED_ROWS else _optional_kernel(
+                "rmsnorm_linear", h, self.norm.weight, rows=rows, hidden=h.shape[-1])
+            if head is not None:  # the final norm inside the LM head's GEMV
+                return head(h, self.norm.weight, self.lm_head_weight, eps=self.norm.eps, residual=residual)[0].float()
+            h = self.norm(h, residual=residual)[0]  # the last residual add, fused
             return self._epilogue(h, return_hidden, normed=True)
         h, cos, sin, attn = self._prologue(input_ids, position_ids, document_ids, attention_mask, cache, seq_ids)
         for layer in self.layers:

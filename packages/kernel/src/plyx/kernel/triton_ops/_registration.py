@@ -46,6 +46,9 @@ _OPS: dict[str, tuple[int, dict[str, Any], str]] = {
     # no backward: with grad required the registry falls back to the reference, which explains the error
     "rope_store_kv": (10, {"shape_limits": {"head_dim": (2, 1024)}, "backward": False},
                       "Triton RoPE of q and k, k and v stored at cache slots, one launch (inference only)"),
+    # decode-sized only (the rows limit is triton_ops.rmsnorm_linear.MAX_ROWS); larger M takes the reference
+    "rmsnorm_linear": (10, {"shape_limits": {"rows": (1, 2)}, "backward": False},
+                       "Triton RMSNorm (+ residual) fused into a skinny projection (+ SwiGLU), M <= 2 (inference only)"),
     "cross_entropy": (10, {}, "Triton online-softmax cross-entropy, gradient in the forward pass"),
     "linear_cross_entropy": (10, {}, "chunked cuBLAS lm-head + Triton cross-entropy, gradients in the forward pass"),
     # below the cuBLAS reference: measured slower at the benchmark shapes (bench/results); force it to use it
