@@ -58,8 +58,8 @@ def _optional_kernel(name: str, *tensors: Any, **shape: int) -> Any:
         return None
 
 
-#: static steps of at most this many rows (batch x new tokens) run each RMSNorm inside the projection after
-#: it (``rmsnorm_linear``): the Triton kernel's row limit; beyond it the separate norm + cuBLAS GEMM are faster
+#: static steps of at most this many rows (batch x new tokens) run the input RMSNorm inside the q/k/v
+#: projection (``rmsnorm_linear``): the Triton kernel's row limit; beyond it the separate norm + cuBLAS are faster
 FUSED_ROWS = 2
 
 
@@ -143,26 +143,28 @@ class DecoderLayer(nn.Module):
 
     def _fused_step(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                     step: KVStep) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``static_step`` with each RMSNorm inside the projection after it (``rmsnorm_linear``): at a few rows
-        the norms, the SwiGLU and their launches disappear. None where it does not apply (more rows than
-        ``FUSED_ROWS``, unpacked weights, QK-norm, an older plyx-kernel): the caller takes the plain path."""
+        """``static_step`` with the input RMSNorm inside the packed q/k/v projection (``rmsnorm_linear``).
+
+        Only there: on an H200 at one row the fused kernel beat RMSNorm + cuBLAS for q/k/v (6.7 vs 8.2 us),
+        but not for the wider gate/up or LM-head projections, where cuBLAS streams the weights faster
+        (``plyx-kernel``'s bench_rmsnorm_linear). None where it does not apply (more rows than ``FUSED_ROWS``,
+        unpacked weights, QK-norm, an older plyx-kernel): the caller takes the plain path.
+        """
         B, T, D = h.shape
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         if B * T > FUSED_ROWS or attn.q_norm is not None:
             return None
         qkv_w = packed_for_inference((attn.q_proj, attn.k_proj, attn.v_proj))
-        gate_up = packed_for_inference((mlp.gate_proj, mlp.up_proj))
         norm = _optional_kernel("rmsnorm_linear", h, self.input_layernorm.weight, rows=B * T, hidden=D)
-        if qkv_w is None or gate_up is None or norm is None:
+        if qkv_w is None or norm is None:
             return None
-        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
-        qkv, residual = norm(h, ln1.weight, qkv_w[0], eps=ln1.eps, residual=residual, bias=qkv_w[1])
+        ln = self.input_layernorm
+        qkv, residual = norm(h, ln.weight, qkv_w[0], eps=ln.eps, residual=residual, bias=qkv_w[1])
         a = attn.attend_projected(qkv.view(B, T, attn.n_heads + 2 * attn.n_kv_heads, attn.head_dim), cos, sin, step)
         if a is None:
             return None  # nothing was written yet: rope_store_kv is the first cache write
-        act, residual = norm(a.to(residual.dtype), ln2.weight, gate_up[0], eps=ln2.eps, residual=residual,
-                             bias=gate_up[1], swiglu=True)
-        return mlp.down_proj(act), residual
+        x, residual = self.post_attention_layernorm(a.to(residual.dtype), residual=residual)
+        return self.mlp(x, packed=True), residual
 
 
 class TransformerLM(nn.Module):
@@ -288,13 +290,7 @@ class TransformerLM(nn.Module):
             residual = None
             for layer in self.layers:
                 h, residual = layer.static_step(h, residual, cos, sin, kv_step)
-            h = h.to(residual.dtype)
-            rows = h.shape[0] * h.shape[1]
-            head = None if return_hidden or rows > FUSED_ROWS else _optional_kernel(
-                "rmsnorm_linear", h, self.norm.weight, rows=rows, hidden=h.shape[-1])
-            if head is not None:  # the final norm inside the LM head's GEMV
-                return head(h, self.norm.weight, self.lm_head_weight, eps=self.norm.eps, residual=residual)[0].float()
-            h = self.norm(h, residual=residual)[0]  # the last residual add, fused
+            h = self.norm(h.to(residual.dtype), residual=residual)[0]  # the last residual add, fused
             return self._epilogue(h, return_hidden, normed=True)
         h, cos, sin, attn = self._prologue(input_ids, position_ids, document_ids, attention_mask, cache, seq_ids)
         for layer in self.layers:

@@ -29,9 +29,18 @@ __all__ = ["rmsnorm_linear", "check_rmsnorm_linear"]
 def check_rmsnorm_linear(kernel: str, x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                          residual: torch.Tensor | None, bias: torch.Tensor | None, eps: float, swiglu: bool) -> None:
     """Validate shapes, dtypes and devices (reads no tensor values: capturable)."""
-    check_rmsnorm(kernel, x, norm_weight, residual, eps)
+    try:
+        check_rmsnorm(kernel, x, norm_weight, residual, eps)
+    except KernelInputError as err:  # rmsnorm calls its weight `weight`; here that is the projection's
+        if err.argument != "weight":
+            raise
+        raise KernelInputError(kernel, "norm_weight", f"expected shape [{x.shape[-1]}] (x's last dim) and a float "
+                               f"dtype, got {shape_str(norm_weight.shape)} {norm_weight.dtype}",
+                               "pass the RMSNorm's weight vector of size hidden") from None
     check_float(kernel, "weight", weight)
-    check_same_device(kernel, ("x", x), ("weight", weight))
+    check_same_device(kernel, ("x", x), ("weight", weight), ("bias", bias))
+    if bias is not None:
+        check_float(kernel, "bias", bias)
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:
         raise KernelInputError(kernel, "weight", f"expected [N, K={k}], got {shape_str(weight.shape)}",
@@ -42,9 +51,13 @@ def check_rmsnorm_linear(kernel: str, x: torch.Tensor, norm_weight: torch.Tensor
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise KernelInputError(kernel, "bias", f"expected [N={weight.shape[0]}], got {shape_str(bias.shape)}",
                                "pass the projection's bias")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, norm_weight, weight, residual, bias)):
-        raise KernelInputError(kernel, "x", "requires grad, but rmsnorm_linear has no gradient (inference only)",
-                               "call it under torch.inference_mode() / torch.no_grad(), or use `rmsnorm` and a linear")
+    if torch.is_grad_enabled():
+        named = {"x": x, "norm_weight": norm_weight, "weight": weight, "residual": residual, "bias": bias}
+        for name, t in named.items():
+            if t is not None and t.requires_grad:
+                raise KernelInputError(kernel, name, "requires grad, but rmsnorm_linear has no gradient (inference only)",
+                                       "call it under torch.inference_mode() / torch.no_grad(), or use `rmsnorm` "
+                                       "and a linear")
 
 
 def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.rmsnorm_linear import check_rmsnorm_linear
+from plyx.kernel.triton_ops._common import empty
 
 __all__ = ["rmsnorm_linear", "MAX_ROWS", "pick_blocks"]
 
@@ -119,14 +120,15 @@ def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Ten
         if t is not None:
             check_last_dim_contiguous(_NAME, name, t)
     norm_weight = norm_weight.contiguous()
+    bias = bias.contiguous() if bias is not None else None  # read as a contiguous vector (a packed bias is)
     n_rows = weight.shape[0]
     n = n_rows // 2 if swiglu else n_rows
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    h = torch.empty_like(x2) if r2 is not None else x2
+    y = empty((m, n), dtype=x.dtype, device=x.device)
+    h = empty(x2.shape, dtype=x.dtype, device=x.device) if r2 is not None else x2
     block_n, block_k, warps = blocks or pick_blocks(n_rows, k)
     _rmsnorm_linear_kernel[(triton.cdiv(n, block_n),)](
         x2, r2 if r2 is not None else x2, norm_weight, weight, bias if bias is not None else weight, y, h, m, n, k, n,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, weight.stride(0), y.stride(0), h.stride(0), float(eps),
-        HAS_RES=r2 is not None, HAS_BIAS=bias is not None, SWIGLU=bool(swiglu), BLOCK_M=max(2, triton.next_power_of_2(m)),
+        HAS_RES=r2 is not None, HAS_BIAS=bias is not None, SWIGLU=bool(swiglu), BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return y.view(*lead, n), h.view(*lead, k)
