@@ -53,8 +53,8 @@ def test_static_step_matches_the_ordinary_forward(make_model, kind, buckets):
 
 @pytest.mark.parametrize("lengths", [(11,), (4, 13)], ids=["batch1", "batch2"])
 def test_static_step_with_norms_fused_into_projections(make_model, monkeypatch, lengths):
-    """At <= 2 rows the input RMSNorm runs inside the packed q/k/v projection (rmsnorm_linear): the same logits
-    and cache contents as the ordinary forward."""
+    """At <= 2 rows the input RMSNorm runs inside the packed q/k/v projection (rmsnorm_linear) and the SwiGLU
+    inside the down projection (swiglu_linear): the same logits and cache contents as the ordinary forward."""
     from plyx.model import _model
 
     calls = []
@@ -79,6 +79,7 @@ def test_static_step_with_norms_fused_into_projections(make_model, monkeypatch, 
             tokens = want.argmax(-1)
     rows = len(lengths)
     assert calls.count(("rmsnorm_linear", rows)) == 3 * model.config.n_layers  # every layer's q/k/v
+    assert calls.count(("swiglu_linear", rows)) == 3 * model.config.n_layers  # every layer's down projection
     for layer in range(model.config.n_layers):
         for sid in seq_ids:
             a, b = caches[0].read(layer, sid), caches[1].read(layer, sid)
@@ -93,7 +94,7 @@ def test_static_step_without_the_fused_kernels_takes_the_plain_path(make_model, 
     from plyx.specs.kernels import KernelNotFoundError
 
     real = _attention.kernel
-    missing = ("rope_store_kv", "rmsnorm_linear")
+    missing = ("rope_store_kv", "rmsnorm_linear", "swiglu_linear")
 
     def older(name, *tensors, **shape):
         if name in missing:

@@ -6,7 +6,7 @@ Public surface:
   returns the implementation chosen for their device, dtype and sizes.
 - ``configure(KernelConfig)``, ``reset_registry()``, ``Registry`` (a private registry).
 - one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``,
-  ``rope_store_kv``, ``rmsnorm_linear``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
+  ``rope_store_kv``, ``rmsnorm_linear``, ``swiglu_linear``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
   is the callable subpackage ``plyx.kernel.attention``) and ``rope_tables``.
 - ``plyx.kernel.reference``: the pure-PyTorch definitions.
 """
@@ -23,6 +23,7 @@ from plyx.kernel._dispatch import (
     rope,
     rope_store_kv,
     swiglu,
+    swiglu_linear,
 )
 from plyx.kernel._errors import KernelInputError
 from plyx.kernel._registry import KernelConformanceWarning, KernelFallbackWarning, Registry, query_for
@@ -49,4 +50,5 @@ __all__ = [
     "rope_store_kv",
     "rope_tables",
     "swiglu",
+    "swiglu_linear",
 ]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from plyx.kernel._default import registry
 
-__all__ = ["matmul", "rmsnorm", "rmsnorm_linear", "swiglu", "rope", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
+__all__ = ["matmul", "rmsnorm", "rmsnorm_linear", "swiglu", "swiglu_linear", "rope", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -55,6 +55,16 @@ def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Ten
     rows = x.numel() // max(1, x.shape[-1])
     fn = registry().get("rmsnorm_linear", x, norm_weight, weight, rows=rows, hidden=int(x.shape[-1]))
     return fn(x, norm_weight, weight, eps=eps, residual=residual, bias=bias, swiglu=swiglu)  # type: ignore[no-any-return]
+
+
+def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``(silu(gate) * up) @ weight.T (+ bias)`` of a packed ``gate_up [..., 2F]``: a packed MLP's down projection.
+
+    Inference only (no gradient); selected for gate_up's device, dtype and row count (Triton: at most 2 rows).
+    """
+    rows = gate_up.numel() // max(1, gate_up.shape[-1])
+    fn = registry().get("swiglu_linear", gate_up, weight, rows=rows, hidden=int(weight.shape[-1]))
+    return fn(gate_up, weight, bias=bias)  # type: ignore[no-any-return]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **options: Any) -> Any:

@@ -143,12 +143,14 @@ class DecoderLayer(nn.Module):
 
     def _fused_step(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                     step: KVStep) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``static_step`` with the input RMSNorm inside the packed q/k/v projection (``rmsnorm_linear``).
+        """``static_step`` with the input RMSNorm inside the packed q/k/v projection (``rmsnorm_linear``) and the
+        SwiGLU inside the down projection (``swiglu_linear``).
 
-        Only there: on an H200 at one row the fused kernel beat RMSNorm + cuBLAS for q/k/v (6.7 vs 8.2 us),
-        but not for the wider gate/up or LM-head projections, where cuBLAS streams the weights faster
-        (``plyx-kernel``'s bench_rmsnorm_linear). None where it does not apply (more rows than ``FUSED_ROWS``,
-        unpacked weights, QK-norm, an older plyx-kernel): the caller takes the plain path.
+        Chosen by measurement on an H200 at one row: the norm + q/k/v kernel beat RMSNorm + cuBLAS (6.9 vs
+        8.3 us) but a norm + gate/up kernel did not (cuBLAS streams wide weights faster), and SwiGLU + down
+        in one pipelined GEMV beat swiglu + cuBLAS's split-K GEMV and reduce (9.0 vs 12.0 us); see
+        plyx-kernel's bench results. None where it does not apply (more rows than ``FUSED_ROWS``, unpacked
+        weights, QK-norm, an older plyx-kernel): the caller takes the plain path.
         """
         B, T, D = h.shape
         attn = self.self_attn
@@ -164,7 +166,13 @@ class DecoderLayer(nn.Module):
         if a is None:
             return None  # nothing was written yet: rope_store_kv is the first cache write
         x, residual = self.post_attention_layernorm(a.to(residual.dtype), residual=residual)
-        return self.mlp(x, packed=True), residual
+        mlp = self.mlp
+        gate_up = packed_for_inference((mlp.gate_proj, mlp.up_proj))
+        down = _optional_kernel("swiglu_linear", x, mlp.down_proj.weight, rows=B * T, hidden=mlp.down_proj.in_features)
+        if gate_up is None or down is None:
+            return mlp(x, packed=True), residual
+        # the SwiGLU inside the down projection's GEMV (one launch for cuBLAS's split-K GEMV, its reduce and swiglu)
+        return down(F.linear(x, *gate_up), mlp.down_proj.weight, bias=mlp.down_proj.bias), residual
 
 
 class TransformerLM(nn.Module):

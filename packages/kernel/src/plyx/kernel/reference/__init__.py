@@ -1,7 +1,7 @@
 """Pure-PyTorch reference implementations of every kernel name: they run on any device.
 
 Each is the definition the faster implementations are tested against, and each
-passes ``torch.autograd.gradcheck`` in float64 (``rope_store_kv`` and ``rmsnorm_linear`` are inference only: no gradient).
+passes ``torch.autograd.gradcheck`` in float64 (``rope_store_kv``, ``rmsnorm_linear`` and ``swiglu_linear`` are inference only: no gradient).
 """
 
 from plyx.kernel.reference.cross_entropy import cross_entropy
@@ -12,5 +12,6 @@ from plyx.kernel.reference.rmsnorm_linear import rmsnorm_linear
 from plyx.kernel.reference.rope import rope
 from plyx.kernel.reference.rope_store_kv import rope_store_kv
 from plyx.kernel.reference.swiglu import swiglu
+from plyx.kernel.reference.swiglu_linear import swiglu_linear
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "matmul", "rmsnorm", "rmsnorm_linear", "rope", "rope_store_kv", "swiglu"]
+__all__ = ["cross_entropy", "linear_cross_entropy", "matmul", "rmsnorm", "rmsnorm_linear", "rope", "rope_store_kv", "swiglu", "swiglu_linear"]

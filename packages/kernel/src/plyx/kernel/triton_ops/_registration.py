@@ -49,6 +49,8 @@ _OPS: dict[str, tuple[int, dict[str, Any], str]] = {
     # decode-sized only (the rows limit is triton_ops.rmsnorm_linear.MAX_ROWS); larger M takes the reference
     "rmsnorm_linear": (10, {"shape_limits": {"rows": (1, 2)}, "backward": False},
                        "Triton RMSNorm (+ residual) fused into a skinny projection (+ SwiGLU), M <= 2 (inference only)"),
+    "swiglu_linear": (10, {"shape_limits": {"rows": (1, 2)}, "backward": False},
+                      "Triton down projection of silu(gate) * up, one launch, M <= 2 (inference only)"),
     "cross_entropy": (10, {}, "Triton online-softmax cross-entropy, gradient in the forward pass"),
     "linear_cross_entropy": (10, {}, "chunked cuBLAS lm-head + Triton cross-entropy, gradients in the forward pass"),
     # below the cuBLAS reference: measured slower at the benchmark shapes (bench/results); force it to use it

@@ -52,7 +52,7 @@ def _load_h(X, R, rm, rk, mask, sxm, srm, HAS_RES: tl.constexpr):
 @triton.jit
 def _rmsnorm_linear_kernel(X, R, NW, W, B, Y, H, M, N, K, UP_OFFSET, sxm, srm, swn, sym, shm, eps,
                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     mmask = rm < M
@@ -69,7 +69,7 @@ def _rmsnorm_linear_kernel(X, R, NW, W, B, Y, H, M, N, K, UP_OFFSET, sxm, srm, s
     if SWIGLU:
         u_rows = w_rows + UP_OFFSET * swn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):  # pipelined weight loads
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         wmask = nmask[:, None] & kmask[None, :]
@@ -130,5 +130,5 @@ def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Ten
         x2, r2 if r2 is not None else x2, norm_weight, weight, bias if bias is not None else weight, y, h, m, n, k, n,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, weight.stride(0), y.stride(0), h.stride(0), float(eps),
         HAS_RES=r2 is not None, HAS_BIAS=bias is not None, SWIGLU=bool(swiglu), BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=3, num_warps=warps)
     return y.view(*lead, n), h.view(*lead, k)
