@@ -42,7 +42,7 @@ def main() -> int:
     for m in (1, 2):
         gu = torch.randn(m, 2 * FF, device="cuda", dtype=torch.bfloat16)
 
-        def unfused(i: int) -> torch.Tensor:
+        def unfused(i: int, gu: torch.Tensor = gu) -> torch.Tensor:
             gate, up = gu.chunk(2, dim=-1)
             return F.linear(swiglu(gate, up), weights[i])
 
@@ -50,14 +50,14 @@ def main() -> int:
         got = swiglu_linear(gu, weights[0]).float()
         err = float((got - want).abs().max() / want.abs().max())
         t_unfused = graph_time(unfused, LAYERS)
-        t_fused = graph_time(lambda i: swiglu_linear(gu, weights[i]), LAYERS)
+        t_fused = graph_time(lambda i, gu=gu: swiglu_linear(gu, weights[i]), LAYERS)
         row = {**head, "shape": "down", "n": D, "k": FF, "m": m, "unfused_us": t_unfused, "fused_us": t_fused,
                "ratio": t_unfused / t_fused, "err_y": err, "weight_gbps_unfused": nbytes / t_unfused / 1e3,
                "weight_gbps_fused": nbytes / t_fused / 1e3}
         line = (f"down [{D}x{FF}] M={m}: swiglu + cuBLAS {t_unfused:.2f} us ({row['weight_gbps_unfused']:.0f} GB/s)  "
                 f"swiglu_linear {t_fused:.2f} us ({row['weight_gbps_fused']:.0f} GB/s)  ratio {row['ratio']:.2f}  err {err:.1e}")
         if args.sweep:
-            best = min((graph_time(lambda i, b=b: swiglu_linear(gu, weights[i], blocks=b), LAYERS), b)
+            best = min((graph_time(lambda i, b=b, gu=gu: swiglu_linear(gu, weights[i], blocks=b), LAYERS), b)
                        for b in itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (2, 3, 4)))
             row["sweep_best"], row["sweep_best_us"] = best[1], best[0]
             line += f"  | best {best[0]:.2f} us {best[1]}"
