@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["empty", "poisoned", "interpreting", "num_programs", "next_power_of_2"]
+__all__ = ["empty", "poisoned", "interpreting", "num_programs", "next_power_of_2", "pdl"]
 
 _POISON: list[bool] = [False]
 
@@ -35,6 +35,26 @@ def empty(shape: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tens
 def interpreting() -> bool:
     """Triton's CPU interpreter (``TRITON_INTERPRET=1``): tests run the kernels on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+#: programmatic dependent launch for the kernels that support it (``pdl``); ``PLYX_TRITON_PDL=0`` turns it off
+PDL_ENABLED = os.environ.get("PLYX_TRITON_PDL", "1") not in ("", "0")
+_PDL: dict[int, bool] = {}
+
+
+def pdl(device: torch.device) -> bool:
+    """Launch with programmatic dependent launch on ``device``: Hopper or newer, compiled (not the interpreter).
+
+    A kernel launched so may start while the kernel before it in the stream finishes: it streams the
+    data the previous kernel does not write (weights) first, then waits (``gdc_wait``) before reading
+    anything the previous kernel produced. That hides one kernel's ramp behind the other's tail.
+    """
+    if not PDL_ENABLED or device.type != "cuda" or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PDL:
+        _PDL[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _PDL[index]
 
 
 _SMS: dict[int, int] = {}

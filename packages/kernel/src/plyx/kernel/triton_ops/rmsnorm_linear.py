@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.rmsnorm_linear import check_rmsnorm_linear
-from plyx.kernel.triton_ops._common import empty
+from plyx.kernel.triton_ops._common import empty, pdl
 
 __all__ = ["rmsnorm_linear", "MAX_ROWS", "pick_blocks"]
 
@@ -50,15 +50,33 @@ def _load_h(X, R, rm, rk, mask, sxm, srm, HAS_RES: tl.constexpr):
 
 
 @triton.jit
+def _chunk(acc, acc_up, sq, w, u, X, R, NW, H, rm, rk, kmask, mmask, writer, sxm, srm, shm,
+           HAS_RES: tl.constexpr, SWIGLU: tl.constexpr):
+    """One K chunk: h = x (+ residual) (program 0 stores it), its squares, and the weight tiles' dot products."""
+    m2 = mmask[:, None] & kmask[None, :]
+    h = _load_h(X, R, rm, rk, m2, sxm, srm, HAS_RES)
+    if HAS_RES:  # program 0 writes the new residual stream
+        tl.store(H + rm[:, None] * shm + rk[None, :], h.to(H.dtype.element_ty), mask=m2 & writer[None, :])
+    sq += tl.sum(h * h, axis=1)
+    hn = h * tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)[None, :]
+    acc += tl.sum(hn[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if SWIGLU:
+        acc_up += tl.sum(hn[:, None, :] * u.to(tl.float32)[None, :, :], axis=2)
+    return acc, acc_up, sq
+
+
+@triton.jit
 def _rmsnorm_linear_kernel(X, R, NW, W, B, Y, H, M, N, K, UP_OFFSET, sxm, srm, swn, sym, shm, eps,
                            HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+                           USE_GDC: tl.constexpr):
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     mmask = rm < M
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     w_rows = W + rn.to(tl.int64)[:, None] * swn
+    u_rows = w_rows + UP_OFFSET * swn  # read only with SWIGLU
     # broadcast before comparing: the interpreter refuses a scalar bool combined with a block of them
     writer = (tl.zeros((BLOCK_K,), dtype=tl.int32) + pid) == 0
     # One pass: the row's inverse RMS is a per-row scalar, so it factors out of the dot product,
@@ -66,25 +84,31 @@ def _rmsnorm_linear_kernel(X, R, NW, W, B, Y, H, M, N, K, UP_OFFSET, sxm, srm, s
     # and the weight loads never wait for a reduction over the row first.
     sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the first weight tiles are not the previous kernel's output: under programmatic dependent launch they
+    # stream in while that kernel finishes; x and the residual are read only after gdc_wait
+    rk = tl.arange(0, BLOCK_K)
+    kmask = rk < K
+    wmask = nmask[:, None] & kmask[None, :]
+    w = tl.load(w_rows + rk[None, :], mask=wmask, other=0.0)
+    u = w
     if SWIGLU:
-        u_rows = w_rows + UP_OFFSET * swn
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):  # pipelined weight loads
+        u = tl.load(u_rows + rk[None, :], mask=wmask, other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc, acc_up, sq = _chunk(acc, acc_up, sq, w, u, X, R, NW, H, rm, rk, kmask, mmask, writer, sxm, srm, shm,
+                             HAS_RES, SWIGLU)
+    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):  # pipelined weight loads
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         wmask = nmask[:, None] & kmask[None, :]
         w = tl.load(w_rows + rk[None, :], mask=wmask, other=0.0)
+        u = w
         if SWIGLU:
             u = tl.load(u_rows + rk[None, :], mask=wmask, other=0.0)
-        m2 = mmask[:, None] & kmask[None, :]
-        h = _load_h(X, R, rm, rk, m2, sxm, srm, HAS_RES)
-        if HAS_RES:  # program 0 writes the new residual stream
-            tl.store(H + rm[:, None] * shm + rk[None, :], h.to(H.dtype.element_ty), mask=m2 & writer[None, :])
-        sq += tl.sum(h * h, axis=1)
-        hn = h * tl.load(NW + rk, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        acc += tl.sum(hn[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        if SWIGLU:
-            acc_up += tl.sum(hn[:, None, :] * u.to(tl.float32)[None, :, :], axis=2)
+        acc, acc_up, sq = _chunk(acc, acc_up, sq, w, u, X, R, NW, H, rm, rk, kmask, mmask, writer, sxm, srm, shm,
+                                 HAS_RES, SWIGLU)
     rstd = 1.0 / tl.sqrt(sq / K + eps)
     acc = acc * rstd[:, None]
     if HAS_BIAS:
@@ -126,9 +150,10 @@ def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Ten
     y = empty((m, n), dtype=x.dtype, device=x.device)
     h = empty(x2.shape, dtype=x.dtype, device=x.device) if r2 is not None else x2
     block_n, block_k, warps = blocks or pick_blocks(n_rows, k)
+    gdc = pdl(x.device)
     _rmsnorm_linear_kernel[(triton.cdiv(n, block_n),)](
         x2, r2 if r2 is not None else x2, norm_weight, weight, bias if bias is not None else weight, y, h, m, n, k, n,
         x2.stride(0), r2.stride(0) if r2 is not None else 0, weight.stride(0), y.stride(0), h.stride(0), float(eps),
         HAS_RES=r2 is not None, HAS_BIAS=bias is not None, SWIGLU=bool(swiglu), BLOCK_M=triton.next_power_of_2(m),
-        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=3, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, STAGES=3, USE_GDC=gdc, num_warps=warps, launch_pdl=gdc)
     return y.view(*lead, n), h.view(*lead, k)

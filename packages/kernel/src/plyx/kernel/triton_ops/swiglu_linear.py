@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.swiglu_linear import check_swiglu_linear
-from plyx.kernel.triton_ops._common import empty
+from plyx.kernel.triton_ops._common import empty, pdl
 
 __all__ = ["swiglu_linear", "MAX_ROWS"]
 
@@ -28,8 +28,17 @@ MAX_ROWS = 2
 
 
 @triton.jit
+def _chunk(acc, w, gu, rk, kmask, F, DTYPE: tl.constexpr):
+    """acc += w @ (silu(gate) * up) over one F chunk (the product rounded as the swiglu kernel's output is)."""
+    g = tl.load(gu + rk, mask=kmask, other=0.0).to(tl.float32)
+    u = tl.load(gu + F + rk, mask=kmask, other=0.0).to(tl.float32)
+    a = (g / (1.0 + tl.exp(-g)) * u).to(DTYPE).to(tl.float32)
+    return acc + tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+
+
+@triton.jit
 def _swiglu_linear_kernel(GU, W, B, Y, M, N, F, sgm, swn, sym, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+                          BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
     pid = tl.program_id(0)
     row = tl.program_id(1)  # one row of gate_up per program column: the weight tile is re-read from L2
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -37,14 +46,20 @@ def _swiglu_linear_kernel(GU, W, B, Y, M, N, F, sgm, swn, sym, HAS_BIAS: tl.cons
     w_rows = W + rn.to(tl.int64)[:, None] * swn
     gu = GU + row * sgm
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in tl.range(0, F, BLOCK_K, num_stages=STAGES):
+    # the first weight tile does not come from the previous kernel: under programmatic dependent launch it
+    # streams in while that kernel finishes; gate_up is read only after gdc_wait
+    rk = tl.arange(0, BLOCK_K)
+    kmask = rk < F
+    w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = _chunk(acc, w, gu, rk, kmask, F, GU.dtype.element_ty)
+    for k0 in tl.range(BLOCK_K, F, BLOCK_K, num_stages=STAGES):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < F
         w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        g = tl.load(gu + rk, mask=kmask, other=0.0).to(tl.float32)
-        u = tl.load(gu + F + rk, mask=kmask, other=0.0).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g)) * u).to(GU.dtype.element_ty).to(tl.float32)  # the swiglu kernel's rounding
-        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        acc = _chunk(acc, w, gu, rk, kmask, F, GU.dtype.element_ty)
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)
     tl.store(Y + row * sym + rn, acc.to(Y.dtype.element_ty), mask=nmask)
@@ -65,7 +80,9 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, *, bias: torch.Te
     n, f = weight.shape
     y = empty((m, n), dtype=gate_up.dtype, device=gate_up.device)
     block_n, block_k, warps, stages = blocks or (8, min(triton.next_power_of_2(f), 1024), 4, 3)
+    gdc = pdl(gate_up.device)
     _swiglu_linear_kernel[(triton.cdiv(n, block_n), m)](
         gu, weight, bias if bias is not None else weight, y, m, n, f, gu.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, num_warps=warps)
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, USE_GDC=gdc, num_warps=warps,
+        launch_pdl=gdc)
     return y.view(*lead, n)
