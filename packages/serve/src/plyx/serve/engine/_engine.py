@@ -164,7 +164,9 @@ class Engine:
             return None  # a model without the static-step entry point runs eagerly
         from plyx.serve._graphs import DecodeGraphs
 
-        return DecodeGraphs(self.model, self.cache, max_batch=self.config.max_batch_size)
+        # one token per row: the engine's prefill chunks run as ordinary forwards (ragged, mixed with decodes), so
+        # the step buffers (copied to the device every step) stay one token wide
+        return DecodeGraphs(self.model, self.cache, max_batch=self.config.max_batch_size, max_query=1)
 
     # -- requests --------------------------------------------------------------------------
     def compile_grammar(self, params: SamplingParams) -> Any:
