@@ -13,6 +13,7 @@ import cProfile
 import pstats
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,30 +40,20 @@ def main() -> None:
     _, model = build(args.config, getattr(torch, args.dtype), args.device)
     prompts = torch.randint(3, CONFIGS[args.config]["vocab_size"], (args.batch, 32)).tolist()
     params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens, ignore_eos=True)
-    run = lambda: generate(model, prompts, params, cache=args.cache, cuda_graphs=False if args.eager else None)  # noqa: E731
+    graphs = False if args.eager else None
+
+    def generate_with(p: SamplingParams) -> Callable[[], object]:
+        return lambda: generate(model, prompts, p, cache=args.cache, cuda_graphs=graphs)
+
+    run = generate_with(params)
     run()  # warm-up: kernels compiled, graphs captured for this batch
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    run()
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - start
+    wall = _best_wall(run, args.device, repeats=1)
     print(f"{args.config} batch {args.batch} {args.cache}{' eager' if args.eager else ''}: "
           f"{args.batch * args.new_tokens / wall:.1f} tok/s, {wall / args.new_tokens * 1e3:.3f} ms per step")
-    first = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
-    once = lambda: generate(model, prompts, first, cache=args.cache, cuda_graphs=False if args.eager else None)  # noqa: E731
+    once = generate_with(SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True))
     once()  # its own spare cache and graphs (another max_seq_len)
-    times = []
-    for _ in range(3):
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        once()
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    print(f"one-token generate (setup + prefill of {len(prompts[0])} tokens + one sample): {min(times) * 1e3:.2f} ms")
+    print(f"one-token generate (setup + prefill of {len(prompts[0])} tokens + one sample): "
+          f"{_best_wall(once, args.device, repeats=3) * 1e3:.2f} ms")
     if args.kernels:
         gpu_breakdown(model, prompts, args.top)
     prof = cProfile.Profile()
@@ -70,6 +61,21 @@ def main() -> None:
     run()
     prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
+def _best_wall(fn: Callable[[], object], device: str, *, repeats: int) -> float:
+    """Best wall-clock seconds of ``fn()`` over ``repeats`` calls, the GPU drained before and after each."""
+    cuda = device.startswith("cuda")
+    best = float("inf")
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def gpu_breakdown(model, prompts, top: int) -> None:

@@ -26,6 +26,24 @@ def _prefill(model, cache, prompts):
     return seq_ids, logits.argmax(-1)
 
 
+def _decode_both(model, cache, graphs, seq_ids, tokens, steps):
+    """``steps`` greedy decode steps through the ordinary forward on ``cache`` and through ``graphs``: same logits."""
+    for _ in range(steps):
+        want = model(tokens[:, None], cache=cache, seq_ids=seq_ids)[:, -1]
+        torch.testing.assert_close(graphs.step(seq_ids, tokens), want, rtol=1e-5, atol=1e-5)
+        tokens = want.argmax(-1)
+
+
+def _assert_same_cache(model, caches, seq_ids):
+    """Every layer's keys, values and lengths of ``seq_ids`` agree between the two caches."""
+    for layer in range(model.config.n_layers):
+        for sid in seq_ids:
+            a, b = caches[0].read(layer, sid), caches[1].read(layer, sid)
+            torch.testing.assert_close(b[0], a[0])
+            torch.testing.assert_close(b[1], a[1])
+            assert caches[1].length(sid) == caches[0].length(sid) == a[0].shape[0]
+
+
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 @pytest.mark.parametrize("buckets", [None, [2, 5]])
 def test_static_step_matches_the_ordinary_forward(make_model, kind, buckets):
@@ -38,17 +56,8 @@ def test_static_step_matches_the_ordinary_forward(make_model, kind, buckets):
         seq_ids, tokens = _prefill(model, caches[0], prompts)
         _prefill(model, caches[1], prompts)
         graphs = DecodeGraphs(model, caches[1], max_batch=5 if buckets else 3, capture=False, buckets=buckets)
-        for _ in range(5):
-            want = model(tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1]
-            got = graphs.step(seq_ids, tokens)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            tokens = want.argmax(-1)
-    for layer in range(model.config.n_layers):
-        for sid in seq_ids:
-            a, b = caches[0].read(layer, sid), caches[1].read(layer, sid)
-            torch.testing.assert_close(b[0], a[0])
-            torch.testing.assert_close(b[1], a[1])
-            assert caches[1].length(sid) == caches[0].length(sid) == a[0].shape[0]
+        _decode_both(model, caches[0], graphs, seq_ids, tokens, 5)
+    _assert_same_cache(model, caches, seq_ids)
 
 
 @pytest.mark.parametrize("lengths", [(11,), (4, 13)], ids=["batch1", "batch2"])
@@ -73,18 +82,11 @@ def test_static_step_with_norms_fused_into_projections(make_model, monkeypatch, 
         seq_ids, tokens = _prefill(model, caches[0], prompts)
         _prefill(model, caches[1], prompts)
         graphs = DecodeGraphs(model, caches[1], max_batch=2, capture=False)
-        for _ in range(3):
-            want = model(tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1]
-            torch.testing.assert_close(graphs.step(seq_ids, tokens), want, rtol=1e-5, atol=1e-5)
-            tokens = want.argmax(-1)
+        _decode_both(model, caches[0], graphs, seq_ids, tokens, 3)
     rows = len(lengths)
     assert calls.count(("rmsnorm_linear", rows)) == 3 * model.config.n_layers  # every layer's q/k/v
     assert calls.count(("swiglu_linear", rows)) == 3 * model.config.n_layers  # every layer's down projection
-    for layer in range(model.config.n_layers):
-        for sid in seq_ids:
-            a, b = caches[0].read(layer, sid), caches[1].read(layer, sid)
-            torch.testing.assert_close(b[0], a[0])
-            torch.testing.assert_close(b[1], a[1])
+    _assert_same_cache(model, caches, seq_ids)
 
 
 def test_static_step_without_the_fused_kernels_takes_the_plain_path(make_model, monkeypatch):
@@ -109,10 +111,7 @@ def test_static_step_without_the_fused_kernels_takes_the_plain_path(make_model, 
         seq_ids, tokens = _prefill(model, caches[0], [[5, 9, 2, 7]])
         _prefill(model, caches[1], [[5, 9, 2, 7]])
         graphs = DecodeGraphs(model, caches[1], max_batch=1, capture=False)
-        for _ in range(3):
-            want = model(tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1]
-            torch.testing.assert_close(graphs.step(seq_ids, tokens), want, rtol=1e-5, atol=1e-5)
-            tokens = want.argmax(-1)
+        _decode_both(model, caches[0], graphs, seq_ids, tokens, 3)
 
 
 def test_padding_rows_repeat_row_zero(make_model):
@@ -184,15 +183,8 @@ def test_prefill_through_chunks_matches_the_ordinary_forward(make_model, kind):
         got = graphs.prefill(seq_ids, prompts)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert graphs.steps == 4
-        for _ in range(3):
-            want = model(tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1]
-            torch.testing.assert_close(graphs.step(seq_ids, tokens), want, rtol=1e-5, atol=1e-5)
-            tokens = want.argmax(-1)
-    for layer in range(model.config.n_layers):
-        for sid in seq_ids:
-            a, b = caches[0].read(layer, sid), caches[1].read(layer, sid)
-            torch.testing.assert_close(b[0], a[0])
-            torch.testing.assert_close(b[1], a[1])
+        _decode_both(model, caches[0], graphs, seq_ids, tokens, 3)
+    _assert_same_cache(model, caches, seq_ids)
 
 
 def test_prefill_declines_ragged_rows_and_keeps_the_cache_on_failure(make_model):
@@ -452,11 +444,7 @@ def test_static_step_with_packed_projections_per_architecture(arch, tmp_path):
         layer = model.layers[0]
         assert packed_linear((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)) is not None
         assert packed_linear((layer.mlp.gate_proj, layer.mlp.up_proj)) is not None
-        for _ in range(3):
-            want = model(tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1]
-            got = graphs.step(seq_ids, tokens)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            tokens = want.argmax(-1)
+        _decode_both(model, caches[0], graphs, seq_ids, tokens, 3)
     save_hf(model, tmp_path / "packed")  # shared storage must not trouble the writer
     again = load_hf(tmp_path / "packed")
     for (name, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):

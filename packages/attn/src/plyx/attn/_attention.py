@@ -102,10 +102,10 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         packed = packed_for_inference((self.q_proj, self.k_proj, self.v_proj)) if step is not None and step.slots is not None else None
         if packed is not None and self.q_norm is None:
-            q = self._project_and_store(x, cos, sin, *packed, step)  # type: ignore[arg-type]
-            if q is not None:  # keys and values are in the cache already
-                out = self._attend_paged(q, step)  # type: ignore[arg-type]
-                return self.o_proj(out.to(x.dtype).reshape(B, T, self.n_heads * self.head_dim))
+            qkv = F.linear(x, *packed).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+            out = self.attend_projected(qkv, cos, sin, step)  # type: ignore[arg-type]
+            if out is not None:
+                return out
         if packed is not None:
             q, k, v = self._project_packed(x, cos, sin, *packed)
         else:
@@ -147,15 +147,6 @@ class Attention(nn.Module):
         qk = qkv[:, :, :H + KV]
         qk = kernel("rope", qk, cos, sin, head_dim=Dh)(qk, cos, sin)  # (B, T, H + KV, Dh)
         return qk[:, :, :H], qk[:, :, H:], v
-
-    def _project_and_store(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                           bias: torch.Tensor | None, step: KVStep) -> torch.Tensor | None:
-        """Static step, packed q/k/v, no QK-norm: one GEMV, then one ``rope_store_kv`` launch turns q and k
-        and writes k and v to their slots (three launches otherwise). Returns q, or None when no
-        ``rope_store_kv`` kernel is installed (an older plyx-kernel): the caller takes the unfused path."""
-        B, T, _ = x.shape
-        qkv = F.linear(x, weight, bias).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        return self._rope_and_store(qkv, cos, sin, step)
 
     def _rope_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: KVStep) -> torch.Tensor | None:
         """q rotated; k rotated and v written to the step's slots (one ``rope_store_kv`` launch); None: no such kernel."""

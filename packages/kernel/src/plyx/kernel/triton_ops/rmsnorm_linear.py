@@ -50,6 +50,19 @@ def _load_h(X, R, rm, rk, mask, sxm, srm, HAS_RES: tl.constexpr):
 
 
 @triton.jit
+def _tiles(w_rows, u_rows, k0, K, nmask, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
+    """The weight tile (and the up half's, with SwiGLU) of the K chunk starting at ``k0``: ``(w, u, rk, kmask)``."""
+    rk = k0 + tl.arange(0, BLOCK_K)
+    kmask = rk < K
+    wmask = nmask[:, None] & kmask[None, :]
+    w = tl.load(w_rows + rk[None, :], mask=wmask, other=0.0)
+    u = w
+    if SWIGLU:
+        u = tl.load(u_rows + rk[None, :], mask=wmask, other=0.0)
+    return w, u, rk, kmask
+
+
+@triton.jit
 def _chunk(acc, acc_up, sq, w, u, X, R, NW, H, rm, rk, kmask, mmask, writer, sxm, srm, shm,
            HAS_RES: tl.constexpr, SWIGLU: tl.constexpr):
     """One K chunk: h = x (+ residual) (program 0 stores it), its squares, and the weight tiles' dot products."""
@@ -87,26 +100,14 @@ def _rmsnorm_linear_kernel(X, R, NW, W, B, Y, H, M, N, K, UP_OFFSET, sxm, srm, s
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # the first weight tiles are not the previous kernel's output: under programmatic dependent launch they
     # stream in while that kernel finishes; x and the residual are read only after gdc_wait
-    rk = tl.arange(0, BLOCK_K)
-    kmask = rk < K
-    wmask = nmask[:, None] & kmask[None, :]
-    w = tl.load(w_rows + rk[None, :], mask=wmask, other=0.0)
-    u = w
-    if SWIGLU:
-        u = tl.load(u_rows + rk[None, :], mask=wmask, other=0.0)
+    w, u, rk, kmask = _tiles(w_rows, u_rows, 0, K, nmask, BLOCK_K, SWIGLU)
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc, acc_up, sq = _chunk(acc, acc_up, sq, w, u, X, R, NW, H, rm, rk, kmask, mmask, writer, sxm, srm, shm,
                              HAS_RES, SWIGLU)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):  # pipelined weight loads
-        rk = k0 + tl.arange(0, BLOCK_K)
-        kmask = rk < K
-        wmask = nmask[:, None] & kmask[None, :]
-        w = tl.load(w_rows + rk[None, :], mask=wmask, other=0.0)
-        u = w
-        if SWIGLU:
-            u = tl.load(u_rows + rk[None, :], mask=wmask, other=0.0)
+        w, u, rk, kmask = _tiles(w_rows, u_rows, k0, K, nmask, BLOCK_K, SWIGLU)
         acc, acc_up, sq = _chunk(acc, acc_up, sq, w, u, X, R, NW, H, rm, rk, kmask, mmask, writer, sxm, srm, shm,
                                  HAS_RES, SWIGLU)
     rstd = 1.0 / tl.sqrt(sq / K + eps)

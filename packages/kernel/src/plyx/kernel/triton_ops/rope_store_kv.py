@@ -23,26 +23,11 @@ import triton.language as tl
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.rope_store_kv import check_rope_store_kv
 from plyx.kernel.triton_ops._common import empty, next_power_of_2
+from plyx.kernel.triton_ops.rope import angles, rotate_rows, tables
 
 __all__ = ["rope_store_kv"]
 
 _NAME = "rope_store_kv:triton"
-
-
-@triton.jit
-def _rotate_rows(src, dst, mask, c, s, ia, ib, rmask, HALF, DH, BLOCK_P: tl.constexpr):
-    """Rotate rows ``src`` (BLOCK_H, 1) pointers into ``dst``, cast to dst's dtype; copy dims 2*HALF..DH."""
-    m2 = mask[:, None] & rmask[None, :]
-    xa = tl.load(src + ia[None, :], mask=m2, other=0.0).to(tl.float32)
-    xb = tl.load(src + ib[None, :], mask=m2, other=0.0).to(tl.float32)
-    ya = xa * c[None, :] - xb * s[None, :]
-    yb = xb * c[None, :] + xa * s[None, :]
-    tl.store(dst + ia[None, :], ya.to(dst.dtype.element_ty), mask=m2)
-    tl.store(dst + ib[None, :], yb.to(dst.dtype.element_ty), mask=m2)
-    if BLOCK_P > 0:  # partial rotary: dims 2*HALF .. DH pass through
-        p = 2 * HALF + tl.arange(0, BLOCK_P)
-        pm = mask[:, None] & (p < DH)[None, :]
-        tl.store(dst + p[None, :], tl.load(src + p[None, :], mask=pm, other=0.0).to(dst.dtype.element_ty), mask=pm)
 
 
 @triton.jit
@@ -53,25 +38,16 @@ def _rope_store_kv_kernel(QKV, COS, SIN, Q, KC, VC, SLOTS, T, H, KV, DH, HALF, s
     b = token // T
     t = token % T
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # q head i and kv head i share a program
-    i = tl.arange(0, BLOCK_R)
-    rmask = i < HALF
-    c = tl.load(COS + b * scb + t * sct + i, mask=rmask, other=0.0).to(tl.float32)
-    s = tl.load(SIN + b * scb + t * sct + i, mask=rmask, other=0.0).to(tl.float32)
-    if INTERLEAVED:
-        ia = 2 * i
-        ib = 2 * i + 1
-    else:
-        ia = i
-        ib = i + HALF
+    c, s, ia, ib, rmask = angles(COS, SIN, b, t, scb, sct, HALF, INTERLEAVED, False, BLOCK_R)
     x = QKV + b * sxb + t * sxt
     # q: (BLOCK_H, Dh) rows of the token, rotated into the new q
-    _rotate_rows(x + heads[:, None] * sxh, Q + b * sqb + t * sqt + heads[:, None] * sqh, heads < H,
+    rotate_rows(x + heads[:, None] * sxh, Q + b * sqb + t * sqt + heads[:, None] * sqh, heads < H,
                  c, s, ia, ib, rmask, HALF, DH, BLOCK_P)
     slot = tl.load(SLOTS + token)  # int64; < 0: padding, nothing stored
     # broadcast before comparing: the interpreter's scalar bool & block bool gives an int mask it then refuses
     kvmask = (heads < KV) & ((tl.zeros([BLOCK_H], dtype=tl.int64) + slot) >= 0)
     # k: rotated straight into the cache (one rounding, to the cache's dtype)
-    _rotate_rows(x + (H + heads[:, None]) * sxh, KC + slot * sks + heads[:, None] * skh, kvmask,
+    rotate_rows(x + (H + heads[:, None]) * sxh, KC + slot * sks + heads[:, None] * skh, kvmask,
                  c, s, ia, ib, rmask, HALF, DH, BLOCK_P)
     # v: copied whole
     d = tl.arange(0, BLOCK_D)
@@ -87,20 +63,13 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     check_rope_store_kv(_NAME, qkv, cos, sin, k_cache, v_cache, slots, n_heads, n_kv_heads)
     for name, t in (("qkv", qkv), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_last_dim_contiguous(_NAME, name, t)
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-    if cos.stride() != sin.stride():
-        cos, sin = cos.contiguous(), sin.contiguous()
+    cos, sin, scb, sct = tables(cos, sin)
     slots = slots.reshape(-1)
     if slots.stride(0) != 1:
         slots = slots.contiguous()
     bsz, t, _, dh = qkv.shape
     h, kv, half = n_heads, n_kv_heads, cos.shape[-1]
     q = empty((bsz, t, h, dh), dtype=qkv.dtype, device=qkv.device)
-    if cos.dim() == 2:
-        scb, sct = 0, cos.stride(0)
-    else:
-        scb, sct = (cos.stride(0) if cos.shape[0] > 1 else 0), cos.stride(1)
     heads = max(h, kv)
     block_h = min(next_power_of_2(heads), 16)
     block_p = next_power_of_2(dh - 2 * half) if dh > 2 * half else 0
