@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--kernels", action="store_true",
                     help="CUDA: the GPU time of one replayed step, and the kernels of one eager step")
+    ap.add_argument("--timeline", action="store_true",
+                    help="CUDA: where the GPU sits idle during one warm generate call (kernel and copy gaps)")
     args = ap.parse_args()
     from plyx.serve import SamplingParams, generate
 
@@ -56,6 +58,8 @@ def main() -> None:
           f"{_best_wall(once, args.device, repeats=3) * 1e3:.2f} ms")
     if args.kernels:
         gpu_breakdown(model, prompts, args.top)
+    if args.timeline:
+        timeline(run)
     prof = cProfile.Profile()
     prof.enable()
     run()
@@ -76,6 +80,41 @@ def _best_wall(fn: Callable[[], object], device: str, *, repeats: int) -> float:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def timeline(run: Callable[[], object]) -> None:
+    """Trace one warm call (CPU and CUDA activity) and account for its wall time on the GPU: busy time,
+    idle gaps by size (a kernel boundary inside a graph is ~0.5 us; larger ones are the host or a copy),
+    and the largest gaps with what ran before and after them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e6
+    gpu = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type.name == "CUDA"), key=lambda t: t[0])
+    if not gpu:
+        print("timeline: no CUDA activity recorded")
+        return
+    busy = sum(end - begin for begin, end, _ in gpu)
+    gaps = [(gpu[i + 1][0] - gpu[i][1], i) for i in range(len(gpu) - 1)]
+    span = gpu[-1][1] - gpu[0][0]
+    print(f"timeline of one call: wall {wall / 1e3:.2f} ms, GPU span {span / 1e3:.2f} ms, {len(gpu)} GPU activities "
+          f"busy {busy / 1e3:.2f} ms; first activity at +{(gpu[0][0] - _first_cpu(prof)) / 1e3:.2f} ms")
+    for low, high in ((0, 2), (2, 10), (10, 50), (50, 1e12)):
+        sel = [g for g, _ in gaps if low <= g < high]
+        print(f"  gaps {low:>3}-{high if high < 1e12 else 'inf':>3} us: {len(sel):5d}, {sum(sel) / 1e3:7.2f} ms")
+    for g, i in sorted(gaps, reverse=True)[:12]:
+        print(f"  {g:8.1f} us at +{(gpu[i][1] - gpu[0][0]) / 1e3:7.2f} ms after {gpu[i][2][:60]!r} before "
+              f"{gpu[i + 1][2][:60]!r}")
+
+
+def _first_cpu(prof) -> float:
+    cpu = [e.time_range.start for e in prof.events() if e.device_type.name == "CPU"]
+    return min(cpu) if cpu else 0.0
 
 
 def gpu_breakdown(model, prompts, top: int) -> None:

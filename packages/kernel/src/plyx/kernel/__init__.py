@@ -6,7 +6,7 @@ Public surface:
   returns the implementation chosen for their device, dtype and sizes.
 - ``configure(KernelConfig)``, ``reset_registry()``, ``Registry`` (a private registry).
 - one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``,
-  ``rope_store_kv``, ``rmsnorm_linear``, ``swiglu_linear``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
+  ``rope_store_kv``, ``rmsnorm_linear``, ``swiglu_linear``, ``gemv``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
   is the callable subpackage ``plyx.kernel.attention``) and ``rope_tables``.
 - ``plyx.kernel.reference``: the pure-PyTorch definitions.
 """
@@ -15,6 +15,7 @@ from plyx.kernel import attention  # the subpackage; calling it dispatches the `
 from plyx.kernel._default import configure, registry, reset_registry
 from plyx.kernel._dispatch import (
     cross_entropy,
+    gemv,
     linear_cross_entropy,
     matmul,
     paged_attention,
@@ -37,6 +38,7 @@ __all__ = [
     "attention",
     "configure",
     "cross_entropy",
+    "gemv",
     "inv_frequencies",
     "linear_cross_entropy",
     "matmul",

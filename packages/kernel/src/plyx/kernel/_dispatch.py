@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from plyx.kernel._default import registry
 
-__all__ = ["matmul", "rmsnorm", "rmsnorm_linear", "swiglu", "swiglu_linear", "rope", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
+__all__ = ["matmul", "rmsnorm", "rmsnorm_linear", "swiglu", "swiglu_linear", "gemv", "rope", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -65,6 +65,16 @@ def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, *, bias: torch.Te
     rows = gate_up.numel() // max(1, gate_up.shape[-1])
     fn = registry().get("swiglu_linear", gate_up, weight, rows=rows, hidden=int(weight.shape[-1]))
     return fn(gate_up, weight, bias=bias)  # type: ignore[no-any-return]
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` of ``x [..., K]`` and ``weight [N, K]``: a projection at decode size.
+
+    Inference only (no gradient); selected for x's device, dtype and row count (Triton: at most 2 rows).
+    """
+    rows = x.numel() // max(1, x.shape[-1])
+    fn = registry().get("gemv", x, weight, rows=rows, hidden=int(weight.shape[-1]))
+    return fn(x, weight, bias=bias)  # type: ignore[no-any-return]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **options: Any) -> Any:

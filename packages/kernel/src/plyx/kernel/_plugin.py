@@ -22,6 +22,7 @@ _REFERENCES = {
     "rope_store_kv": "PyTorch RoPE of q and k, k and v stored at cache slots",
     "rmsnorm_linear": "PyTorch RMSNorm (+ residual) then the projection (+ SwiGLU)",
     "swiglu_linear": "PyTorch silu(gate) * up of a packed gate/up output, then the down projection",
+    "gemv": "torch.nn.functional.linear (cuBLAS on CUDA), any number of rows",
     "cross_entropy": "PyTorch cross-entropy with label smoothing, z-loss and argmax",
     "linear_cross_entropy": "PyTorch chunked lm-head + cross-entropy (never holds [N, V] logits)",
 }

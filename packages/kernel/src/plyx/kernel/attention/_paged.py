@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from plyx.kernel.attention._checks import check_paged
 from plyx.kernel.attention._tl import mm, mma
+from plyx.kernel.triton_ops._common import pdl
 
 __all__ = ["paged_attention", "num_splits_for"]
 
@@ -47,8 +48,11 @@ def _paged_fwd(
     Tq, KV, qk_scale, window, chunk,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_GDC: tl.constexpr,
 ):
+    if USE_GDC:  # programmatic dependent launch: launched during the previous kernel (which may have written the
+        tl.extra.cuda.gdc_wait()  # new keys, q, the tables), so nothing is read before the wait
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -224,6 +228,7 @@ def paged_attention(
     chunk = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     o = _empty(q.shape, like=q)
     split = num_splits > 1
+    gdc = pdl(q.device)
     if split:
         part_acc = _empty((B, KV, num_splits, block_m, D), like=q, dtype=torch.float32)
         part_ml = _empty((B, KV, num_splits, 2, block_m), like=q, dtype=torch.float32)
@@ -238,7 +243,8 @@ def paged_attention(
         o.stride(0), o.stride(1), o.stride(2),
         Tq, KV, scale * LOG2E, window or 0, chunk,
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        SPLIT=split, HAS_WINDOW=window is not None, num_warps=config["num_warps"], num_stages=config["num_stages"],
+        SPLIT=split, HAS_WINDOW=window is not None, USE_GDC=gdc, num_warps=config["num_warps"],
+        num_stages=config["num_stages"], launch_pdl=gdc,
     )
     if split:
         _paged_combine[(B, KV, group * Tq)](

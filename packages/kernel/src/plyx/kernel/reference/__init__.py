@@ -1,10 +1,11 @@
 """Pure-PyTorch reference implementations of every kernel name: they run on any device.
 
 Each is the definition the faster implementations are tested against, and each
-passes ``torch.autograd.gradcheck`` in float64 (``rope_store_kv``, ``rmsnorm_linear`` and ``swiglu_linear`` are inference only: no gradient).
+passes ``torch.autograd.gradcheck`` in float64 (``rope_store_kv``, ``rmsnorm_linear``, ``swiglu_linear`` and ``gemv`` are inference only: no gradient).
 """
 
 from plyx.kernel.reference.cross_entropy import cross_entropy
+from plyx.kernel.reference.gemv import gemv
 from plyx.kernel.reference.linear_cross_entropy import linear_cross_entropy
 from plyx.kernel.reference.matmul import matmul
 from plyx.kernel.reference.rmsnorm import rmsnorm
@@ -14,4 +15,4 @@ from plyx.kernel.reference.rope_store_kv import rope_store_kv
 from plyx.kernel.reference.swiglu import swiglu
 from plyx.kernel.reference.swiglu_linear import swiglu_linear
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "matmul", "rmsnorm", "rmsnorm_linear", "rope", "rope_store_kv", "swiglu", "swiglu_linear"]
+__all__ = ["cross_entropy", "gemv", "linear_cross_entropy", "matmul", "rmsnorm", "rmsnorm_linear", "rope", "rope_store_kv", "swiglu", "swiglu_linear"]

@@ -51,6 +51,9 @@ _OPS: dict[str, tuple[int, dict[str, Any], str]] = {
                        "Triton RMSNorm (+ residual) fused into a skinny projection (+ SwiGLU), M <= 2 (inference only)"),
     "swiglu_linear": (10, {"shape_limits": {"rows": (1, 2)}, "backward": False},
                       "Triton down projection of silu(gate) * up, one launch, M <= 2 (inference only)"),
+    # decode-sized only (triton_ops.gemv.MAX_ROWS): at more rows cuBLAS (the reference) reads the weight once too
+    "gemv": (10, {"shape_limits": {"rows": (1, 2)}, "backward": False},
+             "Triton weight-streaming GEMV x @ W.T (+ bias), M <= 2 (inference only)"),
     "cross_entropy": (10, {}, "Triton online-softmax cross-entropy, gradient in the forward pass"),
     "linear_cross_entropy": (10, {}, "chunked cuBLAS lm-head + Triton cross-entropy, gradients in the forward pass"),
     # below the cuBLAS reference: measured slower at the benchmark shapes (bench/results); force it to use it

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 from plyx.kernel._errors import KernelInputError, check_last_dim_contiguous
 from plyx.kernel.reference.rmsnorm import check_rmsnorm
-from plyx.kernel.triton_ops._common import empty, next_power_of_2, num_programs
+from plyx.kernel.triton_ops._common import empty, next_power_of_2, num_programs, pdl
 
 __all__ = ["rmsnorm"]
 
@@ -35,10 +35,16 @@ _MAX_BLOCK = 65536
 
 @triton.jit
 def _rmsnorm_fwd(X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, D, eps,
-                 HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
+    # the norm weight is no kernel's output: under programmatic dependent launch it loads while the
+    # previous kernel finishes; x and the residual are read only after gdc_wait
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -47,7 +53,6 @@ def _rmsnorm_fwd(X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, D,
         h = h_low.to(tl.float32)  # statistics of the rounded stream, as the reference
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
     tl.store(RSTD + row, rstd)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_y + cols, (h * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -92,10 +97,12 @@ class _RMSNorm(torch.autograd.Function):
         rstd = empty((n,), dtype=torch.float32, device=x.device)
         r2 = None if residual is None else _rows(residual)
         h = x2 if r2 is None else empty((n, d), dtype=x.dtype, device=x.device)
+        gdc = pdl(x.device)
         if n:
             _rmsnorm_fwd[(n,)](x2, r2 if r2 is not None else x2, weight, y, h, rstd, x2.stride(0),
                                (r2 if r2 is not None else x2).stride(0), y.stride(0), h.stride(0), d, eps,
-                               HAS_RES=r2 is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+                               HAS_RES=r2 is not None, BLOCK=block, USE_GDC=gdc,
+                               num_warps=min(max(block // 256, 1), 16), launch_pdl=gdc)
         ctx.save_for_backward(h, weight, rstd)
         ctx.shape, ctx.has_res = shape, residual is not None
         if residual is None:

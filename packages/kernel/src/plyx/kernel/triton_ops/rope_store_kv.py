@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.rope_store_kv import check_rope_store_kv
-from plyx.kernel.triton_ops._common import empty, next_power_of_2
+from plyx.kernel.triton_ops._common import empty, next_power_of_2, pdl
 from plyx.kernel.triton_ops.rope import angles, rotate_rows, tables
 
 __all__ = ["rope_store_kv"]
@@ -33,7 +33,11 @@ _NAME = "rope_store_kv:triton"
 @triton.jit
 def _rope_store_kv_kernel(QKV, COS, SIN, Q, KC, VC, SLOTS, T, H, KV, DH, HALF, sxb, sxt, sxh, sqb, sqt, sqh,
                           sks, skh, svs, svh, scb, sct, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                          USE_GDC: tl.constexpr):
+    if USE_GDC:  # programmatic dependent launch: the launch overlaps the previous kernel's tail; every input may
+        tl.extra.cuda.gdc_wait()  # be its output (q/k/v, the tables, the slots), so nothing is read before this
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     b = token // T
     t = token % T
@@ -73,10 +77,12 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     heads = max(h, kv)
     block_h = min(next_power_of_2(heads), 16)
     block_p = next_power_of_2(dh - 2 * half) if dh > 2 * half else 0
+    gdc = pdl(qkv.device)
     if bsz * t:
         _rope_store_kv_kernel[(bsz * t, triton.cdiv(heads, block_h))](
             qkv, cos, sin, q, k_cache, v_cache, slots, t, h, kv, dh, half, qkv.stride(0), qkv.stride(1),
             qkv.stride(2), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), scb, sct, INTERLEAVED=bool(interleaved), BLOCK_H=block_h,
-            BLOCK_R=next_power_of_2(half), BLOCK_P=block_p, BLOCK_D=next_power_of_2(dh), num_warps=4)
+            BLOCK_R=next_power_of_2(half), BLOCK_P=block_p, BLOCK_D=next_power_of_2(dh), USE_GDC=gdc, num_warps=4,
+            launch_pdl=gdc)
     return q
