@@ -99,17 +99,31 @@ def timeline(run: Callable[[], object]) -> None:
     if not gpu:
         print("timeline: no CUDA activity recorded")
         return
-    busy = sum(end - begin for begin, end, _ in gpu)
-    gaps = [(gpu[i + 1][0] - gpu[i][1], i) for i in range(len(gpu) - 1)]
+    # merge overlapping activities (programmatic dependent launch overlaps kernels): idle time is what no
+    # activity covers
+    merged: list[list] = []
+    for begin, end, name in gpu:
+        if merged and begin <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1][1], merged[-1][3] = end, name
+        else:
+            merged.append([begin, end, name, name])  # begin, end, first name, last name
+    busy = sum(end - begin for begin, end, _, _ in merged)
+    gaps = [(merged[i + 1][0] - merged[i][1], merged[i][3], merged[i + 1][2]) for i in range(len(merged) - 1)]
     span = gpu[-1][1] - gpu[0][0]
-    print(f"timeline of one call: wall {wall / 1e3:.2f} ms, GPU span {span / 1e3:.2f} ms, {len(gpu)} GPU activities "
-          f"busy {busy / 1e3:.2f} ms; first activity at +{(gpu[0][0] - _first_cpu(prof)) / 1e3:.2f} ms")
+    print(f"timeline of one call: wall {wall / 1e3:.2f} ms, GPU span {span / 1e3:.2f} ms, {len(gpu)} GPU activities, "
+          f"busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms; first activity at "
+          f"+{(gpu[0][0] - _first_cpu(prof)) / 1e3:.2f} ms")
     for low, high in ((0, 2), (2, 10), (10, 50), (50, 1e12)):
-        sel = [g for g, _ in gaps if low <= g < high]
+        sel = [g for g, _, _ in gaps if low <= g < high]
         print(f"  gaps {low:>3}-{high if high < 1e12 else 'inf':>3} us: {len(sel):5d}, {sum(sel) / 1e3:7.2f} ms")
-    for g, i in sorted(gaps, reverse=True)[:12]:
-        print(f"  {g:8.1f} us at +{(gpu[i][1] - gpu[0][0]) / 1e3:7.2f} ms after {gpu[i][2][:60]!r} before "
-              f"{gpu[i + 1][2][:60]!r}")
+    by_pair: dict[tuple[str, str], list[float]] = {}
+    for g, before, after in gaps:
+        if g >= 2:
+            by_pair.setdefault((before[:50], after[:50]), []).append(g)
+    print("  gaps of 2 us or more, by the activities around them (count, total ms, mean us):")
+    for (before, after), sel in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:10]:
+        print(f"    {len(sel):4d} {sum(sel) / 1e3:7.2f} {sum(sel) / len(sel):7.1f}  {before!r} -> {after!r}")
 
 
 def _first_cpu(prof) -> float:
@@ -129,15 +143,18 @@ def gpu_breakdown(model, prompts, top: int) -> None:
         tokens = model(torch.tensor(prompts, device="cuda"), cache=cache, seq_ids=seq_ids)[:, -1].argmax(-1)
         graphs = DecodeGraphs(model, cache, max_batch=len(prompts))
         graphs.step(seq_ids, tokens)  # captures
-        graph, _ = graphs._graphs[(graphs.bucket(len(prompts)), 1, False)]  # (bucket, query_len, greedy output)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(50):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        print(f"graph replay, GPU time per step: {start.elapsed_time(end) / 50 * 1e3:.1f} us")
+        graphs.step(seq_ids, tokens, greedy=True)  # the greedy loop's graph: the same step plus the argmax
+        for greedy in (False, True):
+            graph, _ = graphs._graphs[(graphs.bucket(len(prompts)), 1, greedy, 1)]  # (bucket, query_len, greedy, steps)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(50):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            print(f"graph replay{' with the greedy argmax' if greedy else ''}, GPU time per step: "
+                  f"{start.elapsed_time(end) / 50 * 1e3:.1f} us")
         from torch.profiler import ProfilerActivity, profile
 
         graphs.capture = False

@@ -396,6 +396,68 @@ def test_looking_ahead_one_step_changes_no_output(make_model, monkeypatch, token
     assert (got_text.text, got_text.token_ids) == (want_text.text, want_text.token_ids)
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("steps", [2, 5])
+def test_greedy_steps_equal_one_step_at_a_time(make_model, kind, steps):
+    """K greedy steps in one (eager) static run choose the tokens K single steps choose, padding rows
+    included, and leave the same keys, values and lengths in the cache."""
+    model = make_model(vocab=96, seed=21)
+    prompts = [[3, 4, 5, 6], [9, 8], [1, 2, 3, 4, 5, 6, 7]]
+    with torch.inference_mode():
+        caches = [make_cache(kind, model.config, batch_size=4, max_seq_len=40) for _ in range(2)]
+        seq_ids, tokens = _prefill(model, caches[0], prompts)
+        _prefill(model, caches[1], prompts)
+        want = []
+        step_tokens = tokens
+        for _ in range(steps):
+            step_tokens = model(step_tokens[:, None], cache=caches[0], seq_ids=seq_ids)[:, -1].argmax(-1)
+            want.append(step_tokens)
+        graphs = DecodeGraphs(model, caches[1], max_batch=4, capture=False, buckets=[4])
+        got = graphs.greedy_steps(seq_ids, tokens, steps)
+        assert got.shape == (3, steps)
+        assert got.tolist() == torch.stack(want, dim=1).tolist()
+        _assert_same_cache(model, caches, seq_ids)
+        assert graphs.steps == steps
+        with pytest.raises(ValueError, match="steps must be in"):
+            graphs.greedy_steps(seq_ids, got[:, -1], graphs.max_query + 1)
+
+
+def test_plain_greedy_runs_several_steps_per_replay(make_model, monkeypatch):
+    """With graphs and look-ahead (forced on here, eagerly on CPU), plain greedy rows go GREEDY_STEPS at a
+    time: rows ending by EOS inside a group, by length at different limits and a row whose budget is
+    not a power of two all end with the tokens and reasons of the one-step loop; a sampled request in
+    the same call keeps one step per replay."""
+    from plyx.serve import _generate, _runner
+
+    model = make_model(vocab=96, seed=22)
+    prompts = [[3, 4, 5, 6], [9, 8], [1, 2, 3, 4, 5, 6, 7]]
+    params = [SamplingParams(temperature=0, max_new_tokens=m) for m in (19, 30, 13)]
+
+    def run(eos):
+        outs = generate(model, prompts, params, eos_token_id=eos, cache="paged")
+        return [(c.token_ids, c.finish_reason) for o in outs for c in o.outputs]
+
+    free = run([95])
+    eos = [free[0][0][10]]  # row 0 ends by EOS in the middle of its second group of 8
+    want = run(eos)
+    assert want[0][1] == "stop" and len(want[0][0]) == 11 and "length" in {r[1] for r in want}
+    made, groups = [], []
+
+    def eager_graphs(self, wanted, num_sequences):
+        made.append(DecodeGraphs(self.model, self.cache, max_batch=num_sequences, capture=False))
+        original = made[-1].greedy_steps
+        made[-1].greedy_steps = lambda ids, tokens, steps: groups.append(steps) or original(ids, tokens, steps)
+        return made[-1]
+
+    monkeypatch.setattr(_runner.Runner, "_decode_graphs", eager_graphs)
+    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: True)
+    assert run(eos) == want
+    assert groups and max(groups) == _generate.GREEDY_STEPS and all(g & (g - 1) == 0 for g in groups)
+    groups.clear()
+    sampled = generate(model, [[5, 5]], SamplingParams(temperature=0.7, seed=1, max_new_tokens=6), cache="paged")
+    assert len(sampled[0].outputs[0].token_ids) == 6 and not groups  # sampling: one step per replay
+
+
 @cuda
 def test_graphs_are_reused_by_the_next_call_of_the_same_shape(make_model):
     model = make_model(vocab=128, d_model=256, seed=10).to("cuda", torch.bfloat16)
@@ -467,19 +529,24 @@ def test_greedy_tokens_from_the_graph_change_no_output(make_model, monkeypatch):
     free = run([95])
     eos = [free[0][0][2], free[2][0][4]]
     want = run(eos)
-    calls = []
-    original = _runner.Runner.greedy_step
+    calls = []  # steps whose tokens came from the graph: 1 per greedy_step, K per greedy_steps
+    original, original_k = _runner.Runner.greedy_step, _runner.Runner.greedy_steps
 
     def counting(self, seq_ids, tokens):
-        calls.append(len(seq_ids))
+        calls.append(1)
         return original(self, seq_ids, tokens)
+
+    def counting_k(self, seq_ids, tokens, steps):
+        calls.append(steps)
+        return original_k(self, seq_ids, tokens, steps)
 
     monkeypatch.setattr(_runner.Runner, "_decode_graphs",
                         lambda self, wanted, n: DecodeGraphs(self.model, self.cache, max_batch=n, capture=False))
     monkeypatch.setattr(_runner.Runner, "greedy_step", counting)
+    monkeypatch.setattr(_runner.Runner, "greedy_steps", counting_k)
     monkeypatch.setattr(_generate, "_looks_ahead", lambda device: True)
     assert run(eos) == want
-    assert len(calls) >= 3  # every look-ahead step of the run (rows end by EOS after a few tokens)
+    assert sum(calls) >= 3  # every look-ahead step of the run (rows end by EOS after a few tokens)
     calls.clear()
     sampled = [SamplingParams(temperature=0, max_new_tokens=4, repetition_penalty=1.3)]  # a processor: not plain
     generate(model, [[3, 4]], sampled, cache="paged")

@@ -19,6 +19,11 @@ A step may also feed every row the same number T > 1 of tokens (``max_query``, `
 prompt then goes in as a few such chunks (``plyx.serve``'s ``DecodeGraphs.prefill``), each a replay
 instead of an eager forward's few hundred launches from Python.
 
+Or it may be K one-token steps in a row (``steps``): ``prepare`` reserves K tokens per sequence and
+loads the positions and slots of all K, ``inputs_steps`` gives each step's views (step k sees the
+cache up to its own token), and the caller feeds step k + 1 the token step k chose, on the device
+(greedy decoding: ``DecodeGraphs.greedy_steps``). One copy and one replay then serve K tokens.
+
 Any cache with ``block_size``, ``kv_blocks(layer)`` and ``seq_blocks(seq_id)`` works:
 ``PagedKVCache`` (its pools) and ``ContiguousKVCache`` (its slab seen as blocks).
 """
@@ -99,12 +104,14 @@ class StaticDecode:
         self._copied: torch.cuda.Event | None = None
 
     def prepare(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[Any], bucket: int, *,
-                query_len: int = 1) -> None:
+                query_len: int = 1, steps: int = 1) -> None:
         """Reserve ``query_len`` tokens for each of ``seq_ids`` and load the step's inputs for ``bucket`` rows.
 
         ``tokens`` are the new tokens. One per sequence (``query_len=1``): a ``[B]`` long tensor on the
         cache's device (sampled there), or host ints (they travel in the same copy as the rest).
         ``query_len=T > 1``: ``B`` host rows of exactly T ints each (a prompt chunk).
+        ``steps=K > 1`` (with ``query_len=1``): K one-token steps in a row (``inputs_steps``); K tokens are
+        reserved per sequence and ``tokens`` is the first step's.
         ``bucket`` (>= B, <= max_batch) is the padded batch the step runs with.
         """
         B, T = len(seq_ids), query_len
@@ -112,6 +119,10 @@ class StaticDecode:
             raise ValueError(f"need 1 <= batch ({B}) <= bucket ({bucket}) <= max_batch ({self.max_batch})")
         if not 1 <= T <= self.max_query:
             raise ValueError(f"query_len {T} is outside [1, max_query={self.max_query}]")
+        if steps > 1 and T > 1:
+            raise ValueError("steps > 1 takes one token per row and step (query_len=1)")
+        if not 1 <= steps <= self.max_query:
+            raise ValueError(f"steps {steps} is outside [1, max_query={self.max_query}] (the buffers' width)")
         on_host = not isinstance(tokens, torch.Tensor)
         if T > 1:
             if not on_host:
@@ -121,17 +132,21 @@ class StaticDecode:
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffer may still be in flight to the device
         cache = self.cache
-        cache.reserve(seq_ids, [T] * B)
+        width = T * steps  # tokens reserved per sequence
+        cache.reserve(seq_ids, [width] * B)
         bs = self.block_size
-        pos = self._pos[:bucket * T].reshape(bucket, T)
-        slots = self._slots[:bucket * T].reshape(bucket, T)
+        pos = self._pos[:bucket * width].reshape(bucket, width)
+        slots = self._slots[:bucket * width].reshape(bucket, width)
+        if steps > 1:  # step-major: each step's [bucket] positions and slots are contiguous
+            pos = self._pos[:bucket * width].reshape(width, bucket).T
+            slots = self._slots[:bucket * width].reshape(width, bucket).T
         for i, sid in enumerate(seq_ids):
             blocks = cache.seq_blocks(sid)  # type: ignore[attr-defined]
             length = cache.length(sid)
             self._row_map[i] = i
             self._lens[i] = length
             self._tables[i, :len(blocks)] = blocks
-            for t, p in enumerate(range(length - T, length)):
+            for t, p in enumerate(range(length - width, length)):
                 pos[i, t] = p
                 slots[i, t] = blocks[p // bs] * bs + p % bs
         if on_host:
@@ -154,6 +169,31 @@ class StaticDecode:
             source = self._dev_tokens[:B] if on_host else tokens.reshape(-1)  # type: ignore[union-attr]
             self.tokens[:B].copy_(source, non_blocking=True)
 
+    def inputs_steps(self, bucket: int, steps: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, KVStep]]]:
+        """``(ids [bucket, 1], [(positions [bucket, 1], step)] * steps)`` after ``prepare(..., steps=steps)``.
+
+        ``ids`` feed the first step; the caller feeds step k + 1 what step k chose. Step k reads the
+        cache up to its own token (its context lengths are the final ones minus ``steps - 1 - k``).
+        Device work only (capturable).
+        """
+        ids = self.tokens.index_select(0, self.row_map[:bucket])[:, None]
+        tables, lens = self._load_tables(bucket)
+        pos = self.positions[:bucket * steps].view(steps, bucket)
+        slots = self.slots[:bucket * steps].view(steps, bucket)
+        per_step = []
+        for k in range(steps):
+            step = KVStep(cache=self.cache, seq_ids=(), token_index=None, lengths_before=pos[k], lengths_after=(),
+                          paged=(tables, lens - (steps - 1 - k) if k < steps - 1 else lens), key_mask=None,
+                          slots=slots[k])
+            per_step.append((pos[k][:, None], step))
+        return ids, per_step
+
+    def _load_tables(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int32 block tables and context lengths the paged kernel reads, converted on the device."""
+        self._tables32[:bucket].copy_(self.tables[:bucket])
+        self._lens32[:bucket].copy_(self.lens[:bucket])
+        return self._tables32[:bucket], self._lens32[:bucket]
+
     def inputs(self, bucket: int, query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor, KVStep]:
         """``(ids [bucket, T], positions [bucket, T], step)`` for the model; device work only (capturable)."""
         T = query_len
@@ -161,8 +201,7 @@ class StaticDecode:
             ids = self.tokens.index_select(0, self.row_map[:bucket])[:, None]
         else:  # host rows, padding included, came in the copy
             ids = self._dev_tokens[:bucket * T].view(bucket, T)
-        self._tables32[:bucket].copy_(self.tables[:bucket])
-        self._lens32[:bucket].copy_(self.lens[:bucket])
+        tables, lens = self._load_tables(bucket)
         positions = self.positions[:bucket * T].view(bucket, T)
         step = KVStep(
             cache=self.cache,
@@ -170,7 +209,7 @@ class StaticDecode:
             token_index=None,
             lengths_before=positions[:, 0],
             lengths_after=(),
-            paged=(self._tables32[:bucket], self._lens32[:bucket]),
+            paged=(tables, lens),
             key_mask=None,
             slots=self.slots[:bucket * T],
         )

@@ -149,6 +149,11 @@ def _seeded(p: SamplingParams, index: int, device: torch.device) -> torch.Genera
     return gen
 
 
+#: plain greedy decoding on CUDA graphs runs up to this many one-token steps per replay (a power of two):
+#: the per-step host work, copies and launch are paid once per group, and a stream receives tokens in groups
+GREEDY_STEPS = 8
+
+
 def _plain_greedy(pipeline: LogitsPipeline, rows: Sequence[Completion]) -> bool:
     """Every row greedy through the built-in sampler, nothing processing the logits, no log-probs asked."""
     from plyx.serve._processors import GreedySampler
@@ -302,37 +307,54 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
             # plain greedy rows (no processor, no grammar, no log-probs) take their tokens from the graph
             # that computed the logits: no sampler launch from Python between two replays
             plain = _plain_greedy(pipeline, active)
+            # [B, K] tokens a multi-step greedy replay chose (device), each row's last the next input
+            chosen: torch.Tensor | None = None
             greedy_next: torch.Tensor | None = None
         while True:
             events: list[StreamEvent] = []
             with torch.inference_mode():
-                if greedy_next is not None:
-                    tokens = greedy_next  # the graph's argmax of these logits, the greedy sampler's kernel
+                if chosen is not None:
+                    emitted, tokens = chosen, chosen[:, -1]
                 else:
-                    processed = pipeline.process(logits, state)
-                    tokens = pipeline.sample(processed, state)  # [B] on device
-                    state.update(tokens)
-                lps = _token_logprobs(logits, tokens, active)
+                    if greedy_next is not None:
+                        tokens = greedy_next  # the graph's argmax of these logits, the greedy sampler's kernel
+                    else:
+                        processed = pipeline.process(logits, state)
+                        tokens = pipeline.sample(processed, state)  # [B] on device
+                        state.update(tokens)
+                    emitted = tokens[:, None]
+                lps = _token_logprobs(logits, tokens, active) if chosen is None else [None] * len(active)
                 # Look ahead: queue the next forward before reading the tokens on the host, for every row
                 # that can go on by length (whether a token is EOS or ends a stop string is known only
                 # after the copy), so the GPU computes step N + 1 while the host handles step N. A row that
                 # turns out finished wasted one row of that step; its sequence is evicted below.
-                host_tokens = _to_host(tokens)
-                ahead_rows = [i for i, c in enumerate(active) if len(c.token_ids) + 1 < c.limit]
-                ahead = ahead_greedy = None
+                host_tokens = _to_host(emitted)
+                inflight = emitted.shape[1]
+                ahead_rows = [i for i, c in enumerate(active) if len(c.token_ids) + inflight < c.limit]
+                ahead = ahead_greedy = ahead_chosen = None
+                ahead_steps = 1
                 if ahead_rows and runner.cache is not None and _looks_ahead(device):
                     ahead_tokens = tokens if len(ahead_rows) == len(active) else \
                         tokens.index_select(0, torch.as_tensor(ahead_rows, device=device))
                     ahead_ids = [active[i].seq_id for i in ahead_rows]
-                    both = runner.greedy_step(ahead_ids, ahead_tokens) if plain else None
-                    if both is not None:
-                        ahead, ahead_greedy = both
-                    else:
-                        ahead = runner.step(ahead_ids, ahead_tokens)
+                    if plain:
+                        # plain greedy: up to GREEDY_STEPS steps per replay, as many as every row may still take
+                        budget = min(active[i].limit - len(active[i].token_ids) - inflight for i in ahead_rows)
+                        ahead_steps = 1 << (min(budget, GREEDY_STEPS).bit_length() - 1)
+                        if ahead_steps > 1:
+                            ahead_chosen = runner.greedy_steps(ahead_ids, ahead_tokens, ahead_steps)
+                        if ahead_chosen is None:
+                            ahead_steps = 1
+                    if ahead_chosen is None:
+                        both = runner.greedy_step(ahead_ids, ahead_tokens) if plain else None
+                        if both is not None:
+                            ahead, ahead_greedy = both
+                        else:
+                            ahead = runner.step(ahead_ids, ahead_tokens)
                 host = host_tokens()  # the step's one wait for the device
                 keep: list[int] = []
                 for i, c in enumerate(active):
-                    event = c.add([host[i]], lps[i])
+                    event = c.add(host[i], lps[i])
                     if event is not None:
                         events.append(event)
                     if c.finished:
@@ -344,23 +366,27 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
                     tokens = tokens.index_select(0, torch.as_tensor(keep, device=device))
                     state = state.select(keep)
                     pipeline = _pipeline(plan, active)
-                greedy_next = None
-                if ahead is not None and keep:
+                chosen = greedy_next = None
+                queued = ahead is not None or ahead_chosen is not None
+                if queued and keep:
                     position = {row: j for j, row in enumerate(ahead_rows)}
                     picked = [position[i] for i in keep]  # every kept row was looked ahead (limit not reached)
                     every = len(picked) == len(ahead_rows)
                     index = None if every else torch.as_tensor(picked, device=device)
-                    logits = ahead if index is None else ahead.index_select(0, index)
-                    if ahead_greedy is not None:
-                        greedy_next = ahead_greedy if index is None else ahead_greedy.index_select(0, index)
+                    if ahead_chosen is not None:
+                        chosen = ahead_chosen if index is None else ahead_chosen.index_select(0, index)
+                    else:
+                        logits = ahead if index is None else ahead.index_select(0, index)
+                        if ahead_greedy is not None:
+                            greedy_next = ahead_greedy if index is None else ahead_greedy.index_select(0, index)
             yield from events  # the next forward is already queued: a streaming client sees tokens at once
             if not keep:
                 return
-            if ahead is None:
+            if not queued:
                 with torch.inference_mode():
                     logits = runner.step([c.seq_id for c in active], tokens)
             for c in active:
-                c.model_steps += 1
+                c.model_steps += ahead_steps
     finally:
         runner.close()
 

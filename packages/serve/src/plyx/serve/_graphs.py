@@ -80,7 +80,8 @@ class DecodeGraphs:
         if self.buckets[-1] > max_batch or self.buckets[0] < 1:
             raise ValueError(f"buckets {self.buckets} must lie in [1, max_batch={max_batch}]")
         self.max_batch = self.buckets[-1]
-        self._graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        # (bucket, tokens per row, greedy output, one-token steps per replay) -> (graph, its output)
+        self._graphs: dict[tuple[int, int, bool, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
         self._pool: Any = None
         self.steps = 0  # every step run here
         self.replays = 0  # the steps that replayed a captured graph
@@ -149,19 +150,42 @@ class DecodeGraphs:
         if bucket is None:
             raise ValueError(f"a decode step of {B} sequences exceeds the largest graph bucket ({self.max_batch})")
         self.decode.prepare(seq_ids, tokens, bucket, query_len=query_len)
-        self.steps += 1
-        key = (bucket, query_len, greedy)
-        if not self.capture:
-            out = self._forward(*key)
-        elif (entry := self._graphs.get(key)) is None:
-            out = self._capture(key)
-        else:
-            graph, out = entry
-            graph.replay()
-            self.replays += 1
+        out = self._run((bucket, query_len, greedy, 1))
         return (out[0][:B], out[1][:B]) if greedy else out[:B]
 
-    def _forward(self, bucket: int, query_len: int, greedy: bool) -> Any:
+    @torch.inference_mode()
+    def greedy_steps(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[int], steps: int) -> torch.Tensor:
+        """``steps`` greedy one-token steps in one replay: ``tokens`` (``[B]``) are fed first, then each step's
+        argmax; returns the ``steps`` chosen tokens of every row, ``[B, steps]`` (a view: read before the next step).
+
+        The per-step host work (reserving, filling and copying the inputs, launching, reading the tokens
+        back) is paid once per ``steps`` tokens. A caller that stops a row early (EOS) crops or evicts it:
+        its cache holds all ``steps`` tokens.
+        """
+        B = len(seq_ids)
+        bucket = self.bucket(B)
+        if bucket is None:
+            raise ValueError(f"a decode step of {B} sequences exceeds the largest graph bucket ({self.max_batch})")
+        if not 1 <= steps <= self.max_query:
+            raise ValueError(f"steps must be in [1, {self.max_query}] (the step buffers' width), got {steps}")
+        self.decode.prepare(seq_ids, tokens, bucket, steps=steps)
+        return self._run((bucket, 1, True, steps))[:B]  # type: ignore[no-any-return]
+
+    def _run(self, key: tuple[int, int, bool, int]) -> Any:
+        """Replay ``key``'s graph (captured on first use), or run it eagerly without capture."""
+        self.steps += key[3]
+        if not self.capture:
+            return self._forward(*key)
+        if (entry := self._graphs.get(key)) is None:
+            return self._capture(key)
+        graph, out = entry
+        graph.replay()
+        self.replays += 1
+        return out
+
+    def _forward(self, bucket: int, query_len: int, greedy: bool, steps: int = 1) -> Any:
+        if steps > 1:
+            return self._forward_steps(bucket, steps)
         ids, positions, step = self.decode.inputs(bucket, query_len)
         head = getattr(self.model, "lm_head_weight", None)
         if query_len > 1 and head is not None:  # only the last position's logits: one LM-head row per sequence
@@ -175,8 +199,21 @@ class DecodeGraphs:
 
         return logits, GreedySampler()(logits, None)  # type: ignore[arg-type]  # greedy reads no state
 
-    def _capture(self, key: tuple[int, int, bool]) -> Any:
-        greedy = key[2]
+    def _forward_steps(self, bucket: int, steps: int) -> torch.Tensor:
+        """``steps`` greedy steps, each fed the previous one's argmax on the device; ``[bucket, steps]`` tokens."""
+        from plyx.serve._processors import GreedySampler
+
+        ids, per_step = self.decode.inputs_steps(bucket, steps)
+        chosen = []
+        for positions, step in per_step:
+            logits = self.model(ids, position_ids=positions, kv_step=step)[:, -1]  # [bucket, V]
+            token = GreedySampler()(logits, None)  # type: ignore[arg-type]  # greedy reads no state
+            chosen.append(token)
+            ids = token[:, None]
+        return torch.stack(chosen, dim=1)
+
+    def _capture(self, key: tuple[int, int, bool, int]) -> Any:
+        greedy = key[2] and key[3] == 1  # a multi-step graph returns one tensor (its tokens)
         # warm-up on a side stream (torch's rule for capture): this step's real result, kernels compiled
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -206,4 +243,4 @@ class DecodeGraphs:
     @property
     def captured(self) -> list[int]:
         """The buckets captured so far (with or without the greedy token output)."""
-        return sorted({bucket for bucket, _, _ in self._graphs})
+        return sorted({key[0] for key in self._graphs})

@@ -218,6 +218,14 @@ class Runner:
             return None
         return self.graphs.step(seq_ids, tokens, greedy=True)  # type: ignore[no-any-return]
 
+    def greedy_steps(self, seq_ids: Sequence[int], tokens: torch.Tensor, steps: int) -> torch.Tensor | None:
+        """``steps`` greedy one-token steps in one replayed graph (``DecodeGraphs.greedy_steps``): ``[B, steps]``
+        tokens; None where no graph runs them (no graphs, a batch beyond the buckets, more steps than it holds)."""
+        graphs = self.graphs
+        if graphs is None or graphs.bucket(len(seq_ids)) is None or steps > graphs.max_query:
+            return None
+        return graphs.greedy_steps(seq_ids, tokens, steps)  # type: ignore[no-any-return]
+
     def step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> torch.Tensor:
         """One token per sequence (``tokens`` [B] on device, no host copy); returns ``[B, V]``."""
         if self.cache is None:
