@@ -6,9 +6,10 @@ import pytest
 import torch
 from plyx.kernel import KernelInputError
 from plyx.kernel.reference import cross_entropy as reference
-from plyx.kernel.triton_ops.cross_entropy import cross_entropy
+from plyx.kernel.triton_ops._common import num_programs
+from plyx.kernel.triton_ops.cross_entropy import _split_plan, ce_rows, cross_entropy
 
-from .conftest import GPU, TRITON_DEVICE
+from .conftest import GPU, TOLERANCES, TRITON_DEVICE, rel_max_err
 
 # (N, V): the interpreter's vocabulary block is 256 columns, so 257 and 600 straddle it
 SHAPES = [(1, 2), (7, 67), (5, 257), (3, 600)]
@@ -89,3 +90,127 @@ def test_no_grad_forward_computes_no_gradient_buffer(make, monkeypatch):
     b = cross_entropy(z, t)
     assert seen[0] is None and seen[1] is not None
     assert not a.requires_grad and torch.allclose(a, b.detach())
+
+
+# ---- split-vocabulary forward (no gradient, few rows): the tests split in 16-column blocks (the
+# interpreter's default; forced on GPUs by ``small_chunks``), so V = 17 and 20 leave a last chunk of 1 and
+# 4 columns, 67 and 1000 end mid-block, and splits=7 over 20 columns is capped at the 2 chunks that fit
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    from plyx.kernel.triton_ops import cross_entropy as module
+
+    monkeypatch.setitem(module.SPLIT, "block", 16)
+
+
+def _split_oracle(z: torch.Tensor, t: torch.Tensor, eps: float, z_loss: float):
+    """float64 loss rows (reduction none), lse and argmax."""
+    z64 = z.double()
+    loss = reference(z64, t, label_smoothing=eps, z_loss=z_loss, reduction="none")
+    return loss, torch.logsumexp(z64, dim=-1), z.argmax(dim=-1)
+
+
+def _split(z: torch.Tensor, t: torch.Tensor, splits: int | None, eps: float = 0.0, z_loss: float = 0.0):
+    from plyx.kernel.triton_ops._common import poisoned
+
+    with poisoned():
+        return ce_rows(z, t, ignore_index=-100, eps=eps, z_loss=z_loss, scale=None, dz=None, argmax=True,
+                       splits=splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("v", [17, 20, 67, 600, 1000])
+@pytest.mark.parametrize("splits", [2, 7])
+@pytest.mark.parametrize("eps,z_loss", [(0.0, 0.0), (0.1, 1e-3)])
+def test_split_forward_matches_reference(make, small_chunks, fresh_seed, dtype, v, splits, eps, z_loss):
+    n = 4
+    assert _split_plan(torch.device(TRITON_DEVICE), n, v, splits)[0] > 1  # the split kernels do run
+    z = make(n, v, dtype=dtype, scale=4.0)
+    t = _targets(n, v)
+    t[1] = -100  # an ignored row: loss 0, lse and argmax still computed
+    loss, lse, argmax = _split(z, t, splits, eps, z_loss)
+    want_loss, want_lse, want_argmax = _split_oracle(z, t, eps, z_loss)
+    tol = TOLERANCES[dtype][0]
+    where = f"V={v} splits={splits} {dtype} eps={eps} z_loss={z_loss} seed={fresh_seed}"
+    assert rel_max_err(loss, want_loss, floor=1.0) <= tol, where
+    assert rel_max_err(lse, want_lse, floor=1.0) <= tol, where
+    assert loss[1].item() == 0.0, where
+    assert argmax.dtype == torch.int64 and torch.equal(argmax.cpu(), want_argmax.cpu()), where
+
+
+def test_split_is_the_default_for_few_rows_without_gradient(make, monkeypatch):
+    """Greedy decoding's call (no grad, reduction none, argmax) at batch 1 takes the split path."""
+    from plyx.kernel.triton_ops import cross_entropy as module
+
+    ran = []
+    real = module._ce_split
+    monkeypatch.setattr(module, "_ce_split", lambda *a: ran.append(a[-3]) or real(*a))
+    v = 32000 if GPU else 600
+    z = make(1, v, scale=4.0)
+    t = torch.zeros(1, dtype=torch.long, device=TRITON_DEVICE)
+    with torch.no_grad():
+        loss, argmax = cross_entropy(z, t, reduction="none", return_argmax=True)
+    want_loss, _, want_argmax = _split_oracle(z, t, 0.0, 0.0)
+    assert ran and ran[0] > 1
+    assert rel_max_err(loss, want_loss, floor=1.0) <= TOLERANCES[torch.float32][0]
+    assert torch.equal(argmax.cpu(), want_argmax.cpu())
+    # as many rows as programs, or a gradient, keep one program per row
+    many = (num_programs(torch.device("cuda"), 1 << 30, per_sm=module.SPLIT["per_sm"]) if GPU
+            else module.SPLIT["interpreter_programs"])
+    ran.clear()
+    with torch.no_grad():
+        cross_entropy(make(many, v), torch.zeros(many, dtype=torch.long, device=TRITON_DEVICE))
+    cross_entropy(z.requires_grad_(True), t).backward()
+    assert not ran
+
+
+@pytest.mark.parametrize("splits", [2, 7])
+def test_split_ties_across_chunks_return_lowest_index(make, small_chunks, splits):
+    v = 600
+    chunk = _split_plan(torch.device(TRITON_DEVICE), 4, v, splits)[1]
+    z = make(4, v)
+    z[0, 5] = z[0, v - 1] = 1e4  # first and last chunk
+    z[1, chunk - 1] = z[1, chunk] = 1e4  # the two sides of a chunk boundary
+    z[2, chunk + 3] = z[2, min(2 * chunk + 1, v - 2)] = 1e4  # second and third chunks (or later in the second)
+    z[3] = 0.0  # every column ties: column 0
+    _, _, argmax = _split(z, torch.zeros(4, dtype=torch.long, device=TRITON_DEVICE), splits)
+    assert argmax.tolist() == [5, chunk - 1, chunk + 3, 0] == z.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_forced_splits_agree(make, small_chunks, fresh_seed, dtype):
+    z = make(3, 1000, dtype=dtype, scale=4.0)
+    t = _targets(3, 1000)
+    outs = [_split(z, t, s, eps=0.1, z_loss=1e-3) for s in (1, 2, 7)]
+    for s, (loss, lse, argmax) in zip((2, 7), outs[1:]):
+        # float32 sums in a different order: equal to rounding, the argmax exactly
+        assert rel_max_err(loss, outs[0][0], floor=1.0) <= 1e-5, f"splits={s} seed={fresh_seed}"
+        assert rel_max_err(lse, outs[0][1], floor=1.0) <= 1e-5, f"splits={s} seed={fresh_seed}"
+        assert torch.equal(argmax, outs[0][2]), f"splits={s} seed={fresh_seed}"
+
+
+# the discarded loss of these rows is inf/NaN (0 * -inf smoothing term, log 0): numpy warns in the interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_masked_logits_give_finite_lse_and_argmax(make, small_chunks, splits):
+    """-inf logits (a sampler's mask) filling whole blocks or chunks, even the first, do not turn lse into NaN."""
+    z = make(3, 600)
+    z[0, :400] = float("-inf")  # the first chunk(s) only -inf
+    z[1, 300:] = float("-inf")  # the last chunk(s) only -inf
+    z[2] = float("-inf")  # everything masked: lse -inf, argmax 0 as torch
+    _, lse, argmax = _split(z, torch.zeros(3, dtype=torch.long, device=TRITON_DEVICE), splits)
+    want = torch.logsumexp(z.double(), dim=-1)
+    assert rel_max_err(lse[:2], want[:2], floor=1.0) <= TOLERANCES[torch.float32][0]
+    assert lse[2].item() == float("-inf")
+    assert argmax.tolist() == z.argmax(-1).tolist()
+
+
+def test_splits_only_without_gradient(make):
+    z = make(2, 50)
+    t = torch.zeros(2, dtype=torch.long, device=TRITON_DEVICE)
+    with pytest.raises(ValueError, match=r"splits=2.*gradient `dz`"):
+        ce_rows(z, t, ignore_index=-100, eps=0.0, z_loss=0.0, scale=torch.ones(1, device=TRITON_DEVICE),
+                dz=torch.empty_like(z), splits=2)
+    with pytest.raises(ValueError, match=r"splits=0 must be >= 1"):
+        ce_rows(z, t, ignore_index=-100, eps=0.0, z_loss=0.0, scale=None, dz=None, splits=0)

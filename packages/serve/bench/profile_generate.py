@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--kernels", action="store_true",
                     help="CUDA: the GPU time of one replayed step, and the kernels of one eager step")
+    ap.add_argument("--setup", action="store_true", help="cProfile the host side of one-token generate calls")
     ap.add_argument("--timeline", action="store_true",
                     help="CUDA: where the GPU sits idle during one warm generate call (kernel and copy gaps)")
     args = ap.parse_args()
@@ -56,6 +57,16 @@ def main() -> None:
     once()  # its own spare cache and graphs (another max_seq_len)
     print(f"one-token generate (setup + prefill of {len(prompts[0])} tokens + one sample): "
           f"{_best_wall(once, args.device, repeats=3) * 1e3:.2f} ms")
+    if args.setup:  # the host side of a call's start: everything before and around the prefill
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(20):
+            once()
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        prof.disable()
+        print("cProfile of 20 one-token generate calls, by cumulative time:")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(args.top)
     if args.kernels:
         gpu_breakdown(model, prompts, args.top)
     if args.timeline:
@@ -121,6 +132,20 @@ def timeline(run: Callable[[], object]) -> None:
     for g, before, after in gaps:
         if g >= 2:
             by_pair.setdefault((before[:50], after[:50]), []).append(g)
+    # per kernel: its mean duration, and the mean time it adds to the busy span (its exposed part: with
+    # programmatic dependent launch a kernel starts early and waits, so its duration overstates its cost)
+    stats: dict[str, list[float]] = {}
+    covered = gpu[0][0]
+    for begin, end, name in gpu:
+        exposed = max(0.0, end - max(begin, covered))
+        covered = max(covered, end)
+        entry = stats.setdefault(name[:60], [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += end - begin
+        entry[2] += exposed
+    print("  per activity (count, mean duration us, mean exposed us, total exposed ms):")
+    for name, (count, total, exposed) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:14]:
+        print(f"    {count:6d} {total / count:8.2f} {exposed / count:8.2f} {exposed / 1e3:8.2f}  {name}")
     print("  gaps of 2 us or more, by the activities around them (count, total ms, mean us):")
     for (before, after), sel in sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:10]:
         print(f"    {len(sel):4d} {sum(sel) / 1e3:7.2f} {sum(sel) / len(sel):7.1f}  {before!r} -> {after!r}")

@@ -184,6 +184,16 @@ def _to_host(tokens: torch.Tensor) -> Any:
     return wait
 
 
+def _device_index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Row indices as a long tensor on ``device``, copied without waiting for the GPU: a plain
+    ``torch.as_tensor(list, device=cuda)`` copies from pageable memory, which waits for every queued
+    kernel (at the start of a call, the whole prefill) before the host can queue anything else."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def _token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[Completion]) -> list[list[TokenLogprob] | None]:
     """Log-probabilities of the chosen tokens (and top alternatives) of the rows that asked; one host copy."""
     want = [c.params.logprobs for c in rows]
@@ -299,7 +309,9 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
                 if c.index:
                     c.seq_id = runner.fork(firsts[c.request_index].seq_id)
                 c.model_steps = 1
-            logits = logits_req.index_select(0, torch.as_tensor([c.request_index for c in rows], device=device))
+            request_of_row = [c.request_index for c in rows]
+            logits = logits_req if request_of_row == list(range(len(firsts))) else \
+                logits_req.index_select(0, _device_index(request_of_row, device))
             active = rows
             state = SamplingState.for_prompts([c.prompt_ids for c in active], plan.vocab, device,
                                               [c.generator for c in active], generator)
@@ -335,7 +347,7 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
                 ahead_steps = 1
                 if ahead_rows and runner.cache is not None and _looks_ahead(device):
                     ahead_tokens = tokens if len(ahead_rows) == len(active) else \
-                        tokens.index_select(0, torch.as_tensor(ahead_rows, device=device))
+                        tokens.index_select(0, _device_index(ahead_rows, device))
                     ahead_ids = [active[i].seq_id for i in ahead_rows]
                     if plain:
                         # plain greedy: up to GREEDY_STEPS steps per replay, as many as every row may still take
@@ -363,7 +375,7 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
                         keep.append(i)
                 if keep and len(keep) != len(active):
                     active = [active[i] for i in keep]
-                    tokens = tokens.index_select(0, torch.as_tensor(keep, device=device))
+                    tokens = tokens.index_select(0, _device_index(keep, device))
                     state = state.select(keep)
                     pipeline = _pipeline(plan, active)
                 chosen = greedy_next = None
@@ -372,7 +384,7 @@ def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.dev
                     position = {row: j for j, row in enumerate(ahead_rows)}
                     picked = [position[i] for i in keep]  # every kept row was looked ahead (limit not reached)
                     every = len(picked) == len(ahead_rows)
-                    index = None if every else torch.as_tensor(picked, device=device)
+                    index = None if every else _device_index(picked, device)
                     if ahead_chosen is not None:
                         chosen = ahead_chosen if index is None else ahead_chosen.index_select(0, index)
                     else:

@@ -74,9 +74,16 @@ class SamplingState:
         default_generator: torch.Generator | None = None,
     ) -> SamplingState:
         b = len(prompts)
-        prompt_mask = torch.zeros(b, vocab_size, dtype=torch.bool, device=device)
+        device = torch.device(device)
+        # built on the host and copied without waiting: indexing a device mask with per-row index tensors
+        # would copy each from pageable memory, and each such copy waits for the queued prefill
+        prompt_mask = torch.zeros(b, vocab_size, dtype=torch.bool)
         for i, p in enumerate(prompts):  # once per request, before decoding
-            prompt_mask[i, torch.as_tensor(list(p), dtype=torch.long, device=device)] = True
+            prompt_mask[i, torch.as_tensor(list(p), dtype=torch.long)] = True
+        if device.type == "cuda":
+            prompt_mask = prompt_mask.pin_memory().to(device, non_blocking=True)
+        else:
+            prompt_mask = prompt_mask.to(device)
         return cls(
             prompt_mask,
             torch.zeros(b, vocab_size, dtype=torch.int32, device=device),

@@ -15,6 +15,17 @@ One program per row streams the vocabulary in blocks twice:
 ``scale`` is 1/n_valid (mean) or 1, read from a device tensor so no host sync
 is needed; the autograd backward then multiplies by the incoming gradient.
 Ignored rows get loss 0 and dz 0.
+
+Split-vocabulary forward (no gradient, few rows: greedy decoding's argmax at batch 1). One program per
+row leaves most SMs idle while it loops over the whole vocabulary, so the row is cut into S contiguous
+chunks: ``_ce_split_kernel`` on grid (n, S) reduces chunk j to partials ``m_j`` (max), ``s_j = sum
+exp(z - m_j)``, ``zsum_j`` and the chunk's first argmax ``i_j`` (its best value is ``m_j``); then
+``_ce_combine_kernel`` on grid (n,) merges them::
+
+    M = max_j m_j      lse = M + log(sum_j s_j exp(m_j - M))      zsum = sum_j zsum_j
+    argmax = i_j of the lowest j with m_j == M  (chunks are in column order: the lowest index wins)
+
+and writes loss and lse with the formula above. Both launches have fixed shapes (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -26,11 +37,39 @@ import triton
 import triton.language as tl
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.cross_entropy import check_cross_entropy, reduce_loss
-from plyx.kernel.triton_ops._common import empty, interpreting, next_power_of_2
+from plyx.kernel.triton_ops._common import empty, interpreting, next_power_of_2, num_programs, pdl
 
 __all__ = ["cross_entropy", "ce_rows"]
 
 _NAME = "cross_entropy:triton"
+
+
+@triton.jit
+def _stream_row(zrow, lo, hi, V, BLOCK: tl.constexpr, HAS_ARGMAX: tl.constexpr):
+    """Online softmax over columns [lo, hi) of one row: (max m, sum exp(z - m), sum z, first argmax)."""
+    cols = tl.arange(0, BLOCK)
+    m = -float("inf")
+    s = 0.0
+    zsum = 0.0
+    best = -float("inf")
+    best_idx = 0
+    for start in range(lo, hi, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        z = tl.load(zrow + idx, mask=mask, other=-float("inf")).to(tl.float32)
+        block_max = tl.max(z, axis=0)
+        new_m = tl.maximum(m, block_max)
+        # while every column so far is -inf (masked logits), exp(-inf - -inf) would be NaN: shift by 0 instead
+        shift = tl.where(new_m == -float("inf"), 0.0, new_m)
+        s = s * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
+        m = new_m
+        zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
+        if HAS_ARGMAX:
+            block_idx = tl.argmax(z, axis=0)
+            better = block_max > best  # strict: the first maximum wins, as torch.argmax
+            best_idx = tl.where(better, start + block_idx, best_idx)
+            best = tl.where(better, block_max, best)
+    return m, s, zsum, best_idx
 
 
 @triton.jit
@@ -39,25 +78,7 @@ def _ce_kernel(Z, stride_z, T, SCALE, LOSS, LSE, ARGMAX, DZ, stride_dz, V, ignor
     row = tl.program_id(0).to(tl.int64)
     zrow = Z + row * stride_z
     cols = tl.arange(0, BLOCK)
-    m = -float("inf")
-    s = 0.0
-    zsum = 0.0
-    best = -float("inf")
-    best_idx = 0
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        mask = idx < V
-        z = tl.load(zrow + idx, mask=mask, other=-float("inf")).to(tl.float32)
-        block_max = tl.max(z, axis=0)
-        new_m = tl.maximum(m, block_max)
-        s = s * tl.exp(m - new_m) + tl.sum(tl.exp(z - new_m), axis=0)
-        m = new_m
-        zsum += tl.sum(tl.where(mask, z, 0.0), axis=0)
-        if HAS_ARGMAX:
-            block_idx = tl.argmax(z, axis=0)
-            better = block_max > best  # strict: the first maximum wins, as torch.argmax
-            best_idx = tl.where(better, start + block_idx, best_idx)
-            best = tl.where(better, block_max, best)
+    m, s, zsum, best_idx = _stream_row(zrow, 0, V, V, BLOCK, HAS_ARGMAX)
     lse = m + tl.log(s)
     target = tl.load(T + row)
     valid = target != ignore_index
@@ -81,6 +102,57 @@ def _ce_kernel(Z, stride_z, T, SCALE, LOSS, LSE, ARGMAX, DZ, stride_dz, V, ignor
             tl.store(dzrow + idx, (dz * scale).to(DZ.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _ce_split_kernel(Z, stride_z, PART, IDX, V, CHUNK, S, HAS_ARGMAX: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_GDC: tl.constexpr):
+    """Program (row, j): partials of columns [j * CHUNK, (j + 1) * CHUNK) into PART [n, 3, S] (m, s, zsum)
+    and IDX [n, S] (first argmax)."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    if USE_GDC:  # programmatic dependent launch: the logits are the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+    lo = j * CHUNK
+    m, s, zsum, best_idx = _stream_row(Z + row * stride_z, lo, tl.minimum(lo + CHUNK, V), V, BLOCK, HAS_ARGMAX)
+    if USE_GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    part = PART + row * 3 * S + j
+    tl.store(part, m)
+    tl.store(part + S, s)
+    tl.store(part + 2 * S, zsum)
+    if HAS_ARGMAX:
+        tl.store(IDX + row * S + j, best_idx)
+
+
+@triton.jit
+def _ce_combine_kernel(Z, stride_z, T, PART, IDX, LOSS, LSE, ARGMAX, V, S, ignore_index, eps, z_loss,
+                       HAS_ARGMAX: tl.constexpr, S_BLOCK: tl.constexpr):
+    """One program per row merges its S partials (all in one vector) into loss, lse and argmax."""
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, S_BLOCK)
+    live = j < S
+    part = PART + row * 3 * S
+    m = tl.load(part + j, mask=live, other=-float("inf"))
+    s = tl.load(part + S + j, mask=live, other=0.0)
+    zsum = tl.sum(tl.load(part + 2 * S + j, mask=live, other=0.0), axis=0)
+    big_m = tl.max(m, axis=0)
+    # a chunk of only -inf logits has m_j = -inf and s_j = 0: it adds nothing (and no NaN when all are -inf)
+    shift = tl.where(big_m == -float("inf"), 0.0, big_m)
+    lse = big_m + tl.log(tl.sum(s * tl.exp(m - shift), axis=0))
+    target = tl.load(T + row)
+    valid = target != ignore_index
+    safe = tl.where(valid, target, 0)
+    zt = tl.load(Z + row * stride_z + safe).to(tl.float32)
+    loss = lse - (1.0 - eps) * zt - (eps / V) * zsum + z_loss * lse * lse
+    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    tl.store(LSE + row, lse)
+    if HAS_ARGMAX:
+        idx = tl.load(IDX + row * S + j, mask=live, other=0)
+        # each chunk's own index is its first maximum, and chunks run in column order: the smallest index
+        # among the chunks holding the row's maximum is torch.argmax's (strict > over j in order)
+        first = tl.min(tl.where(live & (m == big_m), idx, V), axis=0)
+        tl.store(ARGMAX + row, first.to(tl.int64))
+
+
 #: (columns per step, warps) on CUDA; the interpreter uses 256 columns. Measured on an H100 at
 #: 8192 x 128256 (bench/results, 2026-11-22): 2048/4 0.78 ms, 8192/16 0.85 ms, 32768/32 0.95 ms forward:
 #: small programs keep more rows in flight per SM
@@ -94,23 +166,73 @@ def _launch_config(v: int) -> tuple[int, int]:
     return block, (LAUNCH["warps"] if block >= LAUNCH["block"] else 4)
 
 
+#: split-vocabulary forward (no gradient, few rows): about ``per_sm`` programs per SM over all rows, each
+#: streaming a chunk of the row in ``block`` columns (``warps`` warps); the interpreter pretends to have
+#: ``interpreter_programs`` and uses ``interpreter_block`` so small test vocabularies split too.
+#: Not yet tuned on a GPU.
+SPLIT = {"per_sm": 2, "block": 1024, "warps": 4, "interpreter_programs": 8, "interpreter_block": 16}
+
+
+def _split_plan(device: torch.device, n: int, v: int, splits: int | None) -> tuple[int, int, int]:
+    """``(S, chunk, block)``: S chunks of ``chunk`` columns (a multiple of ``block``, the last one partial);
+    S is ``splits`` when given, else enough to give about ``SPLIT["per_sm"]`` programs per SM."""
+    if interpreting() or device.type != "cuda":
+        block = min(next_power_of_2(v), SPLIT["interpreter_block"])
+        programs = SPLIT["interpreter_programs"]
+    else:
+        block = min(next_power_of_2(v), SPLIT["block"])
+        programs = num_programs(device, 1 << 30, per_sm=SPLIT["per_sm"])  # SM count, read once per device
+    want = splits if splits is not None else programs // max(n, 1)
+    want = max(1, min(want, triton.cdiv(v, block)))
+    chunk = triton.cdiv(triton.cdiv(v, want), block) * block
+    return triton.cdiv(v, chunk), chunk, block
+
+
 def ce_rows(z: torch.Tensor, targets: torch.Tensor, *, ignore_index: int, eps: float, z_loss: float,
-            scale: torch.Tensor | None, dz: torch.Tensor | None, argmax: bool = False) -> tuple[torch.Tensor, ...]:
+            scale: torch.Tensor | None, dz: torch.Tensor | None, argmax: bool = False,
+            splits: int | None = None) -> tuple[torch.Tensor, ...]:
     """Per-row loss and lse of logits ``z [n, V]`` (float32); writes ``scale * dL/dz`` to ``dz`` when given.
 
-    Returns ``(loss_rows, lse)`` plus ``argmax`` [n] when asked.
+    Returns ``(loss_rows, lse)`` plus ``argmax`` [n] when asked. Without ``dz``, when ``SPLIT["per_sm"]``
+    programs per SM leave at least 2 per row (n <= the SM count), each row is cut into chunks reduced by
+    separate programs, then combined (see the module docstring). ``splits`` forces the number of chunks (at most; 1 is the one-program-per-row
+    kernel; only without ``dz``): for tests and benchmarks.
     """
+    if splits is not None and (splits < 1 or (dz is not None and splits != 1)):
+        raise ValueError(f"ce_rows: splits={splits} must be >= 1, and 1 (or None) when a gradient `dz` is written; "
+                         "the split-vocabulary path is forward-only")
     n, v = z.shape
     loss = empty((n,), dtype=torch.float32, device=z.device)
     lse = empty((n,), dtype=torch.float32, device=z.device)
     am = empty((n,), dtype=torch.int64, device=z.device) if argmax else loss
+    if not n:
+        return (loss, lse, am) if argmax else (loss, lse)
+    if dz is None:
+        n_splits, chunk, block = _split_plan(z.device, n, v, splits)
+        if n_splits > 1:
+            _ce_split(z, targets, loss, lse, am, ignore_index, eps, z_loss, argmax, n_splits, chunk, block)
+            return (loss, lse, am) if argmax else (loss, lse)
     block, warps = _launch_config(v)
-    if n:
-        _ce_kernel[(n,)](z, z.stride(0), targets, scale if scale is not None else lse, loss, lse, am,
-                         dz if dz is not None else z, dz.stride(0) if dz is not None else 0, v, ignore_index,
-                         float(eps), float(z_loss), HAS_GRAD=dz is not None, HAS_ARGMAX=argmax, BLOCK=block,
-                         num_warps=warps)
+    _ce_kernel[(n,)](z, z.stride(0), targets, scale if scale is not None else lse, loss, lse, am,
+                     dz if dz is not None else z, dz.stride(0) if dz is not None else 0, v, ignore_index,
+                     float(eps), float(z_loss), HAS_GRAD=dz is not None, HAS_ARGMAX=argmax, BLOCK=block,
+                     num_warps=warps)
     return (loss, lse, am) if argmax else (loss, lse)
+
+
+def _ce_split(z: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor, lse: torch.Tensor, am: torch.Tensor,
+              ignore_index: int, eps: float, z_loss: float, argmax: bool, n_splits: int, chunk: int,
+              block: int) -> None:
+    """The two launches of the split-vocabulary forward; partials live in small scratch tensors."""
+    n, v = z.shape
+    part = torch.empty((n, 3, n_splits), dtype=torch.float32, device=z.device)  # m, s, zsum per chunk
+    idx = torch.empty((n, n_splits), dtype=torch.int32, device=z.device) if argmax else part
+    gdc = pdl(z.device)
+    _ce_split_kernel[(n, n_splits)](z, z.stride(0), part, idx, v, chunk, n_splits, HAS_ARGMAX=argmax, BLOCK=block,
+                                    USE_GDC=gdc, num_warps=SPLIT["warps"], launch_pdl=gdc)
+    _ce_combine_kernel[(n,)](z, z.stride(0), targets, part, idx, loss, lse, am, v, n_splits, ignore_index,
+                             float(eps), float(z_loss), HAS_ARGMAX=argmax, S_BLOCK=next_power_of_2(n_splits),
+                             num_warps=1 if n_splits <= 32 else 4)
 
 
 def row_scale(valid: torch.Tensor, reduction: str) -> torch.Tensor:
