@@ -45,7 +45,7 @@ def _paged_fwd(
     stride_vblk, stride_vslot, stride_vh,
     stride_bt_b,
     stride_ob, stride_ot, stride_oh,
-    Tq, KV, qk_scale, window, chunk,
+    Tq, KV, qk_scale, window, chunk, table_width,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_GDC: tl.constexpr,
@@ -57,6 +57,15 @@ def _paged_fwd(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    start = split * chunk
+    offs_n0 = tl.arange(0, BLOCK_N)
+    table = BLOCK_TABLES + b * stride_bt_b
+    max_ctx = table_width * BLOCK_SIZE
+    if not HAS_WINDOW:
+        # the first tile's block ids do not depend on the context length: fetched beside it, not after it
+        # (at decode sizes a program is a chain of memory round trips: length, block ids, keys and values)
+        first = start + offs_n0
+        blk = tl.load(table + first // BLOCK_SIZE, mask=first < max_ctx, other=0).to(tl.int64)
     L = tl.load(CONTEXT_LENS + b)
 
     # row r = g * Tq + t: head kvh * GROUP + g, new token t at position L - Tq + t
@@ -70,21 +79,26 @@ def _paged_fwd(
     q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)  # [BM, D]
 
-    start = split * chunk
     end = tl.minimum(start + chunk, L)
     if HAS_WINDOW:  # no key of this split is visible to any row: skip to the window's start
         start = tl.maximum(start, (L - Tq - window + 1) // BLOCK_N * BLOCK_N)
+        first = start + offs_n0
+        blk = tl.load(table + first // BLOCK_SIZE, mask=first < max_ctx, other=0).to(tl.int64)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0
         valid = offs_n < end
-        blk = tl.load(BLOCK_TABLES + b * stride_bt_b + offs_n // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         slot = offs_n % BLOCK_SIZE
         kt = tl.load(K_POOL + blk[None, :] * stride_kblk + slot[None, :] * stride_kslot + kvh * stride_kh
                      + offs_d[:, None], mask=valid[None, :], other=0.0)  # [D, BN]
+        # the values are issued with the keys, not after the scores: at decode sizes the program is a chain
+        # of memory round trips (length, block ids, keys, values), and this takes one out of it
+        v = tl.load(V_POOL + blk[:, None] * stride_vblk + slot[:, None] * stride_vslot + kvh * stride_vh
+                    + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BN, D]
+        following = offs_n + BLOCK_N  # the next tile's block ids, fetched while this one computes
+        blk = tl.load(table + following // BLOCK_SIZE, mask=following < max_ctx, other=0).to(tl.int64)
         s = mm(q, kt) * qk_scale  # [BM, BN], base 2
         allowed = valid[None, :] & (offs_n[None, :] <= pos[:, None])  # causal among the new tokens
         if HAS_WINDOW:
@@ -95,8 +109,6 @@ def _paged_fwd(
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V_POOL + blk[:, None] * stride_vblk + slot[:, None] * stride_vslot + kvh * stride_vh
-                    + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BN, D]
         acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
@@ -241,7 +253,7 @@ def paged_attention(
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
         block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2),
-        Tq, KV, scale * LOG2E, window or 0, chunk,
+        Tq, KV, scale * LOG2E, window or 0, chunk, block_tables.shape[1],
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         SPLIT=split, HAS_WINDOW=window is not None, USE_GDC=gdc, num_warps=config["num_warps"],
         num_stages=config["num_stages"], launch_pdl=gdc,
