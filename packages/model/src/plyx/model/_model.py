@@ -206,6 +206,8 @@ class TransformerLM(nn.Module):
             self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device, dtype=dtype)
         rotary = int(config.dim_per_head * config.partial_rotary) // 2 * 2
         self.rotary_dim = max(rotary, 2)
+        # static decode steps' cos/sin rows by (device, dtype): derived data, not state (no buffer, no checkpoint)
+        self._rope_tables: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
         if torch.device(device or "cpu").type != "meta":
             self.reset_parameters()
 
@@ -358,11 +360,27 @@ class TransformerLM(nn.Module):
         if position_ids is None:
             raise ValueError("kv_step needs position_ids (the step's, from StaticDecode.inputs)")
         h = self.embed_tokens(input_ids)  # (B, T, D)
+        table = self._rope_table(h.device, h.dtype, int(step.cache.layout.max_seq_len))
+        rows = table.index_select(0, position_ids.reshape(-1)).view(*position_ids.shape, *table.shape[1:])
+        return h, rows[..., 0, :], rows[..., 1, :], {"step": step}
+
+    def _rope_table(self, device: torch.device, dtype: torch.dtype, length: int) -> torch.Tensor:
+        """``[length, 2, R/2]``: cos and sin of every position below ``length`` (a static step's positions are
+        cache slots, so below the cache's ``max_seq_len``), computed once per device and dtype by ``rope_tables``.
+
+        A static step then gathers its rows in one launch instead of computing the tables in about ten
+        (frequencies, angles, cos, sin, casts); the values are the same, element by element.
+        """
         from plyx.kernel import rope_tables
 
-        c = self.config
-        cos, sin = rope_tables(position_ids, self.rotary_dim, c.rope_theta, c.rope_scaling, dtype=h.dtype)
-        return h, cos, sin, {"step": step}
+        key = (device, dtype)
+        table = self._rope_tables.get(key)
+        if table is None or table.shape[0] < length:
+            c = self.config
+            cos, sin = rope_tables(torch.arange(length, device=device), self.rotary_dim, c.rope_theta,
+                                   c.rope_scaling, dtype=dtype)
+            table = self._rope_tables[key] = torch.stack((cos, sin), dim=1)
+        return table
 
     def _epilogue(self, h: torch.Tensor, return_hidden: bool, *, normed: bool = False) -> torch.Tensor:
         if not normed:

@@ -322,9 +322,20 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     from plyx.kernel import registry
 
     fn = registry().get("cross_entropy", logits)
-    targets = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-    _, tokens = fn(logits, targets, reduction="none", return_argmax=True)
+    _, tokens = fn(logits, _dummy_targets(logits.shape[0], logits.device), reduction="none", return_argmax=True)
     return tokens
+
+
+_DUMMY_TARGETS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _dummy_targets(rows: int, device: torch.device) -> torch.Tensor:
+    """Zeros ``[rows]`` (the discarded loss's targets), made once per size and device and only read: a decode
+    step's graph then launches no fill for them."""
+    key = (rows, device)
+    if key not in _DUMMY_TARGETS:
+        _DUMMY_TARGETS[key] = torch.zeros(rows, dtype=torch.long, device=device)
+    return _DUMMY_TARGETS[key]
 
 
 class GreedySampler:

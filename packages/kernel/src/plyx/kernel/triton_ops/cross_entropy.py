@@ -246,7 +246,8 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, eps: float, z_loss: float,
                 reduction: str, argmax: bool, grad: bool) -> Any:
-        valid = targets != ignore_index
+        # per-row losses without a gradient (greedy decoding's argmax) need no mask: one launch fewer
+        valid = targets != ignore_index if grad or reduction != "none" else targets
         dz = empty(logits.shape, dtype=logits.dtype, device=logits.device) if grad else None
         out = ce_rows(logits, targets, ignore_index=ignore_index, eps=eps, z_loss=z_loss,
                       scale=row_scale(valid, reduction) if grad else None, dz=dz, argmax=argmax)
