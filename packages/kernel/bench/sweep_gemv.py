@@ -130,6 +130,7 @@ def _time(name: str, fn: Callable[[int], object], check: Callable[[], float] | N
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer candidates")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES))
     ap.add_argument("--tma", action="store_true", help="only the TMA GEMV candidates (Hopper)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         _write(args.out, rows, date)
         return 0
     for shape, (n, k) in SHAPES.items():
+        if shape not in args.shapes.split(","):
+            continue
         ws = _weights(n, k)
         xs = x[:, :k]
         nbytes = n * k * DTYPE.itemsize

@@ -156,33 +156,37 @@ def test_a_prompt_chunk_fills_rows_of_query_len_tokens(make_model):
 
 
 def test_prefill_chunk_sizes(make_model):
-    model = make_model(vocab=64, n_heads=8, n_kv_heads=1)  # 8 query heads per kv head: 128 // 8 = 16 rows
+    # 8 query heads per key/value head: a 32-token chunk is 256 rows, two of the paged kernel's row tiles
+    model = make_model(vocab=64, n_heads=8, n_kv_heads=1)
     cache = make_cache("paged", model.config, batch_size=2, max_seq_len=512, dtype=torch.float32)
     graphs = DecodeGraphs(model, cache, max_batch=2, capture=False)
-    assert graphs.max_query == 16
-    assert graphs.chunks(1, 37) == [16, 16, 4, 1]
+    assert graphs.max_query == 32
+    assert graphs.chunks(1, 32) == [32]  # a typical short prompt: one replay
+    assert graphs.chunks(1, 69) == [32, 32, 4, 1]
     assert graphs.chunks(2, 15) == [8, 4, 2, 1]
     assert graphs.chunks(1, 1) is None  # a one-token prompt is a decode step's business
     assert graphs.chunks(3, 20) is None  # above the largest bucket
-    assert graphs.chunks(1, 16 * 12) is not None and graphs.chunks(1, 16 * 12 + 1) is None  # 13 replays: eager
+    assert graphs.chunks(1, 32 * 12) is not None and graphs.chunks(1, 32 * 12 + 1) is None  # 13 replays: eager
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
-def test_prefill_through_chunks_matches_the_ordinary_forward(make_model, kind):
-    """Three prompts of 23 tokens (chunks 16, 4, 2, 1; bucket 4 with a padding row): the last logits,
-    the cache contents and the decode steps after them equal an eager, left-padded forward's."""
-    model = make_model(vocab=96, seed=4)
+@pytest.mark.parametrize("length,heads", [(23, None), (40, (8, 1))], ids=["23-tokens", "40-tokens-gqa8"])
+def test_prefill_through_chunks_matches_the_ordinary_forward(make_model, kind, length, heads):
+    """Three prompts of 23 tokens (chunks 16, 4, 2, 1) or of 40 with 8 query heads per key/value head
+    (chunks 32 -- 256 query rows, two row tiles of the paged kernel -- and 8); bucket 4 with a padding row:
+    the last logits, the cache contents and the decode steps after them equal an eager, left-padded forward's."""
+    model = make_model(vocab=96, seed=4, **({"n_heads": heads[0], "n_kv_heads": heads[1]} if heads else {}))
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(1, 96, (23,), generator=g).tolist() for _ in range(3)]
-    caches = [make_cache(kind, model.config, batch_size=4, max_seq_len=48, dtype=torch.float32) for _ in range(2)]
+    prompts = [torch.randint(1, 96, (length,), generator=g).tolist() for _ in range(3)]
+    caches = [make_cache(kind, model.config, batch_size=4, max_seq_len=64, dtype=torch.float32) for _ in range(2)]
     with torch.inference_mode():
         seq_ids, tokens = _prefill(model, caches[0], prompts)
         graphs = DecodeGraphs(model, caches[1], max_batch=4, capture=False, buckets=[4])
-        want = model(torch.tensor(prompts), cache=make_cache(kind, model.config, batch_size=3, max_seq_len=48,
+        want = model(torch.tensor(prompts), cache=make_cache(kind, model.config, batch_size=3, max_seq_len=64,
                                                              dtype=torch.float32))[:, -1]
         got = graphs.prefill(seq_ids, prompts)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        assert graphs.steps == 4
+        assert graphs.steps == len(graphs.chunks(3, length)) == (4 if length == 23 else 2)
         _decode_both(model, caches[0], graphs, seq_ids, tokens, 3)
     _assert_same_cache(model, caches, seq_ids)
 

@@ -87,7 +87,9 @@ def test_paged_split_count_fills_the_gpu():
     assert num_splits_for(1, 8, 256, 64, 132) == 1  # too short to be worth a second kernel
 
 
-def test_paged_rejects_too_many_rows():
-    q, k_pool, v_pool, tables, lens = _cache([200], 20, 8, 1, 64, 16, torch.float16)
-    with pytest.raises(ValueError, match="above 128"):
-        paged_attention_triton(q, k_pool, v_pool, tables, lens)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_more_query_rows_than_one_program_takes(seed, poison, num_splits):
+    """8 heads per key/value head x 20 new tokens = 160 rows: two row tiles of 128 per head, split or not."""
+    poison()
+    _check(seed, [200, 41], 20, 8, 1, num_splits=num_splits)
+    _check(seed, [33], 32, 8, 2, num_splits=num_splits)

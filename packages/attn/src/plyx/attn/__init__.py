@@ -6,7 +6,7 @@ by name from the plyx kernel registry; no implementation is imported here.
 
 from plyx.attn._attention import Attention
 from plyx.attn._contiguous import ContiguousKVCache
-from plyx.attn._decode import StaticDecode, supports_static_decode
+from plyx.attn._decode import STATIC_MAX_QUERY, StaticDecode, supports_static_decode
 from plyx.attn._factory import cache_kinds, cache_layout, make_cache
 from plyx.attn._norm import RMSNorm
 from plyx.attn._packing import pack_linears_, packed_for_inference, packed_linear
@@ -20,6 +20,7 @@ __all__ = [
     "KVStep",
     "PagedKVCache",
     "RMSNorm",
+    "STATIC_MAX_QUERY",
     "StaticDecode",
     "begin_step",
     "cache_kinds",

@@ -34,10 +34,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from plyx.attn._step import PAGED_MAX_QUERY, KVStep
+from plyx.attn._step import KVStep
 from plyx.specs.kvcache import KVCache
 
-__all__ = ["StaticDecode", "supports_static_decode"]
+__all__ = ["STATIC_MAX_QUERY", "StaticDecode", "supports_static_decode"]
+
+#: the most tokens per row of one static step (a prompt chunk) or one-token steps per replay: the paged kernel
+#: takes any number of query rows (in tiles of 128 per key/value head, plyx-kernel 1.2), so this only sizes
+#: the step buffers; 32 feeds a typical short prompt in one replay
+STATIC_MAX_QUERY = 32
 
 _NEEDS = ("block_size", "kv_blocks", "seq_blocks")
 
@@ -69,8 +74,8 @@ class StaticDecode:
             )
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1 (got {max_batch})")
-        if not 1 <= max_query <= PAGED_MAX_QUERY:
-            raise ValueError(f"max_query must be in [1, {PAGED_MAX_QUERY}] (the paged kernel's query limit); got {max_query}")
+        if not 1 <= max_query <= STATIC_MAX_QUERY:
+            raise ValueError(f"max_query must be in [1, {STATIC_MAX_QUERY}] (STATIC_MAX_QUERY); got {max_query}")
         self.cache = cache
         self.max_batch = n = max_batch
         self.max_query = q = max_query

@@ -32,16 +32,14 @@ MAX_PREFILL_CHUNKS = 12
 
 
 def chunk_limit(model: Any) -> int:
-    """The most prompt tokens per row of one static step: 16 (the paged step's limit), and at most
-    128 query rows per key/value head in the paged kernel (``heads / kv_heads * T <= 128``); a power of two."""
-    from plyx.attn import PAGED_MAX_QUERY
+    """The most prompt tokens per row of one static step: ``plyx.attn.STATIC_MAX_QUERY`` (the step buffers'
+    width; the paged kernel tiles any number of query rows), 1 for a model without the attention shape."""
+    from plyx.attn import STATIC_MAX_QUERY
 
     config = getattr(model, "config", None)
-    heads, kv_heads = getattr(config, "n_heads", None), getattr(config, "kv_heads", None)
-    if not heads or not kv_heads:
+    if not getattr(config, "n_heads", None) or not getattr(config, "kv_heads", None):
         return 1
-    limit = min(PAGED_MAX_QUERY, 128 // max(1, heads // kv_heads))
-    return 1 << (max(1, limit).bit_length() - 1)
+    return STATIC_MAX_QUERY
 
 
 def default_buckets(max_batch: int) -> list[int]:

@@ -47,14 +47,15 @@ def _paged_fwd(
     stride_ob, stride_ot, stride_oh,
     Tq, KV, qk_scale, window, chunk, table_width,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_TILES: tl.constexpr,
     SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     if USE_GDC:  # programmatic dependent launch: launched during the previous kernel (which may have written the
         tl.extra.cuda.gdc_wait()  # new keys, q, the tables), so nothing is read before the wait
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // ROW_TILES  # axis 1: (key/value head, tile of BLOCK_M query rows)
+    row_tile = tl.program_id(1) % ROW_TILES
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     start = split * chunk
@@ -69,7 +70,7 @@ def _paged_fwd(
     L = tl.load(CONTEXT_LENS + b)
 
     # row r = g * Tq + t: head kvh * GROUP + g, new token t at position L - Tq + t
-    offs_r = tl.arange(0, BLOCK_M)
+    offs_r = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     g = offs_r // Tq
     t = offs_r % Tq
     row_ok = offs_r < GROUP * Tq
@@ -113,11 +114,12 @@ def _paged_fwd(
         m_i = m_new
 
     if SPLIT:
-        # partials: PART_ACC [B, KV, splits, BM, D], PART_ML [B, KV, splits, 2, BM]
+        # partials: PART_ACC [B, KV, splits, ROWS, D], PART_ML [B, KV, splits, 2, ROWS], ROWS = ROW_TILES * BM
+        rows = ROW_TILES * BLOCK_M
         base = ((b * KV + kvh) * num_splits + split)
-        tl.store(PART_ACC + base * BLOCK_M * HEAD_DIM + offs_r[:, None] * HEAD_DIM + offs_d[None, :], acc)
-        tl.store(PART_ML + base * 2 * BLOCK_M + offs_r, m_i)
-        tl.store(PART_ML + base * 2 * BLOCK_M + BLOCK_M + offs_r, l_i)
+        tl.store(PART_ACC + base * rows * HEAD_DIM + offs_r[:, None] * HEAD_DIM + offs_d[None, :], acc)
+        tl.store(PART_ML + base * 2 * rows + offs_r, m_i)
+        tl.store(PART_ML + base * 2 * rows + rows + offs_r, l_i)
     else:
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(OUT + b * stride_ob + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
@@ -129,7 +131,7 @@ def _paged_combine(
     PART_ACC, PART_ML, OUT,
     stride_ob, stride_ot, stride_oh,
     Tq, KV, num_splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     # one program per (sequence, key/value head, row)
     b = tl.program_id(0)
@@ -142,13 +144,13 @@ def _paged_combine(
     offs_d = tl.arange(0, HEAD_DIM)
     split_ok = offs_s < num_splits
     base = (b * KV + kvh) * num_splits + offs_s  # [BLOCK_S]
-    m = tl.load(PART_ML + base * 2 * BLOCK_M + r, mask=split_ok, other=float("-inf"))
-    l_s = tl.load(PART_ML + base * 2 * BLOCK_M + BLOCK_M + r, mask=split_ok, other=0.0)
+    m = tl.load(PART_ML + base * 2 * ROWS + r, mask=split_ok, other=float("-inf"))
+    l_s = tl.load(PART_ML + base * 2 * ROWS + ROWS + r, mask=split_ok, other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)  # 0 for empty splits
     l_tot = tl.sum(l_s * w, 0)
-    acc = tl.load(PART_ACC + base[:, None] * BLOCK_M * HEAD_DIM + r * HEAD_DIM + offs_d[None, :],
+    acc = tl.load(PART_ACC + base[:, None] * ROWS * HEAD_DIM + r * HEAD_DIM + offs_d[None, :],
                   mask=split_ok[:, None], other=0.0)  # [BLOCK_S, D]
     o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot == 0.0, 1.0, l_tot)
     tl.store(OUT + b * stride_ob + t * stride_ot + h * stride_oh + offs_d, o.to(OUT.dtype.element_ty))
@@ -217,12 +219,9 @@ def paged_attention(
     if window is not None and window < 1:
         raise ValueError(f"paged_attention: `window` must be >= 1, got {window}")
     group = H // KV
-    block_m = max(16, triton.next_power_of_2(group * Tq))
-    if block_m > 128:
-        raise ValueError(
-            f"paged_attention: {group} heads per key/value head x Tq={Tq} new tokens = {group * Tq} rows per "
-            f"program, above 128; pass fewer new tokens per call (prefill with `attention`)"
-        )
+    # a program takes at most 128 query rows (GQA group x new tokens); more go to further row tiles
+    block_m = min(max(16, triton.next_power_of_2(group * Tq)), 128)
+    row_tiles = triton.cdiv(group * Tq, block_m)
     scale = float(D**-0.5 if scale is None else scale)
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -242,11 +241,11 @@ def paged_attention(
     split = num_splits > 1
     gdc = pdl(q.device)
     if split:
-        part_acc = _empty((B, KV, num_splits, block_m, D), like=q, dtype=torch.float32)
-        part_ml = _empty((B, KV, num_splits, 2, block_m), like=q, dtype=torch.float32)
+        part_acc = _empty((B, KV, num_splits, row_tiles * block_m, D), like=q, dtype=torch.float32)
+        part_ml = _empty((B, KV, num_splits, 2, row_tiles * block_m), like=q, dtype=torch.float32)
     else:
         part_acc = part_ml = o  # never touched: SPLIT is False
-    _paged_fwd[(B, KV, num_splits)](
+    _paged_fwd[(B, KV * row_tiles, num_splits)](
         q, k_pool, v_pool, block_tables, context_lens, o, part_acc, part_ml,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
@@ -254,13 +253,13 @@ def paged_attention(
         block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2),
         Tq, KV, scale * LOG2E, window or 0, chunk, block_tables.shape[1],
-        GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, ROW_TILES=row_tiles,
         SPLIT=split, HAS_WINDOW=window is not None, USE_GDC=gdc, num_warps=config["num_warps"],
         num_stages=config["num_stages"], launch_pdl=gdc,
     )
     if split:
         _paged_combine[(B, KV, group * Tq)](
             part_acc, part_ml, o, o.stride(0), o.stride(1), o.stride(2), Tq, KV, num_splits,
-            GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            GROUP=group, HEAD_DIM=D, ROWS=row_tiles * block_m, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return o
