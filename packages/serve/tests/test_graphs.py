@@ -305,14 +305,14 @@ def test_captured_graphs_replay_the_eager_steps(make_model, kind):
 @cuda
 def test_captured_prefill_chunks_replay_the_eager_forward(make_model):
     model = make_model(vocab=128, d_model=256, seed=7).to("cuda", torch.bfloat16)
-    prompts = [list(range(3, 40)), list(range(50, 87))]  # 37 tokens each: chunks 16, 16, 4, 1
+    prompts = [list(range(3, 72)), list(range(50, 119))]  # 69 tokens each: chunks 32, 32, 4, 1
     with torch.inference_mode():
-        eager_cache = make_cache("paged", model.config, batch_size=2, max_seq_len=64, device="cuda",
+        eager_cache = make_cache("paged", model.config, batch_size=2, max_seq_len=96, device="cuda",
                                  dtype=torch.bfloat16)
         want = model(torch.tensor(prompts, device="cuda"), cache=eager_cache)[:, -1]
-        cache = make_cache("paged", model.config, batch_size=4, max_seq_len=64, device="cuda", dtype=torch.bfloat16)
+        cache = make_cache("paged", model.config, batch_size=4, max_seq_len=96, device="cuda", dtype=torch.bfloat16)
         graphs = DecodeGraphs(model, cache, max_batch=2)
-        first = graphs.prefill([0, 1], prompts).clone()  # captures the 16, 4 and 1 chunk graphs
+        first = graphs.prefill([0, 1], prompts).clone()  # captures the 32, 4 and 1 chunk graphs, replays 32 once
         again = graphs.prefill([2, 3], prompts)  # replays all four chunks
         assert graphs.replays == 1 + 4 and graphs.captured == [2]
         torch.testing.assert_close(again, first, rtol=0, atol=0)
