@@ -4,11 +4,15 @@ Each timing is one CUDA graph over 22 distinct weight matrices (one per layer, s
 from HBM instead of sitting in L2), replayed 20 times, best of 3, in microseconds per matrix. Three
 kernels are swept over ``(BLOCK_N, BLOCK_K, num_warps, stages)``:
 
-    gemv            y = x @ W.T (a plain Triton GEMV with programmatic dependent launch) on every shape
+    gemv            y = x @ W.T (plyx-kernel's Triton GEMV) on every shape
     rmsnorm_linear  the q/k/v and gate/up shapes, norm and residual fused
     swiglu_linear   the down projection
 
-    python packages/kernel/bench/sweep_gemv.py [--quick] [--out FILE.jsonl]
+Programmatic dependent launch is on (Hopper) unless ``PLYX_TRITON_PDL=0``: then each kernel waits for the
+one before it, as a kernel after cuBLAS does. ``--tma`` times a GEMV whose weight tiles come through
+Hopper's tensor memory accelerator instead (measured slower: results file).
+
+    python packages/kernel/bench/sweep_gemv.py [--quick] [--shapes down,o] [--tma] [--out FILE.jsonl]
 """
 
 from __future__ import annotations
@@ -24,38 +28,13 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from plyx.kernel.triton_ops._common import PDL_ENABLED
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rmsnorm_linear import graph_time
 
 HIDDEN, FFN, LAYERS, DTYPE = 2048, 5632, 22, torch.bfloat16
 SHAPES = {"qkv": (2560, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * FFN, HIDDEN), "down": (HIDDEN, FFN)}
-
-
-@triton.jit
-def _gemv_kernel(X, W, Y, M, N, K, sxm, swn, sym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, STAGES: tl.constexpr, USE_GDC: tl.constexpr):
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = rn < N
-    rm = tl.arange(0, BLOCK_M)
-    mmask = rm < M
-    w_rows = W + rn.to(tl.int64)[:, None] * swn
-    rk = tl.arange(0, BLOCK_K)
-    kmask = rk < K
-    w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    x = tl.load(X + rm[:, None] * sxm + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-    acc = tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        kmask = rk < K
-        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        x = tl.load(X + rm[:, None] * sxm + rk[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    tl.store(Y + rm[:, None] * sym + rn[None, :], acc.to(Y.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
 @triton.jit
@@ -93,15 +72,11 @@ def gemv_tma(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int, int]
     return y
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int, int], pdl: bool = True) -> torch.Tensor:
-    m, k = x.shape
-    n = w.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    bn, bk, warps, stages = blocks
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0),
-                                        BLOCK_M=max(1, triton.next_power_of_2(m)), BLOCK_N=bn, BLOCK_K=bk,
-                                        STAGES=stages, USE_GDC=pdl, num_warps=warps, launch_pdl=pdl)
-    return y
+def gemv(x: torch.Tensor, w: torch.Tensor, blocks: tuple[int, int, int, int]) -> torch.Tensor:
+    """plyx-kernel's Triton ``gemv`` with forced tiles (programmatic dependent launch unless PLYX_TRITON_PDL=0)."""
+    from plyx.kernel.triton_ops.gemv import gemv as triton_gemv
+
+    return triton_gemv(x, w, blocks=blocks)
 
 
 def _weights(n: int, k: int) -> list[torch.Tensor]:
@@ -170,13 +145,10 @@ def main(argv: list[str] | None = None) -> int:
             blocks = (bn, bk, wp, st)
             us = _time("gemv", lambda i, b=blocks, xs=xs, ws=ws: gemv(xs, ws[i], b),
                        lambda b=blocks, xs=xs, ws=ws: _err(gemv(xs, ws[0], b), xs.float() @ ws[0].float().t()), nbytes, rows,
-                       shape=shape, blocks=blocks, pdl=True)
+                       shape=shape, blocks=blocks, pdl=PDL_ENABLED)
             best = min(best, (us, blocks))
         us, blocks = best
-        off = _time("gemv", lambda i, b=blocks, xs=xs, ws=ws: gemv(xs, ws[i], b, pdl=False), None, nbytes, rows, shape=shape,
-                    blocks=blocks, pdl=False)
-        print(f"  gemv best {blocks}: {us:.2f} us ({nbytes / us / 1e3:.0f} GB/s), {cublas / us:.2f}x cuBLAS; "
-              f"without PDL {off:.2f} us")
+        print(f"  gemv best {blocks}: {us:.2f} us ({nbytes / us / 1e3:.0f} GB/s), {cublas / us:.2f}x cuBLAS")
         if shape in ("qkv", "gate_up"):
             nw = torch.ones(k, device="cuda", dtype=DTYPE)
             res = torch.randn_like(xs)
@@ -222,7 +194,7 @@ def _sweep_tma(x: torch.Tensor, rows: list[dict]) -> None:
         nbytes = n * k * DTYPE.itemsize
         cublas = _time("cublas", lambda i, xs=xs, ws=ws: torch.nn.functional.linear(xs, ws[i]), None, nbytes, rows, shape=shape)
         best_ldg = _time("gemv", lambda i, xs=xs, ws=ws, b=BEST_LDG[shape]: gemv(xs, ws[i], b), None, nbytes, rows, shape=shape,
-                         blocks=BEST_LDG[shape], pdl=True)
+                         blocks=BEST_LDG[shape], pdl=PDL_ENABLED)
         best = (float("inf"), None)
         for blocks in TMA_CANDIDATES:
             us = _time("gemv_tma", lambda i, b=blocks, xs=xs, ws=ws: gemv_tma(xs, ws[i], b),

@@ -31,6 +31,7 @@ import triton.language as tl
 from plyx.kernel.attention._checks import check_paged
 from plyx.kernel.attention._tl import mm, mma
 from plyx.kernel.triton_ops._common import pdl
+from plyx.kernel.triton_ops._tiles import wait_for_inputs
 
 __all__ = ["paged_attention", "num_splits_for"]
 
@@ -50,9 +51,9 @@ def _paged_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_TILES: tl.constexpr,
     SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_GDC: tl.constexpr,
 ):
-    if USE_GDC:  # programmatic dependent launch: launched during the previous kernel (which may have written the
-        tl.extra.cuda.gdc_wait()  # new keys, q, the tables), so nothing is read before the wait
-        tl.extra.cuda.gdc_launch_dependents()
+    # programmatic dependent launch: the previous kernel may have written the new keys, q or the tables, so
+    # nothing is read before the wait
+    wait_for_inputs(USE_GDC)
     b = tl.program_id(0)
     kvh = tl.program_id(1) // ROW_TILES  # axis 1: (key/value head, tile of BLOCK_M query rows)
     row_tile = tl.program_id(1) % ROW_TILES

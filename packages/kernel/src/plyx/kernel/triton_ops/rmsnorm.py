@@ -26,6 +26,7 @@ import triton.language as tl
 from plyx.kernel._errors import KernelInputError, check_last_dim_contiguous
 from plyx.kernel.reference.rmsnorm import check_rmsnorm
 from plyx.kernel.triton_ops._common import empty, next_power_of_2, num_programs, pdl
+from plyx.kernel.triton_ops._tiles import wait_for_inputs
 
 __all__ = ["rmsnorm"]
 
@@ -42,9 +43,7 @@ def _rmsnorm_fwd(X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, D,
     # the norm weight is no kernel's output: under programmatic dependent launch it loads while the
     # previous kernel finishes; x and the residual are read only after gdc_wait
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_inputs(USE_GDC)
     h = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)

@@ -31,6 +31,7 @@ import triton.language as tl
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.rmsnorm_linear import check_rmsnorm_linear
 from plyx.kernel.triton_ops._common import empty, pdl
+from plyx.kernel.triton_ops._tiles import wait_for_inputs, weight_tile
 
 __all__ = ["rmsnorm_linear", "MAX_ROWS", "pick_blocks"]
 
@@ -52,13 +53,10 @@ def _load_h(X, R, rm, rk, mask, sxm, srm, HAS_RES: tl.constexpr):
 @triton.jit
 def _tiles(w_rows, u_rows, k0, K, nmask, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr):
     """The weight tile (and the up half's, with SwiGLU) of the K chunk starting at ``k0``: ``(w, u, rk, kmask)``."""
-    rk = k0 + tl.arange(0, BLOCK_K)
-    kmask = rk < K
-    wmask = nmask[:, None] & kmask[None, :]
-    w = tl.load(w_rows + rk[None, :], mask=wmask, other=0.0)
+    w, rk, kmask = weight_tile(w_rows, k0, K, nmask, BLOCK_K)
     u = w
     if SWIGLU:
-        u = tl.load(u_rows + rk[None, :], mask=wmask, other=0.0)
+        u = weight_tile(u_rows, k0, K, nmask, BLOCK_K)[0]
     return w, u, rk, kmask
 
 
@@ -101,9 +99,7 @@ def _rmsnorm_linear_kernel(X, R, NW, W, B, Y, H, M, N, K, UP_OFFSET, sxm, srm, s
     # the first weight tiles are not the previous kernel's output: under programmatic dependent launch they
     # stream in while that kernel finishes; x and the residual are read only after gdc_wait
     w, u, rk, kmask = _tiles(w_rows, u_rows, 0, K, nmask, BLOCK_K, SWIGLU)
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_for_inputs(USE_GDC)
     acc, acc_up, sq = _chunk(acc, acc_up, sq, w, u, X, R, NW, H, rm, rk, kmask, mmask, writer, sxm, srm, shm,
                              HAS_RES, SWIGLU)
     for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):  # pipelined weight loads

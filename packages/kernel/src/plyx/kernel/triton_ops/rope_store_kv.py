@@ -23,6 +23,7 @@ import triton.language as tl
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.rope_store_kv import check_rope_store_kv
 from plyx.kernel.triton_ops._common import empty, next_power_of_2, pdl
+from plyx.kernel.triton_ops._tiles import wait_for_inputs
 from plyx.kernel.triton_ops.rope import angles, rotate_rows, tables
 
 __all__ = ["rope_store_kv"]
@@ -35,9 +36,9 @@ def _rope_store_kv_kernel(QKV, COS, SIN, Q, KC, VC, SLOTS, T, H, KV, DH, HALF, s
                           sks, skh, svs, svh, scb, sct, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
                           USE_GDC: tl.constexpr):
-    if USE_GDC:  # programmatic dependent launch: the launch overlaps the previous kernel's tail; every input may
-        tl.extra.cuda.gdc_wait()  # be its output (q/k/v, the tables, the slots), so nothing is read before this
-        tl.extra.cuda.gdc_launch_dependents()
+    # programmatic dependent launch: every input may be the previous kernel's output (q/k/v, the tables,
+    # the slots), so nothing is read before the wait
+    wait_for_inputs(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     b = token // T
     t = token % T

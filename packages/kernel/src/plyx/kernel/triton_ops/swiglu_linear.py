@@ -19,6 +19,7 @@ import triton.language as tl
 from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.swiglu_linear import check_swiglu_linear
 from plyx.kernel.triton_ops._common import empty, pdl
+from plyx.kernel.triton_ops._tiles import wait_for_inputs, weight_tile
 
 __all__ = ["swiglu_linear", "MAX_ROWS", "pick_blocks"]
 
@@ -48,17 +49,11 @@ def _swiglu_linear_kernel(GU, W, B, Y, M, N, F, sgm, swn, sym, HAS_BIAS: tl.cons
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     # the first weight tile does not come from the previous kernel: under programmatic dependent launch it
     # streams in while that kernel finishes; gate_up is read only after gdc_wait
-    rk = tl.arange(0, BLOCK_K)
-    kmask = rk < F
-    w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-    if USE_GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    w, rk, kmask = weight_tile(w_rows, 0, F, nmask, BLOCK_K)
+    wait_for_inputs(USE_GDC)
     acc = _chunk(acc, w, gu, rk, kmask, F, GU.dtype.element_ty)
     for k0 in tl.range(BLOCK_K, F, BLOCK_K, num_stages=STAGES):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        kmask = rk < F
-        w = tl.load(w_rows + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        w, rk, kmask = weight_tile(w_rows, k0, F, nmask, BLOCK_K)
         acc = _chunk(acc, w, gu, rk, kmask, F, GU.dtype.element_ty)
     if HAS_BIAS:
         acc += tl.load(B + rn, mask=nmask, other=0.0).to(tl.float32)
