@@ -238,6 +238,8 @@ def stream_generate(
 
     Same arguments as ``generate``. Every input is validated when this is called (before the first
     ``next``), and the cache sequences it allocated are evicted when the iterator finishes or is closed.
+    Plain greedy requests decoded through CUDA graphs arrive in events of up to ``GREEDY_STEPS`` (8)
+    tokens: that many steps run per graph replay.
 
     Example:
         >>> for event in stream_generate(model, ["Once"], SamplingParams(max_new_tokens=8), tokenizer=tok):
