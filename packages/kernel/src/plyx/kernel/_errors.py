@@ -7,7 +7,8 @@ from typing import Any
 
 from plyx.specs.errors import PlyxError
 
-__all__ = ["KernelInputError", "check_float", "check_same_device", "check_last_dim_contiguous", "shape_str"]
+__all__ = ["KernelInputError", "check_float", "check_same_device", "check_last_dim_contiguous", "check_bias",
+           "check_no_grad", "shape_str"]
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -70,3 +71,24 @@ def check_last_dim_contiguous(kernel: str, argument: str, t: Any) -> None:
             kernel, argument, f"last dimension has stride {t.stride(-1)} (shape {shape_str(t.shape)}), expected 1",
             "call `.contiguous()` on it first",
         )
+
+
+def check_bias(kernel: str, bias: Any | None, n: int, fix: str = "pass the projection's bias") -> None:
+    """``bias`` is None or a float ``[n]`` vector (one per output column)."""
+    if bias is None:
+        return
+    check_float(kernel, "bias", bias)
+    if tuple(bias.shape) != (n,):
+        raise KernelInputError(kernel, "bias", f"expected [N={n}], got {shape_str(bias.shape)}", fix)
+
+
+def check_no_grad(kernel: str, tensors: dict[str, Any | None], fix: str) -> None:
+    """An inference-only kernel refuses, in grad mode, a tensor that requires grad (it would drop the gradient)."""
+    import torch
+
+    if not torch.is_grad_enabled():
+        return
+    op = kernel.split(":")[0]
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise KernelInputError(kernel, name, f"requires grad, but {op} has no gradient (inference only)", fix)

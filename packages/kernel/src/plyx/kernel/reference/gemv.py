@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
+from plyx.kernel._errors import KernelInputError, check_bias, check_float, check_no_grad, check_same_device, shape_str
 
 __all__ = ["gemv", "check_gemv"]
 
@@ -29,17 +29,9 @@ def check_gemv(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     if weight.dim() != 2 or weight.shape[1] != k:
         raise KernelInputError(kernel, "weight", f"expected [N, K={k}] (K: x's last dim), got {shape_str(weight.shape)}",
                                "pass the projection's weight as nn.Linear stores it ([out_features, in_features])")
-    if bias is not None:
-        check_float(kernel, "bias", bias)
-        if tuple(bias.shape) != (weight.shape[0],):
-            raise KernelInputError(kernel, "bias", f"expected [N={weight.shape[0]}], got {shape_str(bias.shape)}",
-                                   "pass the projection's bias")
-    if torch.is_grad_enabled():
-        for name, t in (("x", x), ("weight", weight), ("bias", bias)):
-            if t is not None and t.requires_grad:
-                raise KernelInputError(kernel, name, "requires grad, but gemv has no gradient (inference only)",
-                                       "call it under torch.inference_mode() / torch.no_grad(), or use a linear")
-
+    check_bias(kernel, bias, weight.shape[0])
+    check_no_grad(kernel, {"x": x, "weight": weight, "bias": bias},
+                  "call it under torch.inference_mode() / torch.no_grad(), or use a linear")
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None) -> torch.Tensor:
     check_gemv("gemv:reference", x, weight, bias)

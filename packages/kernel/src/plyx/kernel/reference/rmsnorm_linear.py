@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
+from plyx.kernel._errors import KernelInputError, check_bias, check_float, check_no_grad, check_same_device, shape_str
 from plyx.kernel.reference.rmsnorm import check_rmsnorm, rmsnorm
 from plyx.kernel.reference.swiglu import swiglu as swiglu_reference
 
@@ -39,8 +39,6 @@ def check_rmsnorm_linear(kernel: str, x: torch.Tensor, norm_weight: torch.Tensor
                                "pass the RMSNorm's weight vector of size hidden") from None
     check_float(kernel, "weight", weight)
     check_same_device(kernel, ("x", x), ("weight", weight), ("bias", bias))
-    if bias is not None:
-        check_float(kernel, "bias", bias)
     k = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != k:
         raise KernelInputError(kernel, "weight", f"expected [N, K={k}], got {shape_str(weight.shape)}",
@@ -48,16 +46,9 @@ def check_rmsnorm_linear(kernel: str, x: torch.Tensor, norm_weight: torch.Tensor
     if swiglu and weight.shape[0] % 2:
         raise KernelInputError(kernel, "weight", f"swiglu needs the stacked [gate; up] rows (an even N), got N={weight.shape[0]}",
                                "pack the gate and up projections (plyx.attn.pack_linears_)")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise KernelInputError(kernel, "bias", f"expected [N={weight.shape[0]}], got {shape_str(bias.shape)}",
-                               "pass the projection's bias")
-    if torch.is_grad_enabled():
-        named = {"x": x, "norm_weight": norm_weight, "weight": weight, "residual": residual, "bias": bias}
-        for name, t in named.items():
-            if t is not None and t.requires_grad:
-                raise KernelInputError(kernel, name, "requires grad, but rmsnorm_linear has no gradient (inference only)",
-                                       "call it under torch.inference_mode() / torch.no_grad(), or use `rmsnorm` "
-                                       "and a linear")
+    check_bias(kernel, bias, weight.shape[0])
+    check_no_grad(kernel, {"x": x, "norm_weight": norm_weight, "weight": weight, "residual": residual, "bias": bias},
+                  "call it under torch.inference_mode() / torch.no_grad(), or use `rmsnorm` and a linear")
 
 
 def rmsnorm_linear(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,

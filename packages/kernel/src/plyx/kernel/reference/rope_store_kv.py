@@ -18,7 +18,7 @@ gradient (training uses ``rope`` and the cache's append).
 from __future__ import annotations
 
 import torch
-from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
+from plyx.kernel._errors import KernelInputError, check_float, check_no_grad, check_same_device, shape_str
 from plyx.kernel.reference.rope import check_rope, rope
 
 __all__ = ["rope_store_kv", "check_rope_store_kv"]
@@ -49,10 +49,8 @@ def check_rope_store_kv(kernel: str, qkv: torch.Tensor, cos: torch.Tensor, sin: 
             f"expected [B, T, H + 2*KV = {n_heads + 2 * n_kv_heads}, Dh] (n_heads={n_heads}, n_kv_heads={n_kv_heads}), "
             f"got {shape_str(qkv.shape)}",
             "view the packed projection as (B, T, n_heads + 2 * n_kv_heads, head_dim), q heads then k then v")
-    if torch.is_grad_enabled() and qkv.requires_grad:
-        raise KernelInputError(kernel, "qkv", "requires grad, but rope_store_kv has no gradient (inference only)",
-                               "call it under torch.inference_mode() / torch.no_grad(), or use `rope` + the cache's "
-                               "append for training")
+    check_no_grad(kernel, {"qkv": qkv}, "call it under torch.inference_mode() / torch.no_grad(), or use `rope` + "
+                  "the cache's append for training")
     rotary = check_rope(kernel, qkv, cos, sin)
     b, t, _, dh = qkv.shape
     _check_cache(kernel, "k_cache", k_cache, n_kv_heads, dh)

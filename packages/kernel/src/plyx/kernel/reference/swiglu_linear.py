@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
+from plyx.kernel._errors import KernelInputError, check_bias, check_float, check_no_grad, check_same_device, shape_str
 from plyx.kernel.reference.swiglu import swiglu
 
 __all__ = ["swiglu_linear", "check_swiglu_linear"]
@@ -31,18 +31,9 @@ def check_swiglu_linear(kernel: str, gate_up: torch.Tensor, weight: torch.Tensor
     if weight.dim() != 2 or weight.shape[1] != f:
         raise KernelInputError(kernel, "weight", f"expected [N, F={f}] (half of gate_up's last dim), got "
                                f"{shape_str(weight.shape)}", "pass the down projection's weight")
-    if bias is not None:
-        check_float(kernel, "bias", bias)
-        if tuple(bias.shape) != (weight.shape[0],):
-            raise KernelInputError(kernel, "bias", f"expected [N={weight.shape[0]}], got {shape_str(bias.shape)}",
-                                   "pass the down projection's bias")
-    if torch.is_grad_enabled():
-        for name, t in (("gate_up", gate_up), ("weight", weight), ("bias", bias)):
-            if t is not None and t.requires_grad:
-                raise KernelInputError(kernel, name, "requires grad, but swiglu_linear has no gradient (inference only)",
-                                       "call it under torch.inference_mode() / torch.no_grad(), or use `swiglu` and a "
-                                       "linear")
-
+    check_bias(kernel, bias, weight.shape[0], "pass the down projection's bias")
+    check_no_grad(kernel, {"gate_up": gate_up, "weight": weight, "bias": bias},
+                  "call it under torch.inference_mode() / torch.no_grad(), or use `swiglu` and a linear")
 
 def swiglu_linear(gate_up: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = None) -> torch.Tensor:
     check_swiglu_linear("swiglu_linear:reference", gate_up, weight, bias)
