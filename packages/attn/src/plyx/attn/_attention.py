@@ -101,13 +101,12 @@ class Attention(nn.Module):
         """
         B, T, _ = x.shape
         packed = packed_for_inference((self.q_proj, self.k_proj, self.v_proj)) if step is not None and step.slots is not None else None
-        if packed is not None and self.q_norm is None:
+        if packed is not None:
             qkv = F.linear(x, *packed).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
             out = self.attend_projected(qkv, cos, sin, step)  # type: ignore[arg-type]
             if out is not None:
                 return out
-        if packed is not None:
-            q, k, v = self._project_packed(x, cos, sin, *packed)
+            q, k, v = self._rotate_packed(qkv, cos, sin)  # QK-norm or no rope_store_kv: the same projection
         else:
             q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, Dh)
             k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, Dh)
@@ -133,12 +132,11 @@ class Attention(nn.Module):
         pack_linears_((self.q_proj, self.k_proj, self.v_proj))
 
 
-    def _project_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v from one GEMV; without QK-norm, RoPE turns q and k in one launch (they are adjacent)."""
-        B, T, _ = x.shape
+    def _rotate_packed(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of one packed GEMV's output ``[B, T, H + 2 KV, Dh]``, q and k normed (QK-norm) and rotated;
+        without QK-norm, RoPE turns q and k in one launch (they are adjacent)."""
         H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = F.linear(x, weight, bias).view(B, T, H + 2 * KV, Dh)  # (B, T, H + 2 KV, Dh)
         v = qkv[:, :, H + KV:]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + KV])

@@ -140,11 +140,12 @@ class StaticDecode:
         width = T * steps  # tokens reserved per sequence
         cache.reserve(seq_ids, [width] * B)
         bs = self.block_size
-        pos = self._pos[:bucket * width].reshape(bucket, width)
-        slots = self._slots[:bucket * width].reshape(bucket, width)
         if steps > 1:  # step-major: each step's [bucket] positions and slots are contiguous
             pos = self._pos[:bucket * width].reshape(width, bucket).T
             slots = self._slots[:bucket * width].reshape(width, bucket).T
+        else:  # row-major: a chunk's [bucket, T] views are contiguous
+            pos = self._pos[:bucket * width].reshape(bucket, width)
+            slots = self._slots[:bucket * width].reshape(bucket, width)
         for i, sid in enumerate(seq_ids):
             blocks = cache.seq_blocks(sid)  # type: ignore[attr-defined]
             length = cache.length(sid)
@@ -181,7 +182,7 @@ class StaticDecode:
         cache up to its own token (its context lengths are the final ones minus ``steps - 1 - k``).
         Device work only (capturable).
         """
-        ids = self.tokens.index_select(0, self.row_map[:bucket])[:, None]
+        ids = self._token_ids(bucket)
         tables, lens = self._load_tables(bucket)
         pos = self.positions[:bucket * steps].view(steps, bucket)
         slots = self.slots[:bucket * steps].view(steps, bucket)
@@ -193,6 +194,10 @@ class StaticDecode:
             per_step.append((pos[k][:, None], step))
         return ids, per_step
 
+    def _token_ids(self, bucket: int) -> torch.Tensor:
+        """``[bucket, 1]``: each row's one new token, padding rows repeating row 0's."""
+        return self.tokens.index_select(0, self.row_map[:bucket])[:, None]
+
     def _load_tables(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The int32 block tables and context lengths the paged kernel reads, converted on the device."""
         self._tables32[:bucket].copy_(self.tables[:bucket])
@@ -203,7 +208,7 @@ class StaticDecode:
         """``(ids [bucket, T], positions [bucket, T], step)`` for the model; device work only (capturable)."""
         T = query_len
         if T == 1:
-            ids = self.tokens.index_select(0, self.row_map[:bucket])[:, None]
+            ids = self._token_ids(bucket)
         else:  # host rows, padding included, came in the copy
             ids = self._dev_tokens[:bucket * T].view(bucket, T)
         tables, lens = self._load_tables(bucket)

@@ -89,6 +89,13 @@ class DecodeGraphs:
         i = bisect.bisect_left(self.buckets, batch)
         return self.buckets[i] if i < len(self.buckets) else None
 
+    def _bucket_of(self, batch: int) -> int:
+        """``bucket(batch)``, or a ValueError naming the largest bucket."""
+        bucket = self.bucket(batch)
+        if bucket is None:
+            raise ValueError(f"a decode step of {batch} sequences exceeds the largest graph bucket ({self.max_batch})")
+        return bucket
+
     def chunks(self, batch: int, length: int) -> list[int] | None:
         """How ``prefill`` feeds ``batch`` prompts of ``length`` tokens each: chunk sizes, or None (not worth it).
 
@@ -144,9 +151,7 @@ class DecodeGraphs:
         chunk, see ``prefill``) and returns the logits of each row's last one.
         """
         B = len(seq_ids)
-        bucket = self.bucket(B)
-        if bucket is None:
-            raise ValueError(f"a decode step of {B} sequences exceeds the largest graph bucket ({self.max_batch})")
+        bucket = self._bucket_of(B)
         self.decode.prepare(seq_ids, tokens, bucket, query_len=query_len)
         out = self._run((bucket, query_len, greedy, 1))
         return (out[0][:B], out[1][:B]) if greedy else out[:B]
@@ -161,9 +166,7 @@ class DecodeGraphs:
         its cache holds all ``steps`` tokens.
         """
         B = len(seq_ids)
-        bucket = self.bucket(B)
-        if bucket is None:
-            raise ValueError(f"a decode step of {B} sequences exceeds the largest graph bucket ({self.max_batch})")
+        bucket = self._bucket_of(B)
         if not 1 <= steps <= self.max_query:
             raise ValueError(f"steps must be in [1, {self.max_query}] (the step buffers' width), got {steps}")
         self.decode.prepare(seq_ids, tokens, bucket, steps=steps)
@@ -184,11 +187,11 @@ class DecodeGraphs:
     def _forward(self, bucket: int, query_len: int, greedy: bool, steps: int = 1) -> Any:
         if steps > 1:
             return self._forward_steps(bucket, steps)
+        from plyx.serve._runner import last_logits
+
         ids, positions, step = self.decode.inputs(bucket, query_len)
-        head = getattr(self.model, "lm_head_weight", None)
-        if query_len > 1 and head is not None:  # only the last position's logits: one LM-head row per sequence
-            hidden = self.model(ids, position_ids=positions, kv_step=step, return_hidden=True)[:, -1]
-            logits = torch.matmul(hidden, head.t()).float()  # [bucket, V]
+        if query_len > 1:  # a prompt chunk: only the last position's logits, one LM-head row per sequence
+            logits = last_logits(self.model, ids, position_ids=positions, kv_step=step)  # [bucket, V]
         else:
             logits = self.model(ids, position_ids=positions, kv_step=step)[:, -1]  # [bucket, V]
         if not greedy:

@@ -45,6 +45,17 @@ def left_pad(rows: Sequence[Sequence[int]], device: torch.device) -> tuple[torch
     return ids.to(device), (mask.to(device) if padded else None)
 
 
+def last_logits(model: Any, ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``[B, V]`` float logits of each row's last position. With ``lm_head_weight`` only that hidden state goes
+    through the LM head (as transformers' ``logits_to_keep=1``), not a ``[B, T, V]`` tensor: T times less
+    LM-head work on a prompt."""
+    head = getattr(model, "lm_head_weight", None)
+    if head is None:
+        return model(ids, **kwargs)[:, -1]  # type: ignore[no-any-return]
+    hidden = model(ids, return_hidden=True, **kwargs)[:, -1]  # [B, D]
+    return torch.matmul(hidden, head.t()).float()
+
+
 #: per model: idle (weight addresses, cache, DecodeGraphs) by (kind, sequences, max_seq_len), reused by the next
 #: generate call of that shape on a GPU; dropped with the model
 SPARES_PER_MODEL = 4
@@ -212,13 +223,7 @@ class Runner:
             logits = self.model(ids, **kwargs)  # [B, T, V]
             width = logits.shape[1]
             return [logits[i, width - len(t):] for i, t in enumerate(tokens)]
-        head = getattr(self.model, "lm_head_weight", None)
-        if head is None:
-            return self.model(ids, **kwargs)[:, -1]
-        # only the last position's logits are needed: project that hidden state alone (as transformers'
-        # logits_to_keep=1), not a [B, T, V] tensor -- T times less LM-head work on a long prompt
-        hidden = self.model(ids, return_hidden=True, **kwargs)[:, -1]  # [B, D]
-        return torch.matmul(hidden, head.t()).float()  # [B, V]
+        return last_logits(self.model, ids, **kwargs)
 
     def greedy_step(self, seq_ids: Sequence[int], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``step`` plus each row's greedy token, both from one replayed graph; None where no graph runs it."""
