@@ -301,3 +301,18 @@ def test_bad_input_is_named(tiny, random_model):
         set_adapter(model, "two")
     with pytest.raises(AdapterError, match="must be letters"):
         add_adapter(model, LoraConfig(), "a.b")
+
+
+def test_save_hf_refuses_a_model_with_adapters(tiny, random_model, tmp_path):
+    from plyx.model import CheckpointError, load_hf, save_hf
+
+    model = random_model(tiny())
+    add_adapter(model, LoraConfig(r=2, target_modules=("v_proj",), init_lora_weights=False))
+    with pytest.raises(CheckpointError, match="merge_and_unload"):
+        save_hf(model, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    ids = torch.randint(0, 97, (1, 5))
+    with torch.no_grad():
+        want = model(ids)
+        save_hf(merge_and_unload(model), tmp_path / "hf")
+        torch.testing.assert_close(load_hf(tmp_path / "hf")(ids), want, rtol=1e-5, atol=1e-5)
