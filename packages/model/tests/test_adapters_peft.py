@@ -68,8 +68,12 @@ def test_save_peft_loads_in_peft_with_equal_logits(tiny, random_model, tmp_path,
     torch.testing.assert_close(got, want, **TOL)
 
 
-@pytest.mark.parametrize("variant", list(FLAGS))
-def test_load_peft_made_by_peft_with_equal_logits(tmp_path, variant):
+@pytest.mark.parametrize(("variant", "targets"), [
+    *[(v, ["k_proj", "o_proj", "gate_proj"]) for v in FLAGS],
+    ("lora", "all-linear"),
+    ("dora", r"model\.layers\.1\.(self_attn\.q|mlp\.down)_proj"),
+])
+def test_load_peft_made_by_peft_with_equal_logits(tmp_path, variant, targets):
     config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, intermediate_size=48, vocab_size=67)
     torch.manual_seed(1)
@@ -78,7 +82,7 @@ def test_load_peft_made_by_peft_with_equal_logits(tmp_path, variant):
         for p in hf.parameters():
             p.normal_(0, 0.2).add_(1.0 if p.dim() == 1 else 0.0)
     hf.save_pretrained(tmp_path / "base")
-    lcfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj", "o_proj", "gate_proj"],
+    lcfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
                            init_lora_weights=False, **FLAGS[variant])
     pm = peft.get_peft_model(hf, lcfg).eval()
     _perturb(pm)
@@ -90,7 +94,10 @@ def test_load_peft_made_by_peft_with_equal_logits(tmp_path, variant):
     model = load_hf(tmp_path / "base").eval()
     load_peft(model, tmp_path / "adapter", name="tuned")
     assert list_adapters(model) == ["tuned"] and active_adapter(model) == "tuned"
-    assert model.layers[0].self_attn.k_proj.variants["tuned"].name == variant
+    adapted = sorted(n.removeprefix("base_model.model.model.") for n, m in pm.named_modules()
+                     if hasattr(m, "lora_A") and "default" in m.lora_A)
+    assert sorted(p for p, m in model.named_modules() if isinstance(m, LoraLinear)) == adapted
+    assert {m.variants["tuned"].name for m in model.modules() if isinstance(m, LoraLinear)} == {variant}
     with torch.no_grad():
         torch.testing.assert_close(model(ids), want, **TOL)
 

@@ -30,8 +30,8 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input in train mode, in [0, 1)."""
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    """Linears to adapt. A plain name matches the last component(s) of the module path (``q_proj``,
-    ``mlp.up_proj``); ``re:<pattern>`` or a name with regex characters must fullmatch the module path
+    """Linears to adapt. A plain name matches the last component(s) of the module path or of its Hugging Face
+    name (``q_proj``, ``mlp.up_proj``, ``model.layers.0.mlp.up_proj``); ``re:<pattern>`` or a name with regex characters must fullmatch the module path
     (``layers.0.self_attn.q_proj``) or its Hugging Face name (``model.layers.0.self_attn.q_proj``), as in PEFT."""
     variant: str = "lora"
     """lora | rslora | dora, or a variant a plugin adds through the ``plyx_adapter_variants`` hook."""
@@ -82,11 +82,12 @@ def _pattern(target: str) -> str | None:
 
 def matches_target(path: str, targets: Sequence[str]) -> bool:
     """Whether the module at ``path`` (plyx name) is one of ``targets`` (see ``LoraConfig.target_modules``)."""
+    names = (path, f"model.{path}")  # plyx's path and the Hugging Face one (what PEFT configs name)
     for t in targets:
         pattern = _pattern(t)
         if pattern is None:
-            if path == t or path.endswith("." + t):
+            if any(n == t or n.endswith("." + t) for n in names):
                 return True
-        elif re.fullmatch(pattern, path) or re.fullmatch(pattern, f"model.{path}"):
+        elif any(re.fullmatch(pattern, n) for n in names):
             return True
     return False
