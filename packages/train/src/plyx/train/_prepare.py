@@ -434,6 +434,8 @@ def prepare_bundled(
     """
     out = Path(out_dir) if out_dir else default_data_dir(vocab_size, tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # characters keep the file as one stream, as nanoGPT does (its ids are then exactly nanoGPT's)
+    separator = None if tokenizer == CHAR else BUNDLED_SEPARATOR
     prepare_cached(bundled_corpus(), out, tokenizer=tokenizer or None, vocab_size=vocab_size,
-                   val_fraction=val_fraction, separator=BUNDLED_SEPARATOR, use_hooks=True)
+                   val_fraction=val_fraction, separator=separator, use_hooks=True)
     return out
