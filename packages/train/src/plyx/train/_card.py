@@ -45,7 +45,7 @@ def card_fields(
     data_dir: Path,
     source: dict[str, Any],
     name: str | None = None,
-    license: str | None = None,  # noqa: A002 - the ModelCard field's name
+    license: str | None = None,
     description: str | None = None,
 ) -> dict[str, Any]:
     """``name``, ``license`` and ``description`` of a trained checkpoint's ``ModelCard``.

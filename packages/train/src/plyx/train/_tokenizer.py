@@ -14,8 +14,8 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as _HFTokenizer
 
 __all__ = ["Tokenizer", "train_bpe", "train_char", "load_tokenizer", "EOS_TOKEN", "UNK_TOKEN", "EOS_CANDIDATES", "CHAR"]
 

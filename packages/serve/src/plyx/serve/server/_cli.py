@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
 from plyx.specs.components import CliCommand
@@ -50,9 +49,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 def serve_config_from_args(args: argparse.Namespace) -> Any:
     """A validated ``plyx.specs.ServeConfig`` of the command line (errors name the option and the fix)."""
-    from plyx.specs.config.serve import ServeConfig
-
     from plyx.serve.server._paths import served_names
+    from plyx.specs.config.serve import ServeConfig
 
     return ServeConfig(
         model=str(args.path), served_name=served_names(args.path, args.served_name)[0], host=args.host,
