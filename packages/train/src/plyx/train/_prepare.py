@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 from plyx.specs import get_plugin_manager
 from plyx.train._shards import MANIFEST, ShardSet, write_shards
-from plyx.train._tokenizer import CHAR, Tokenizer, load_tokenizer, train_bpe, train_char
+from plyx.train._tokenizer import CHAR, Tokenizer, encode_chars, load_tokenizer, train_bpe, train_char
 
 __all__ = [
     "PrepareReport",
@@ -258,9 +258,12 @@ def prepare_corpus(
 
     # one stream: every document followed by EOS, so packed rows know where documents end
     pieces: list[np.ndarray] = []
+    eos = np.asarray([tok.eos_id], dtype=np.int64)
     for start in range(0, len(documents), 1024):
-        for ids in tok.encode_batch(documents[start : start + 1024]):
-            pieces.append(np.asarray(ids + [tok.eos_id], dtype=np.int64))
+        batch = documents[start : start + 1024]
+        encoded = encode_chars(tok, batch) if tokenizer == CHAR else tok.encode_batch(batch)
+        for ids in encoded:
+            pieces.append(np.concatenate([np.asarray(ids, dtype=np.int64), eos]))
     stream = np.concatenate(pieces)
     cut = len(stream) - int(round(len(stream) * val_fraction))
     splits = {"train": [stream[:cut]]}

@@ -14,10 +14,12 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
+
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as _HFTokenizer
 
-__all__ = ["Tokenizer", "train_bpe", "train_char", "load_tokenizer", "EOS_TOKEN", "UNK_TOKEN", "EOS_CANDIDATES", "CHAR"]
+__all__ = ["Tokenizer", "train_bpe", "train_char", "load_tokenizer", "EOS_TOKEN", "UNK_TOKEN", "EOS_CANDIDATES", "CHAR", "encode_chars"]
 
 #: the document separator of tokenizers trained by plyx (GPT-2's name for it)
 EOS_TOKEN = "<|endoftext|>"
@@ -142,6 +144,32 @@ def train_char(texts: Iterable[str]) -> Tokenizer:
     inner.decoder = decoders.Fuse()  # join without the spaces WordLevel would put between tokens
     inner.add_special_tokens([EOS_TOKEN, UNK_TOKEN])
     return Tokenizer(inner, eos_token=EOS_TOKEN)
+
+
+def encode_chars(tok: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """Ids of ``texts`` under a character-level ``tok`` (``train_char``), computed with numpy.
+
+    The same ids as ``tok.encode_batch`` (a test holds them equal) at a fraction of the time: the
+    Hugging Face pipeline splits 1 MB of text into a million pre-tokens, which takes seconds.
+
+    Args:
+        tok: a tokenizer from ``train_char`` (or loaded from its ``tokenizer.json``).
+        texts: the documents.
+
+    Returns:
+        one int64 array of ids per text.
+    """
+    vocab = tok.inner.get_vocab(with_added_tokens=False)
+    singles = sorted((ord(c), i) for c, i in vocab.items() if len(c) == 1)
+    codes = np.asarray([c for c, _ in singles], dtype=np.int64)
+    ids = np.asarray([i for _, i in singles], dtype=np.int64)
+    unk = int(tok.inner.token_to_id(UNK_TOKEN))
+    out = []
+    for text in texts:
+        points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)  # one code point each
+        where = np.clip(np.searchsorted(codes, points), 0, len(codes) - 1)
+        out.append(np.where(codes[where] == points, ids[where], unk))
+    return out
 
 
 def _strings(texts: Iterable[str]) -> Iterator[str]:
