@@ -35,3 +35,32 @@ def test_bar_only_on_a_terminal() -> None:
 
     assert use_bar(True, Tty()) and not use_bar(False, Tty())
     assert not use_bar(True, io.StringIO())
+
+
+def test_the_bar_shows_throughput(monkeypatch, prepared, tmp_path, tiny_config) -> None:
+    """On a terminal the bar carries ms/step and tok/s beside the loss (they used to be in metrics.csv only)."""
+    from plyx.train import Trainer, TrainOptions
+    from plyx.train import _progress
+
+    seen: list[str] = []
+    real = _progress.progress_bar
+
+    def spy(total, start, timer):
+        with real(total, start, timer) as bar:
+            original = bar.update
+
+            def update(task, **fields):
+                if "speed" in fields:
+                    seen.append(fields["speed"])
+                return original(task, **fields)
+
+            bar.update = update
+            yield bar
+
+    import contextlib
+
+    monkeypatch.setattr("plyx.train._trainer.progress_bar", contextlib.contextmanager(spy))
+    monkeypatch.setattr("plyx.train._trainer.use_bar", lambda progress: progress)  # as if on a terminal
+    cfg = tiny_config(prepared, tmp_path / "run", steps=4, log_every=2, eval_every=0, checkpoint_every=0)
+    Trainer(cfg, options=TrainOptions(tensorboard=False, handle_signals=False)).fit()
+    assert len(seen) == 2 and all(" ms | " in s and "tok/s" in s for s in seen), seen

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["StepTimer", "format_log_line", "progress_bar", "use_bar"]
+__all__ = ["StepTimer", "format_log_line", "format_speed", "progress_bar", "use_bar"]
 
 
 class StepTimer:
@@ -52,6 +52,18 @@ def _clock(seconds: float | None) -> str:
     return "-:--:--" if seconds is None else str(datetime.timedelta(seconds=int(seconds)))
 
 
+def format_speed(metrics: Mapping[str, float]) -> str:
+    """``41 ms | 25.1k tok/s | mfu 31%`` of a logged step's metrics (the bar shows it beside the loss)."""
+    parts = []
+    if "ms_per_step" in metrics:
+        parts.append(f"{metrics['ms_per_step']:.0f} ms")
+    if "tokens_per_s" in metrics:
+        parts.append(f"{_si(metrics['tokens_per_s'])} tok/s")
+    if "mfu" in metrics:
+        parts.append(f"mfu {metrics['mfu'] * 100:.0f}%")
+    return " | ".join(parts)
+
+
 def format_log_line(step: int, metrics: Mapping[str, float], eta: float | None = None) -> str:
     """``step 120 | loss 2.3100 | lr 1.20e-03 | 41 ms | 25.1k tok/s | mfu 31% | eta 0:02:10`` (fields present only).
 
@@ -68,12 +80,9 @@ def format_log_line(step: int, metrics: Mapping[str, float], eta: float | None =
         parts.append(f"loss {metrics['loss']:.4f}")
     if "lr" in metrics:
         parts.append(f"lr {metrics['lr']:.2e}")
-    if "ms_per_step" in metrics:
-        parts.append(f"{metrics['ms_per_step']:.0f} ms")
-    if "tokens_per_s" in metrics:
-        parts.append(f"{_si(metrics['tokens_per_s'])} tok/s")
-    if "mfu" in metrics:
-        parts.append(f"mfu {metrics['mfu'] * 100:.0f}%")
+    speed = format_speed(metrics)
+    if speed:
+        parts.append(speed)
     if eta is not None:
         parts.append(f"eta {_clock(eta)}")
     return " | ".join(parts)
@@ -105,7 +114,7 @@ def progress_bar(total: int, start: int, timer: StepTimer) -> Iterator[Any]:
 
     with Progress(
         TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-        SmoothedEta(),
+        TextColumn("{task.fields[speed]}"), SmoothedEta(),
     ) as progress:
-        progress.add_task("train", total=total, completed=start, loss="-")
+        progress.add_task("train", total=total, completed=start, loss="-", speed="")
         yield progress

@@ -55,7 +55,7 @@ from plyx.train._metrics import (
     spectral_ratios,
 )
 from plyx.train._optim import build_optimizer
-from plyx.train._progress import StepTimer, format_log_line, progress_bar, use_bar
+from plyx.train._progress import StepTimer, format_log_line, format_speed, progress_bar, use_bar
 from plyx.train._recovery import Recovery, mark_hooked, recover
 from plyx.train._schedule import build_scheduler
 from plyx.train._shards import MANIFEST, ShardSet
@@ -493,6 +493,8 @@ class Trainer:
                         window_t, window_steps = time.perf_counter(), 0
                         if bar is None:
                             self._say(None, format_log_line(self.step, metrics, timer.eta(c.steps - self.step)))
+                        else:
+                            bar.update(bar.task_ids[0], speed=format_speed(metrics))
                     if c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps):
                         t_eval = time.perf_counter()
                         metrics.update(self.evaluate())
