@@ -39,8 +39,7 @@ def test_bar_only_on_a_terminal() -> None:
 
 def test_the_bar_shows_throughput(monkeypatch, prepared, tmp_path, tiny_config) -> None:
     """On a terminal the bar carries ms/step and tok/s beside the loss (they used to be in metrics.csv only)."""
-    from plyx.train import Trainer, TrainOptions
-    from plyx.train import _progress
+    from plyx.train import Trainer, TrainOptions, _progress
 
     seen: list[str] = []
     real = _progress.progress_bar

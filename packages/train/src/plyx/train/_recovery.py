@@ -22,10 +22,13 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import attrs
+from plyx.train._checkpoint import CheckpointManager
+from plyx.train._shards import MANIFEST
 
-__all__ = ["Recovery", "recover", "mark_hooked", "hooked_marker"]
+__all__ = ["Recovery", "recover", "mark_hooked", "hooked_marker", "rerun_saved_hooks"]
 
 _LEFTOVER = re.compile(r"^\.(?:tmp|old)-step-\d+-(\d+)$")
 _LATEST_TMP = re.compile(r"^\.latest-(\d+)$")
@@ -132,3 +135,32 @@ def _repair_latest(root: Path, newest: Path) -> Path | None:
         tmp.unlink(missing_ok=True)
         return None
     return newest
+
+
+def rerun_saved_hooks(checkpoints: list[Path], hook: Any, *, data_dir: Path, out_dir: Path, seed: int) -> None:
+    """Call ``hook.plyx_on_checkpoint_saved`` for each checkpoint, with the metadata the save would have passed.
+
+    The metadata comes from the checkpoint's own ``trainer_state.json`` (its config, metrics, run id, data
+    directory), so a receipt written now describes the run that wrote the checkpoint.
+
+    Args:
+        checkpoints: complete checkpoints whose hooks did not run (``Recovery.unhooked``).
+        hook: the plugin manager's ``hook`` relay.
+        data_dir: the data directory, when the state does not name one.
+        out_dir: the run directory (``metrics.csv``).
+        seed: the run's seed.
+    """
+    for path in checkpoints:
+        doc, _ = CheckpointManager.read_state(path)
+        data = Path(doc.get("data_dir") or data_dir)
+        inputs = {"data": str(data), "manifest": str(data / MANIFEST)}
+        if (path / "tokenizer.json").is_file():
+            inputs["tokenizer"] = str(path / "tokenizer.json")
+        step = int(doc["step"])
+        meta = {
+            "config": doc.get("config", {}), "seeds": {"seed": seed, "data_seed": seed}, "inputs": inputs,
+            "outputs": {"checkpoint": str(path), "metrics": str(out_dir / "metrics.csv")},
+            "metrics": dict(doc.get("metrics", {})), "run_id": doc.get("run_id", ""), "step": step,
+        }
+        hook.plyx_on_checkpoint_saved(path=str(path), step=step, metadata=meta)
+        mark_hooked(path)

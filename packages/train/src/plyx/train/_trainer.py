@@ -56,7 +56,7 @@ from plyx.train._metrics import (
 )
 from plyx.train._optim import build_optimizer
 from plyx.train._progress import StepTimer, format_log_line, format_speed, progress_bar, use_bar
-from plyx.train._recovery import Recovery, mark_hooked, recover
+from plyx.train._recovery import Recovery, mark_hooked, recover, rerun_saved_hooks
 from plyx.train._schedule import build_scheduler
 from plyx.train._shards import MANIFEST, ShardSet
 from plyx.train._tokenizer import CHAR, Tokenizer, load_tokenizer
@@ -633,26 +633,12 @@ class Trainer:
 
     def _rerun_missed_hooks(self) -> None:
         """Fire ``plyx_on_checkpoint_saved`` for complete checkpoints a crash left without it (see _recovery)."""
-        rec = self.recovery
-        if rec is None or not self.is_main:
+        if self.recovery is None or not self.is_main:
             return
-        hook = get_plugin_manager().hook
-        for path in rec.unhooked:
-            doc, _ = CheckpointManager.read_state(path)
-            data_dir = Path(doc.get("data_dir") or self.data_dir)
-            inputs = {"data": str(data_dir), "manifest": str(data_dir / MANIFEST)}
-            if (path / "tokenizer.json").is_file():
-                inputs["tokenizer"] = str(path / "tokenizer.json")
-            meta = {
-                "config": doc.get("config", {}), "seeds": {"seed": self.config.seed, "data_seed": self.config.seed},
-                "inputs": inputs, "outputs": {"checkpoint": str(path), "metrics": str(self.out_dir / "metrics.csv")},
-                "metrics": dict(doc.get("metrics", {})), "run_id": doc.get("run_id", self.run_id),
-                "step": int(doc["step"]),
-            }
-            hook.plyx_on_checkpoint_saved(path=str(path), step=int(doc["step"]), metadata=meta)
-            mark_hooked(path)
-        if rec.summary():
-            self._say(None, f"resume: {rec.summary()}")
+        rerun_saved_hooks(self.recovery.unhooked, get_plugin_manager().hook, data_dir=self.data_dir,
+                          out_dir=self.out_dir, seed=self.config.seed)
+        if self.recovery.summary():
+            self._say(None, f"resume: {self.recovery.summary()}")
 
     def _metadata(self, metrics: dict[str, float]) -> dict[str, Any]:
         inputs = {"data": str(self.data_dir), "manifest": str(self.data_dir / MANIFEST)}
