@@ -1,4 +1,5 @@
-"""plyx-model: the TransformerLM (Llama, Qwen2/3, Mistral), checkpoints, layer streaming and Hugging Face interop."""
+"""plyx-model: the TransformerLM (Llama, Qwen2/3, Mistral; MoE: Mixtral, Qwen2/3-MoE, OLMoE), checkpoints, layer
+streaming and Hugging Face interop."""
 
 from plyx.model._checkpoint import (
     CheckpointDir,
@@ -16,6 +17,7 @@ from plyx.model._errors import (
 )
 from plyx.model._hf_config import ARCHITECTURES, config_from_hf, config_to_hf
 from plyx.model._model import TransformerLM
+from plyx.model._moe import ROUTER_METRICS, SparseMoE, load_balancing_loss, router_z_loss
 from plyx.model._streaming import LayerStreamer, stream_forward
 
 __all__ = [
@@ -25,13 +27,17 @@ __all__ = [
     "CheckpointIntegrityError",
     "CheckpointMismatchError",
     "LayerStreamer",
+    "ROUTER_METRICS",
+    "SparseMoE",
     "TransformerLM",
     "UnsupportedArchitectureError",
     "config_from_hf",
     "config_to_hf",
     "load_checkpoint",
+    "load_balancing_loss",
     "load_hf",
     "open_checkpoint",
+    "router_z_loss",
     "save_checkpoint",
     "save_hf",
     "stream_forward",

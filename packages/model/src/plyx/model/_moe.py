@@ -34,8 +34,13 @@ from plyx.model._model import MLP, _kernel
 from plyx.specs.config.model import ModelConfig
 from torch import nn
 
-__all__ = ["Experts", "SparseMoE", "inactive_expert_params", "load_balancing_loss", "router_aux_loss",
+__all__ = ["ROUTER_METRICS", "Experts", "SparseMoE", "inactive_expert_params", "load_balancing_loss", "router_aux_loss",
            "router_metrics", "router_z_loss"]
+
+
+#: the keys ``router_metrics`` reports (training metrics columns)
+ROUTER_METRICS = ("moe/lb_loss", "moe/z_loss", "moe/imbalance", "moe/tokens_per_expert_min",
+                  "moe/tokens_per_expert_max", "moe/unused_experts", "moe/dropped")
 
 
 def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -183,8 +188,7 @@ def router_metrics(model: nn.Module) -> dict[str, float]:
         losses[:, 0].mean(), losses[:, 1].mean(), (counts.max(1).values / mean).mean(),
         counts.min(1).values.mean(), counts.max(1).values.mean(), (counts == 0).float().sum(1).mean(),
     ]).tolist()
-    keys = ("lb_loss", "z_loss", "imbalance", "tokens_per_expert_min", "tokens_per_expert_max", "unused_experts")
-    return {**{f"moe/{k}": float(v) for k, v in zip(keys, stats)}, "moe/dropped": 0.0}
+    return {**{k: float(v) for k, v in zip(ROUTER_METRICS, stats)}, "moe/dropped": 0.0}
 
 
 def inactive_expert_params(config: ModelConfig) -> int:
