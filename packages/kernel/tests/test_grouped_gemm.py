@@ -48,3 +48,30 @@ def test_bad_inputs_name_kernel_and_argument():
         grouped_gemm(x, w, torch.tensor([0, 5], device=TRITON_DEVICE))
     with pytest.raises(KernelInputError, match=r"grouped_gemm:reference.*`offsets`.*rise from 0 to M=5"):
         reference(x, w, torch.tensor([0, 4, 3], device=TRITON_DEVICE))
+
+
+def _moe_mlp(permute, gemm, unpermute):
+    """The experts' SwiGLU MLP as SparseMoE composes it, from the given implementations of the three kernels."""
+    def run(x, gate_up, down, ids, weights):
+        xs, positions, offsets = permute(x, ids, num_experts=gate_up.shape[0])
+        h = gemm(xs, gate_up, offsets)
+        f = down.shape[2]
+        a = torch.nn.functional.silu(h[:, :f]) * h[:, f:]  # strided halves, as in the model
+        return unpermute(gemm(a, down, offsets), positions, weights)
+    return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_three_kernels_composed_as_an_moe_mlp(parity, make, dtype):
+    """permute -> grouped GEMM -> SwiGLU -> grouped GEMM -> weighted unpermute, gradients of all five inputs."""
+    from plyx.kernel.reference import moe_permute as ref_permute
+    from plyx.kernel.reference import moe_unpermute as ref_unpermute
+    from plyx.kernel.triton_ops.moe_permute import moe_permute
+    from plyx.kernel.triton_ops.moe_unpermute import moe_unpermute
+
+    t, d, f, e, k = 19, 24, 40, 5, 2
+    ids = torch.rand(t, e).argsort(-1)[:, :k].to(TRITON_DEVICE)
+    args = [make(t, d, dtype=dtype), make(e, 2 * f, d, dtype=dtype, scale=d ** -0.5),
+            make(e, d, f, dtype=dtype, scale=f ** -0.5), ids, torch.rand(t, k).to(TRITON_DEVICE, dtype)]
+    parity(_moe_mlp(moe_permute, grouped_gemm, moe_unpermute), _moe_mlp(ref_permute, reference, ref_unpermute), args,
+           grad=(0, 1, 2, 4), dtype=dtype, label="moe mlp")
