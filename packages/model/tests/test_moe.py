@@ -129,3 +129,17 @@ def test_cuda_grouped_kernels_match_the_per_expert_loop(tiny, random_model, fami
         runs.append((logits.float(), model.layers[0].mlp.experts.gate_up_proj.grad.float().clone()))
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=2e-2, atol=5e-2)
     torch.testing.assert_close(runs[0][1], runs[1][1], rtol=5e-2, atol=5e-3)
+
+
+def test_autocast_runs_the_experts_in_the_autocast_dtype(tiny, random_model):
+    """float32 parameters under bf16 autocast: the experts compute in bf16 (as F.linear would), gradients reach
+    the float32 expert weights, and the result stays close to the float32 forward."""
+    model = random_model(tiny(**FAMILIES["mixtral"])).train()
+    ids = torch.randint(0, 97, (2, 8))
+    want = model(ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(ids)
+    got.float().logsumexp(-1).mean().backward()
+    experts = model.layers[0].mlp.experts
+    assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad.dtype == torch.float32
+    assert (got.float() - want).abs().max() < 0.1 * want.abs().max()

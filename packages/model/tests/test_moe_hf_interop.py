@@ -157,3 +157,12 @@ def test_save_hf_refuses_moe_transformers_cannot_express(tmp_path: Path, tiny) -
         with pytest.raises(CheckpointError, match=match):
             save_hf(TransformerLM(tiny(**overrides)), tmp_path / "x")
         assert not (tmp_path / "x").exists()
+
+
+def test_layer_streaming_reads_stacked_experts_per_layer(saved) -> None:
+    from plyx.model import LayerStreamer
+
+    hf, path = saved["mixtral"]
+    ids = torch.randint(0, 67, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(LayerStreamer(path)(ids), hf(ids).logits, **TOL)

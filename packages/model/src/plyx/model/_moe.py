@@ -74,13 +74,17 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [N, D]``, ``expert_ids``/``weights [N, k]`` -> ``[N, D]``: the weighted sum of each token's experts."""
         E, F_ = self.num_experts, self.d_expert
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if torch.is_autocast_enabled(x.device.type):  # the kernels are not autocast ops: cast as F.linear would
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
         xs, positions, offsets = _kernel("moe_permute", x, hidden=x.shape[-1])(x, expert_ids, num_experts=E)
-        gemm = _kernel("grouped_gemm", xs, self.gate_up_proj)
-        h = gemm(xs, self.gate_up_proj, offsets)  # (N*k, 2F)
+        gemm = _kernel("grouped_gemm", xs, gate_up)
+        h = gemm(xs, gate_up, offsets)  # (N*k, 2F)
         gate, up = h[:, :F_], h[:, F_:]  # views; the swiglu kernel takes the row stride
         a = _kernel("swiglu", gate, up, hidden=F_)(gate, up)  # (N*k, F)
-        ys = gemm(a, self.down_proj, offsets)  # (N*k, D)
-        return _kernel("moe_unpermute", ys, hidden=ys.shape[-1])(ys, positions, weights)  # type: ignore[no-any-return]
+        ys = gemm(a, down, offsets)  # (N*k, D)
+        return _kernel("moe_unpermute", ys, hidden=ys.shape[-1])(ys, positions, weights.to(ys.dtype))  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, d_model={self.down_proj.shape[1]}, d_expert={self.d_expert}"
