@@ -132,7 +132,13 @@ def main() -> None:
     ours, hf = _blocks(shape, dtype, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
     today = dt.date.today().isoformat()
-    print(f"MoE layer on {name} ({device.type}), {today}: {shape}, {dtype}")
+    from plyx.kernel import query_for, registry
+
+    w = ours.experts.gate_up_proj
+    impls = {k: registry().select(k, query_for(k, w, w)).impl for k in ("moe_permute", "grouped_gemm", "moe_unpermute")}
+    print(f"MoE layer on {name} ({device.type}), {today}: {shape}, {dtype}; plyx kernels: {impls}")
+    if set(impls.values()) == {"reference"}:
+        print("(no Triton here: `plyx` runs the references too, so plyx and plyx-loop time the same code)")
 
     x = torch.randn(1, shape["tokens"], shape["d_model"], device=device, dtype=dtype)
     with torch.no_grad():
@@ -197,12 +203,19 @@ def main() -> None:
             print(f"{r['provider']:18} {r['mode']:8} error: {r['error']}")
         else:
             print(f"{r['provider']:18} {r['mode']:8} {r['ms']:9.3f} {r['tflops']:8.2f} {r.get('plyx_speedup', 1):7.2f}")
+    summary = {}
+    for mode in ("fwd", "fwd+bwd"):
+        plyx_ms, loop_ms, dense_ms = by.get(("plyx", mode)), by.get(("plyx-loop", mode)), by.get(("dense-equivalent", mode))
+        if plyx_ms and loop_ms and dense_ms:
+            summary[mode] = {"x_loop": loop_ms / plyx_ms, "of_dense_throughput": dense_ms / plyx_ms}
+            print(f"{mode}: plyx is {loop_ms / plyx_ms:.2f}x the per-expert loop and runs at "
+                  f"{100 * dense_ms / plyx_ms:.0f}% of the dense-equivalent GEMMs' throughput")
     args.out.mkdir(parents=True, exist_ok=True)
     slug = name.replace(" ", "-").replace("/", "-")
     path = args.out / f"moe-{slug}-{today}.json"
     doc = {"device": name, "device_type": device.type, "date": today, "torch": torch.__version__,
-           "dtype": str(dtype).removeprefix("torch."), "shape": shape, "compared_with": reference, "max_rel_error": errs,
-           "results": rows}
+           "dtype": str(dtype).removeprefix("torch."), "shape": shape, "compared_with": reference, "plyx_kernels": impls, "max_rel_error": errs,
+           "summary": summary, "results": rows}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)  # atomic
