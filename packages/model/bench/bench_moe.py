@@ -172,8 +172,12 @@ def main() -> None:
     rows = []
     for label, (fn, ctx) in providers.items():
         xg = x.detach().clone().requires_grad_()
-        with torch.no_grad(), ctx():
-            dy = torch.randn_like(fn(x))
+        try:
+            with torch.no_grad(), ctx():
+                dy = torch.randn_like(fn(x))
+        except Exception as exc:  # a provider that cannot run here (e.g. no grouped_mm) is reported, not fatal
+            rows += [{"provider": label, "mode": m, "error": f"{type(exc).__name__}: {exc}"[:200]} for m in ("fwd", "fwd+bwd")]
+            continue
 
         def fwd(fn: Callable[[torch.Tensor], torch.Tensor] = fn) -> Any:
             with torch.no_grad():
