@@ -5,7 +5,8 @@ One residual stream of width D through ``n_layers`` pre-norm blocks::
     h = embed(ids)                                   # (B, T, D)
     for block in layers:
         h = h + attn(rmsnorm(h))                     # RoPE, GQA, QK-norm (qwen3), window (mistral)
-        h = h + down(swiglu(gate(rmsnorm(h)), up(rmsnorm(h))))
+        h = h + down(swiglu(gate(rmsnorm(h)), up(rmsnorm(h))))   # or a mixture of experts (ModelConfig.moe,
+                                                     # plyx.model._moe.SparseMoE)
     logits = rmsnorm(h) @ lm_head.T                  # (B, T, V), float32
 
 Every op with a kernel (``rmsnorm``, ``swiglu``, ``rope``, ``attention``,
