@@ -11,8 +11,9 @@ from plyx.kernel.triton_ops.grouped_gemm import grouped_gemm
 from .conftest import GPU, TRITON_DEVICE
 
 # (rows per expert, N, K): the interpreter's tiles are 16 x 32 x 32, so 17, 33 and 40 straddle them;
-# empty experts (0 rows) first, in the middle and last; one expert with everything
-CASES = [((3, 0, 17, 5), 40, 24), ((0, 33, 1), 20, 48), ((9,), 33, 16), ((2, 2, 2, 2, 2, 0), 8, 8)]
+# empty experts (0 rows) first, in the middle and last; one expert with everything; more row tiles than GROUP_M
+CASES = [((3, 0, 17, 5), 40, 24), ((0, 33, 1), 20, 48), ((9,), 33, 16), ((2, 2, 2, 2, 2, 0), 8, 8),
+         ((17,) * 9 + (0, 3, 33), 8, 16)]  # 26 row tiles: several swizzle groups of 8, the last one partial
 if GPU:
     CASES += [((700, 3, 0, 1300, 64), 1024, 2048), ((1,) * 64, 2048, 1024)]
 

@@ -11,8 +11,9 @@ K tile) looping over that expert's rows, so it reduces without atomics.
 
 Scheduling without a host sync: expert e needs ``ceil(rows_e / BLOCK_M)`` row tiles; the tiles of all
 experts are numbered consecutively and ``torch.searchsorted`` on the cumulative counts gives each tile its
-expert, on the device. At most ``ceil(M / BLOCK_M) + E`` tiles exist, so the grid has that many rows of
-programs and the spare ones exit at once; the launch is CUDA-graph capturable.
+expert, on the device. At most ``ceil(M / BLOCK_M) + E`` tiles exist, so the grid has that many row tiles
+(times the N tiles, grouped ``GROUP_M`` row tiles at a time for L2 reuse) and the spare ones exit at once;
+the launch is CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ _NAME = "grouped_gemm:triton"
 
 
 @triton.jit
-def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E,
+def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
                     sxm, sxk, swe, swn, swk, sym, syn,
-                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr):
+    # GROUP_M row tiles sweep every N tile before the next group starts (the Triton tutorial's swizzle):
+    # programs running together share x tiles and the expert's weight tiles in L2
+    pid = tl.program_id(0)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    group_m = tl.minimum(GRID_M - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % group_m
+    pid_n = (pid % width) // group_m
     e = tl.load(TILE_E + pid_m)
     if e < E:  # spare tiles (the grid's upper bound) do nothing
         row0 = tl.load(TILE_ROW + pid_m)
@@ -87,6 +96,10 @@ def _weight_grad_kernel(DY, X, DW, OFFS, N, K,
     tl.store(dw_ptr, acc.to(DW.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
 
 
+#: row tiles per swizzle group (see _grouped_kernel); 8 as in plyx's matmul
+GROUP_M = 8
+
+
 def pick_blocks(m: int, e: int) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for M rows over E experts.
 
@@ -128,10 +141,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n
         return y.zero_()
     bm, bn, bk, warps, stages = blocks or pick_blocks(m, e)
     tile_e, tile_row, grid_m = _tiles(offsets, bm, m)
-    grid = (grid_m, triton.cdiv(n, bn))
-    _grouped_kernel[grid](x, w, y, offsets, tile_e, tile_row, n, k, e, x.stride(0), x.stride(1), *w_strides,
+    grid = (grid_m * triton.cdiv(n, bn),)
+    _grouped_kernel[grid](x, w, y, offsets, tile_e, tile_row, n, k, e, grid_m, x.stride(0), x.stride(1), *w_strides,
                           y.stride(0), y.stride(1), UPCAST=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                          num_warps=warps, num_stages=stages)
+                          GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
     return y
 
 
