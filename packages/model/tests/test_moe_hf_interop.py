@@ -166,3 +166,16 @@ def test_layer_streaming_reads_stacked_experts_per_layer(saved) -> None:
     ids = torch.randint(0, 67, (1, 7))
     with torch.no_grad():
         torch.testing.assert_close(LayerStreamer(path)(ids), hf(ids).logits, **TOL)
+
+
+def test_sharded_moe_checkpoint_stacks_experts_across_shards(tmp_path: Path) -> None:
+    hf = hf_model("qwen3_moe")
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    ckpt = open_checkpoint(tmp_path)
+    assert len(ckpt.shards()) > 2
+    entries = ckpt.card.tensors  # a stacked entry names the shard of its first part
+    assert entries["model.layers.0.mlp.experts.down_proj"].shard == ckpt._composites["layers.0.mlp.experts.down_proj"].parts[0][0][0]
+    ckpt.verify()  # every shard an expert tensor lives in is checked, not only the first part's
+    ids = torch.randint(0, 67, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(load_checkpoint(tmp_path)(ids), hf(ids).logits, **TOL)

@@ -210,7 +210,7 @@ def fold_experts(config: ModelConfig, model_type: str, tensors: dict[str, Tensor
             [[(tensors[n].shard, n)] for n in names[down]])
         out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = TensorEntry(shard=first.shard,
                                                                             shape=[moe.num_experts, 2 * f, d], dtype=first.dtype)
-        out[f"model.layers.{layer}.mlp.experts.down_proj"] = TensorEntry(shard=first.shard,
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = TensorEntry(shard=tensors[names[down][0]].shard,
                                                                          shape=[moe.num_experts, d, f], dtype=first.dtype)
     if missing:
         shown = ", ".join(repr(n) for n in missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
