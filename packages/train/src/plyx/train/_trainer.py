@@ -539,6 +539,8 @@ class Trainer:
         next_step = self.step + 1
         if next_step % c.log_every == 0 or next_step == c.steps:
             out.update({f"grad_norm/{k}": v for k, v in grad_norms_by_group(self.groups).items()})
+            router = getattr(self.module, "router_metrics", None)  # MoE: tokens per expert, imbalance, drops
+            out.update(router() if router is not None else {})
         if opts.spectral_probe_every and next_step % opts.spectral_probe_every == 0:
             for key, ratio in spectral_ratios(self.groups).items():
                 out[f"spectral_ratio/{key}"] = ratio
@@ -668,6 +670,10 @@ class Trainer:
         extra = [f"grad_norm/{k}" for k in self.groups]
         if self.options.spectral_probe_every:
             extra += [f"spectral_ratio/{k}" for k in self.groups if k.split(".")[-1].isdigit()]
+        if getattr(self.config.model, "moe", None) is not None:  # router statistics columns (plyx-model >= 1.3)
+            import plyx.model
+
+            extra += list(getattr(plyx.model, "ROUTER_METRICS", ()))
         return MetricsWriter(self.out_dir, extra, resume_step=self.step if self.step else None,
                              tensorboard=self.options.tensorboard)
 

@@ -9,7 +9,7 @@ from plyx.specs.config._base import (
     migrations_for,
 )
 from plyx.specs.config.kernel import KernelConfig
-from plyx.specs.config.model import ModelConfig, RopeScaling
+from plyx.specs.config.model import ModelConfig, MoEConfig, RopeScaling
 from plyx.specs.config.serve import ServeConfig
 from plyx.specs.config.train import DataConfig, OptimizerConfig, ScheduleConfig, TrainConfig
 
@@ -18,6 +18,7 @@ __all__ = [
     "ConfigBase",
     "DataConfig",
     "KernelConfig",
+    "MoEConfig",
     "ModelConfig",
     "OptimizerConfig",
     "RopeScaling",
