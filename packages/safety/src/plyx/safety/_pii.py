@@ -73,7 +73,7 @@ class PhoneDetector(SpanDetector):
         r"(?<![\w+])(?:1[ .\-]?)?(?:\([2-9]\d{2}\)\s?|[2-9]\d{2}[ .\-])[2-9]\d{2}[ .\-]\d{4}(?![\w])"
     )
     _CONTEXT = re.compile(
-        rf"\b{_PHONE_KEYWORDS}\b[\s:#.]*(?:no\.?|number|nr\.?|at|on)?[\s:#.]*(\(?\d[\d ().\-]{{6,18}}\d)(?![\w])",
+        rf"\b{_PHONE_KEYWORDS}\b[\s:#.]{{0,8}}(?:no\.?|number|nr\.?|at|on)?[\s:#.]{{0,8}}(\(?\d[\d ().\-]{{6,18}}\d)(?![\w])",
         re.IGNORECASE,
     )
 
@@ -158,7 +158,8 @@ class NationalIdDetector(SpanDetector):
     name = "national_id"
     alphabet = r"[A-Za-z0-9 \-]"
     # prefixes of every kind: up to 2 letters, digits with separators, a final letter
-    tail = r"(?<![A-Za-z0-9])(?:[A-Za-z]{1,2}|\d)[\d \-]*[A-Za-z]?\Z"
+    # (a digit may follow a letter: an Aadhaar number's look-behind only refuses digits and dashes)
+    tail = r"(?:(?<![A-Za-z0-9])[A-Za-z]{1,2}|\d)[\d \-]*[A-Za-z]?\Z"
     max_len = 16
     KINDS = ("us_ssn", "uk_nino", "es_dni", "in_aadhaar")
     _SSN = re.compile(r"(?<![\d\-])(\d{3})([ \-])(\d{2})\2(\d{4})(?![\d\-])")

@@ -44,10 +44,12 @@ _PRIVATE_KEY = re.compile(
 )
 _NAME = (r"(?i)\b(?:[a-z0-9]+[_\-.])*(?:api[_\-]?key|apikey|secret(?:[_\-]?key)?|access[_\-]?key|access[_\-]?token"
          r"|auth[_\-]?token|token|passw(?:or)?d|pwd|client[_\-]?secret|private[_\-]?key|credentials?)\b"
-         r"[\"']?\s*(?::=|=>|[:=])\s*[\"']?")
+         r"[\"']?[ \t]{0,8}(?::=|=>|[:=])[ \t]{0,8}[\"']?")
 _ASSIGNED = re.compile(_NAME + r"([^\s\"'`,;]{12,})")
 # a value still being written: everything after the "=" may become part of a finding
 _ASSIGNING = re.compile(_NAME + r"([^\s\"'`,;]*)\Z")
+_VALUE_RUN = re.compile(r"[^\s\"'`,;]*\Z")
+_NAME_REACH = 96  # characters a name, its separator and quotes take before the value
 _PLACEHOLDER = re.compile(r"(?i)(x{4,}|\*{4,}|your|example|placeholder|changeme|dummy|redacted|<|\$\{|\{\{|%\(|os\.environ|getenv)")
 
 
@@ -105,5 +107,9 @@ class SecretsDetector(SpanDetector):
             return begin
         hold = super().pending(text)
         norm = self._normalize(text)
-        m = _ASSIGNING.search(norm.text, max(0, len(norm.text) - self.max_len))
+        # the value being written may be longer than max_len: start from its name,
+        # which sits right before the trailing run of value characters
+        run = _VALUE_RUN.search(norm.text)
+        start = max(0, (run.start() if run else len(norm.text)) - _NAME_REACH)
+        m = _ASSIGNING.search(norm.text, start)
         return min(hold, norm.offset(m.start(1))) if m else hold

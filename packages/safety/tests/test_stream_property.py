@@ -1,0 +1,126 @@
+"""The streaming contract, for every span detector and every chunking: the concatenated stream equals the
+whole-text result, and no emitted prefix ever holds a span the whole-text pass redacts or blocks -- also for
+spans longer than the detector's hold-back bound (a long JWT, a long assigned secret, a long regex match)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from plyx.safety import AuditLog, Guard
+
+_RNG = random.Random(7)
+_B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-"
+
+
+def _b64(n: int) -> str:
+    return "".join(_RNG.choice(_B64) for _ in range(n))
+
+
+# a JWT of ~420 characters: longer than the secrets detector's 256-character hold-back bound
+LONG_JWT = f"eyJ{_b64(140)}.eyJ{_b64(170)}.{_b64(100)}"
+# an assigned high-entropy value of 300 characters, with characters outside the token alphabet
+LONG_ASSIGNED = "api_key=" + "".join(_RNG.choice(_B64 + "!#$%") for _ in range(300))
+SPANS = [
+    "jane.doe@example.com", "+1 415 555 0132", "4111 1111 1111 1111", "DE89 3704 0044 0532 0130 00",
+    "123-45-6789", "bob [at] example [dot] org", "ghp_aB3dE5fG7hJ9kL1mN2pQ4rS6tU8vW0xY2zA4b",
+    "2341 2341 2346", "192.168.1.10", "2001:db8::1", LONG_JWT, LONG_ASSIGNED,
+    "password = Xk9#mQ2$vL7!pR4z", "call me at 415 555 0132", "ORDER-" + "7" * 40, "secret plan " + "z" * 30,
+    "idiot", "kill   yourself", "AB 12 34 56 C", "12345678Z",
+]
+WORDS = ["hello", "the", "account", "is", "ok", "today", "at", "DE", "41", "call", "dot", "(x)", "idiom", "eyJ",
+         "api_key", "=", "secret", "plan", "ORDER-", "kill", "you", "-----"]
+SEPS = [" ", " ", ", ", ".\n", "\n", "  ", ""]
+
+DETECTORS = [
+    ("email", {}), ("phone", {}), ("credit_card", {}), ("iban", {}), ("national_id", {}), ("ip_address", {}),
+    ("secrets", {}), ("pii", {}),
+    ("deny_list", {"deny": ["idiot", "kill yourself"]}),
+    # max_len smaller than the matches: the hold-back bound is exceeded on purpose
+    ("regex", {"patterns": [r"ORDER-\d+"], "max_len": 8}),
+    ("regex", {"patterns": [r"secret plan \w+"], "max_len": 12}),
+]
+
+texts = st.lists(st.sampled_from(SPANS + WORDS), min_size=1, max_size=8).flatmap(
+    lambda parts: st.lists(st.sampled_from(SEPS), min_size=len(parts), max_size=len(parts)).map(
+        lambda seps: "".join(p + s for p, s in zip(parts, seps, strict=True))))
+
+
+def _stream(guard: Guard, text: str, cuts: list[int]) -> tuple[list[str], object]:
+    f = guard.stream({})
+    pieces, pos = [], 0
+    for cut in sorted(set(cuts)) + [len(text)]:
+        if cut > pos:
+            pieces.append(f.feed(text[pos:cut]))
+            pos = cut
+    pieces.append(f.finish())
+    return pieces, f
+
+
+def _cuts(data: st.DataObject, text: str) -> list[int]:
+    # token-sized chunks most of the time, arbitrary cuts otherwise
+    if data.draw(st.booleans()):
+        step = data.draw(st.integers(1, 6))
+        return list(range(step, len(text), step))
+    return data.draw(st.lists(st.integers(0, len(text)), max_size=40))
+
+
+@pytest.mark.parametrize(("detector", "options"), DETECTORS, ids=[f"{d}-{i}" for i, (d, _) in enumerate(DETECTORS)])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(text=texts, data=st.data())
+def test_redacting_stream_equals_the_whole_text_and_never_leaks(detector, options, text, data):
+    guard = Guard({"output": [{"id": "r", "detector": detector, "action": "redact", "options": options}]},
+                  audit=AuditLog())
+    pieces, f = _stream(guard, text, _cuts(data, text))
+    expected = guard.check_output(text).text
+    emitted = ""
+    for p in pieces:
+        emitted += p
+        assert expected.startswith(emitted), (detector, text, pieces)
+    assert emitted == expected and f.blocked is None
+
+
+@pytest.mark.parametrize(("detector", "options"), DETECTORS, ids=[f"{d}-{i}" for i, (d, _) in enumerate(DETECTORS)])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(text=texts, data=st.data())
+def test_blocking_stream_never_emits_a_blocked_span(detector, options, text, data):
+    guard = Guard({"output": [{"id": "b", "detector": detector, "action": "block", "options": options}]},
+                  audit=AuditLog())
+    pieces, f = _stream(guard, text, _cuts(data, text))
+    emitted = "".join(pieces)
+    findings = guard.rails["output"][0].detector.detect(text, {})
+    if findings:
+        first = min(x.start for x in findings)
+        assert f.blocked is not None and f.blocked["rule_id"] == "b", (detector, text)
+        assert text[:first].startswith(emitted), (detector, text, emitted)
+    else:
+        assert f.blocked is None and emitted == text, (detector, text)
+
+
+def test_a_jwt_longer_than_the_hold_back_is_redacted_or_blocked_whole():
+    text = f"sent {LONG_JWT} done"  # no secret-looking name before it: only the token's own shape holds it
+    for action in ("redact", "block"):
+        guard = Guard({"output": [{"id": "s", "detector": "secrets", "action": action}]}, audit=AuditLog())
+        for size in (1, 4, 17):
+            f = guard.stream({})
+            out = "".join(f.feed(text[i:i + size]) for i in range(0, len(text), size)) + f.finish()
+            assert "eyJ" not in out
+            if action == "redact":
+                assert out == "sent [SECRET] done"
+            else:
+                assert f.blocked is not None and "sent "[:len(out)] == out
+
+
+def test_holding_back_more_than_the_policy_allows_ends_the_stream_with_a_refusal():
+    guard = Guard({"stream_holdback": 100, "output": [{"id": "s", "detector": "secrets", "action": "redact"}]},
+                  audit=AuditLog())
+    f = guard.stream({})
+    out = f.feed("here: ")
+    for i in range(0, len(LONG_JWT), 10):
+        out += f.feed(LONG_JWT[i:i + 10])
+    out += f.finish()
+    assert out == "here: " and "eyJ" not in out  # the undecided span is dropped, never released
+    assert f.blocked["rule_id"] == "stream-holdback" and f.blocked["error"]["code"] == "content_policy_violation"
+    assert f.decision.blocked and f.decision.rule_id == "stream-holdback"
