@@ -28,7 +28,8 @@ SPANS = [
     "123-45-6789", "bob [at] example [dot] org", "ghp_aB3dE5fG7hJ9kL1mN2pQ4rS6tU8vW0xY2zA4b",
     "2341 2341 2346", "192.168.1.10", "2001:db8::1", LONG_JWT, LONG_ASSIGNED,
     "password = Xk9#mQ2$vL7!pR4z", "call me at 415 555 0132", "ORDER-" + "7" * 40, "secret plan " + "z" * 30,
-    "idiot", "kill   yourself", "AB 12 34 56 C", "12345678Z",
+    "idiot", "kill   yourself", "AB 12 34 56 C", "12345678Z", "4696 6599 1734 0626", "GB33 BUKB 2020 1555 5555 55",
+    "john.o'brien@example.com", "logo@2x.png",
 ]
 WORDS = ["hello", "the", "account", "is", "ok", "today", "at", "DE", "41", "call", "dot", "(x)", "idiom", "eyJ",
          "api_key", "=", "secret", "plan", "ORDER-", "kill", "you", "-----"]

@@ -53,6 +53,17 @@ _NAME_REACH = 96  # characters a name, its separator and quotes take before the 
 _PLACEHOLDER = re.compile(r"(?i)(x{4,}|\*{4,}|your|example|placeholder|changeme|dummy|redacted|<|\$\{|\{\{|%\(|os\.environ|getenv)")
 
 
+# stand-ins with a real prefix (AKIAXXXXXXXXXXXXXXXX, sk-live-****, ghp_000000...). AWS's documented
+# AKIAIOSFODNN7EXAMPLE is kept a finding: it has a real key's shape and is pasted into real configs
+_TOKEN_PLACEHOLDER = re.compile(r"(?i)x{6,}|\*{4,}|0{8,}|placeholder|your[_\-]?(?:key|token)")
+
+
+def _placeholder_token(token: str) -> bool:
+    """True for a prefixed token that is a documentation stand-in rather than a key."""
+    body = re.sub(r"^[A-Za-z]{2,4}[_\-]|^(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA|AIza|eyJ)", "", token)
+    return bool(_TOKEN_PLACEHOLDER.search(token)) or len(set(body)) < 6
+
+
 def shannon_entropy(s: str) -> float:
     """Bits per character of ``s``'s character distribution (log2)."""
     if not s:
@@ -90,7 +101,8 @@ class SecretsDetector(SpanDetector):
     def _scan(self, text: str) -> list[tuple[str, int, int, float, str]]:
         hits = []
         for m in self._prefixed.finditer(text):
-            hits.append(("secret", m.start(), m.end(), 1.0, m.lastgroup or "prefix"))
+            if not _placeholder_token(m.group()):
+                hits.append(("secret", m.start(), m.end(), 1.0, m.lastgroup or "prefix"))
         for m in _PRIVATE_KEY.finditer(text):
             hits.append(("secret", m.start(), m.end(), 1.0, "private_key"))
         for m in _ASSIGNED.finditer(text):
