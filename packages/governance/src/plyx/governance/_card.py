@@ -186,7 +186,7 @@ def _details(card: Mapping[str, Any]) -> list[str]:
     lines += [
         f"- Version: {d['version'] or 'not set'}; license: {card['license'] or 'not stated (metadata key `license`)'}",
         f"- Developers: {d['developers'] or 'not stated (metadata key `developers`)'}",
-        f"- Created: {d['created'] or 'unknown'}; run `{d['run_id']}`, step {d['step']}",
+        f"- Created: {d['created'] or 'unknown'}; run `{d['run_id']}`" + (f", step {d['step']}" if d['step'] is not None else ""),
         f"- Source: git {git.get('commit', 'unknown')}{' (dirty work tree)' if git.get('dirty') else ''}; "
         f"Python {d['python']}",
         f"- Reproducibility receipt: `{card['receipt']}`",

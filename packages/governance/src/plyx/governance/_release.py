@@ -14,6 +14,11 @@ Export (``plyx_on_export_written``) - the release directory gets::
     CHECKSUMS.sha256.dsse.json   DSSE envelope (in-toto Statement v1), Ed25519
     SIGNING_KEY.pub              the signer's public key
 
+A folder that holds private key material (a PEM/OpenSSH/PKCS#8 private key,
+a raw 32-byte Ed25519 seed; see ``_trust.find_private_keys``) is refused before
+anything is written: a signing key left in the export directory would be
+signed, listed in the SBOM and shipped. The gate fails such a release too.
+
 Signing key: ``key=`` when given, else the file named by ``PLYX_SIGNING_KEY``
 (PKCS#8 PEM, mode 0600), else a key generated for this release only and
 discarded, recorded as ``ephemeral`` in the signed statement. Set
@@ -38,6 +43,7 @@ from plyx.governance._receipt import RECEIPT_FILE, load_receipt, make_receipt, v
 from plyx.governance._report import Report
 from plyx.governance._sbom import CYCLONEDX_FILE, SBOM_FILE, validate_spdx, write_sbom
 from plyx.governance._sign import CHECKSUMS_FILE, PUBLIC_KEY_FILE, sign_files, verify_signature
+from plyx.governance._trust import KeySource, find_private_keys
 
 __all__ = [
     "KEY_ENV",
@@ -85,7 +91,7 @@ def _paths(values: Any, what: str) -> list[Path]:
                               value=values) from exc
 
 
-def write_checkpoint_records(path: str | os.PathLike[str], step: int, metadata: Mapping[str, Any], *,
+def write_checkpoint_records(path: str | os.PathLike[str], step: int | None, metadata: Mapping[str, Any], *,
                              png: bool = True) -> list[Path]:
     """Write RECEIPT.json and LINEAGE.dot for a saved checkpoint; returns the written paths.
 
@@ -138,6 +144,11 @@ def write_release(path: str | os.PathLike[str], *, name: str | None = None, form
         files = [p for p in iter_tree(path, exclude=_OWN)]
     if not files:
         raise GovernanceError("artifacts", f"no artifact files in {path}", fix="write the export before signing it")
+    secrets = find_private_keys(iter_tree(path))
+    if secrets:
+        listed = "; ".join(f"{p.relative_to(path).as_posix()} ({kind})" for p, kind in secrets)
+        raise GovernanceError("path", f"refusing to release {path}: it holds private key material: {listed}",
+                              fix="move the key out of the release folder (keep signing keys outside what you ship)")
     private, ephemeral = signing_key(key)
 
     receipts: list[dict[str, Any]] = []
@@ -177,29 +188,35 @@ def write_release(path: str | os.PathLike[str], *, name: str | None = None, form
     return written
 
 
-def verify_release(path: str | os.PathLike[str], *, key: str | os.PathLike[str] | None = None) -> Report:
+def verify_release(path: str | os.PathLike[str], *, key: KeySource | Sequence[KeySource] | None = None,
+                   trust_file: str | os.PathLike[str] | None = None, integrity_only: bool = False) -> Report:
     """The release gate: every problem with a release directory, each naming its artifact.
 
     Fails when an expected file is missing, a file is not covered by the
     checksums, a checksum or the signature does not match, the SBOM is not
     valid SPDX (spdx-tools) or disagrees with the files, or the receipt's
-    content id or digests disagree with the files.
+    content id or digests disagree with the files, the release holds private
+    key material, or no trusted key is given (unless ``integrity_only``).
 
     Args:
         path: the release directory.
-        key: the trusted public key; None uses the bundled SIGNING_KEY.pub (integrity only).
+        key: trusted public key(s) (``.pub`` or trust-file paths, or key objects).
+        trust_file: a file of trusted PEM public keys; ``$PLYX_TRUSTED_KEYS`` adds more.
+        integrity_only: with no trusted key, check against the bundled SIGNING_KEY.pub
+            (proves nothing changed after signing, not who signed) instead of failing.
     """
     path = Path(path)
     report = Report(f"release {path}")
     if not path.is_dir():
         report.fail(str(path), "missing", "not a directory")
         return report
-    for required in REQUIRED_FILES + (() if key else (PUBLIC_KEY_FILE,)):
+    for required in REQUIRED_FILES + (() if key or trust_file else (PUBLIC_KEY_FILE,)):
         if not (path / required).is_file():
             report.fail(required, "missing", "expected in a release directory; write it with "
                         "`plyx governance release` (or the plyx_on_export_written hook)")
     if (path / CHECKSUMS_FILE).is_file():
-        verify_signature(path / CHECKSUMS_FILE, key=key, report=report)
+        verify_signature(path / CHECKSUMS_FILE, key=key, trust_file=trust_file, integrity_only=integrity_only,
+                         report=report)
         try:
             listed = set(read_checksums(path / CHECKSUMS_FILE))
         except (GovernanceError, UnicodeDecodeError):
@@ -221,6 +238,9 @@ def verify_release(path: str | os.PathLike[str], *, key: str | os.PathLike[str] 
                 # links are neither signed nor hashed as themselves; their targets can change freely
                 report.fail(link.relative_to(path).as_posix(), "coverage",
                             "symbolic links are not allowed in a release; replace it with the file itself")
+    for secret, kind in find_private_keys(iter_tree(path)):
+        report.fail(secret.relative_to(path).as_posix(), "secret", f"holds {kind}: a release must not ship private "
+                    "keys; rotate the key (it was published) and release again without it")
     if (path / SBOM_FILE).is_file():
         validate_spdx(path / SBOM_FILE, report=report)
     if (path / RECEIPT_FILE).is_file():
@@ -229,12 +249,19 @@ def verify_release(path: str | os.PathLike[str], *, key: str | os.PathLike[str] 
     card_json = path / CARD_JSON_FILE
     if card_json.is_file() and (path / RECEIPT_FILE).is_file():
         try:
-            card = json.loads(card_json.read_text(encoding="utf-8"))
             receipt_id = json.loads((path / RECEIPT_FILE).read_text(encoding="utf-8")).get("content_id")
-        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            receipt_id = None  # the receipt check above already blamed RECEIPT.json
+        try:
+            card = json.loads(card_json.read_text(encoding="utf-8"))
+            if not isinstance(card, dict):
+                raise TypeError(f"expected a JSON object, got {type(card).__name__}")
+        except (UnicodeDecodeError, json.JSONDecodeError, TypeError) as exc:
             report.fail(CARD_JSON_FILE, "card", f"unreadable: {exc}")
         else:
-            if card.get("receipt") != receipt_id:
+            if receipt_id is None:
+                pass
+            elif card.get("receipt") != receipt_id:
                 report.fail(CARD_JSON_FILE, "card", f"names receipt {card.get('receipt')}, but {RECEIPT_FILE} "
                             f"is {receipt_id}")
             else:
