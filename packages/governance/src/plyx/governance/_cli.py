@@ -77,7 +77,8 @@ def _cmd_verify_signature(args: argparse.Namespace) -> int:
 
 def _cmd_receipt(args: argparse.Namespace) -> int:
     if args.receipt_command == "verify":
-        return _print_report(verify_receipt(args.receipt), args.json)
+        return _print_report(verify_receipt(args.receipt, key=args.key, trust_file=args.trust,
+                                            integrity_only=args.integrity_only), args.json)
     if not args.out:
         raise GovernanceError("--out", "missing", fix="pass --out RECEIPT.json (or use `receipt verify RECEIPT.json`)")
     meta = _load_json(args.metadata, "--metadata") if args.metadata else {}
@@ -185,6 +186,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     rsub = p.add_subparsers(dest="receipt_command", metavar="verify")
     rv = rsub.add_parser("verify", help="recompute every digest and report byte-equality per artifact")
     rv.add_argument("receipt", help="RECEIPT.json")
+    _add_trust_options(rv)  # checked when RECEIPT.json.dsse.json is beside it
     rv.add_argument("--json", action="store_true", help="machine-readable report")
     p.set_defaults(governance_func=_cmd_receipt, receipt_command=None)
 

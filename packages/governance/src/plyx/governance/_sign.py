@@ -50,6 +50,8 @@ __all__ = [
     "sign_files",
     "verify_signature",
     "envelope_path",
+    "sign_statement",
+    "verify_statement",
 ]
 
 CHECKSUMS_FILE = "CHECKSUMS.sha256"
@@ -107,6 +109,69 @@ def sign_files(files: Sequence[str | os.PathLike[str]], key: Ed25519PrivateKey, 
     if write_public_key:
         write_bytes_atomic(base / PUBLIC_KEY_FILE, public_key_pem(public))
     return out, env_path
+
+
+def sign_statement(subjects: Mapping[str, str], key: Ed25519PrivateKey, out: str | os.PathLike[str],
+                   predicate_type: str, predicate: Mapping[str, Any] | None = None, *,
+                   ephemeral: bool = False) -> Path:
+    """Write a DSSE envelope over an in-toto statement of ``subjects`` (name -> sha256) to ``out``."""
+    public = key.public_key()
+    body = {"signer": {"keyid": key_id(public), "algorithm": "ed25519", "ephemeral": bool(ephemeral)},
+            "created": utc_now(), **dict(predicate or {})}
+    envelope = sign_envelope(make_statement(subjects, predicate_type, body), key)
+    return write_text_atomic(out, json.dumps(envelope, indent=2, sort_keys=True) + "\n")
+
+
+def verify_statement(envelope_file: str | os.PathLike[str], subjects: Mapping[str, str], predicate_type: str, *,
+                     key: KeySource | Sequence[KeySource] | None = None,
+                     trust_file: str | os.PathLike[str] | None = None, integrity_only: bool = False,
+                     expect: Mapping[str, Any] | None = None, report: Report) -> dict[str, Any] | None:
+    """Check a DSSE envelope made by ``sign_statement``: trusted signer, subjects and predicate fields.
+
+    Without a trusted key the check fails (``trust``) unless ``integrity_only``, which uses the
+    ``SIGNING_KEY.pub`` beside it. Problems are blamed on the envelope file. Returns the statement
+    when the signature verified.
+    """
+    env = Path(envelope_file)
+    try:
+        trusted = trusted_keys(key, trust_file=trust_file)
+        if not trusted:
+            if not integrity_only:
+                report.fail(env.name, "trust", f"no trusted key to check the signature against: {TRUST_HOWTO}")
+                return None
+            bundled = env.parent / PUBLIC_KEY_FILE
+            if not bundled.is_file():
+                raise GovernanceError(PUBLIC_KEY_FILE, "not found beside the envelope and no --key given",
+                                      fix="pass the signer's public key with --key KEY.pub")
+            trusted = [load_public_key(bundled)]
+        try:
+            envelope = json.loads(env.read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise GovernanceError(env.name, f"not UTF-8 JSON: {exc}", fix="sign it again") from exc
+        statement = parse_statement(verify_envelope(envelope, trusted))
+    except GovernanceError as exc:
+        report.fail(env.name, "signature", str(exc))
+        return None
+    signed = {s["name"]: s["digest"]["sha256"] for s in statement["subject"]}
+    problems = []
+    if statement.get("predicateType") != predicate_type:
+        problems.append(f"predicate type {statement.get('predicateType')!r}, expected {predicate_type!r}")
+    if set(signed) != set(subjects):
+        problems.append(f"signs {', '.join(sorted(signed)) or 'nothing'}, not {', '.join(sorted(subjects))}")
+    else:  # the signature is sound; a file it covers changed: blame that file
+        for subject, digest in sorted(subjects.items()):
+            if signed[subject] != digest:
+                report.fail(subject, "signature", f"sha256 {digest[:16]}... but {env.name} signed "
+                            f"{signed[subject][:16]}...: it changed after signing")
+    predicate = statement.get("predicate") or {}
+    for field_name, want in (expect or {}).items():
+        if predicate.get(field_name) != want:
+            problems.append(f"signed {field_name} {predicate.get(field_name)!r} differs from {want!r}")
+    for problem in problems:
+        report.fail(env.name, "signature", problem)
+    if not problems and signed == dict(subjects):
+        report.passed.append(f"{env.name}: Ed25519 signature valid over {', '.join(sorted(signed))}")
+    return statement
 
 
 def verify_signature(checksums: str | os.PathLike[str], *, key: KeySource | Sequence[KeySource] | None = None,
