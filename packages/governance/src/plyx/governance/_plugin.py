@@ -33,7 +33,6 @@ def plyx_on_checkpoint_saved(path: str, step: int, metadata: dict[str, Any]) -> 
 def plyx_on_export_written(path: str, format: str, metadata: dict[str, Any]) -> None:
     """Write the SBOMs, receipt, lineage, model card, checksums and signature into the export directory."""
     from plyx.governance._release import write_release
-
     from plyx.specs.payloads import payload_dict
 
     meta = payload_dict(metadata)  # a plyx.specs.payloads.ExportPayload or a dict

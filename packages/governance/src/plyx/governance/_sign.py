@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from plyx.governance._clock import utc_now
 from plyx.governance._dsse import make_statement, parse_statement, sign_envelope, verify_envelope
 from plyx.governance._errors import GovernanceError
