@@ -72,3 +72,13 @@ def test_evaluation_scores_every_detector_on_every_text():
         for detector, count in fired.items():
             if detector not in (truth, "pii", "prompt_injection", "deny_list"):
                 assert count == 0, (truth, detector, count)
+
+
+def test_eval_command_prints_the_confusion_matrix(capsys):
+    import json
+
+    from plyx.specs.cli import main
+
+    assert main(["safety", "eval", "--detectors", "phone,iban", "--confusion", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"scores", "confusion"} and out["confusion"]["iban"] == {"phone": 0, "iban": 19}

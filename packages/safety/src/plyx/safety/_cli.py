@@ -52,6 +52,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("eval", help="precision and recall of the detectors on the shipped evaluation set")
     p.add_argument("--detectors", default="", help="comma-separated detector names (default: all evaluated)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--confusion", action="store_true",
+                   help="also print the confusion matrix (true entity x detector that fired)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -153,15 +155,22 @@ def _redteam(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from plyx.safety._evaluate import evaluate, markdown_table
+    from plyx.safety._evaluate import confusion_matrix, evaluate, markdown_confusion, markdown_table
 
     names = [d.strip() for d in args.detectors.split(",") if d.strip()] or None
     scores = evaluate(names)
+    matrix = confusion_matrix(names) if args.confusion else None
     if args.json:
-        print(json.dumps({n: {"precision": s.precision, "recall": s.recall, "obfuscated_recall": s.obfuscated_recall,
-                              "tp": s.tp, "fp": s.fp, "fn": s.fn, "tn": s.tn} for n, s in scores.items()}, indent=2))
+        out: dict[str, Any] = {n: {"precision": s.precision, "recall": s.recall, "obfuscated_recall": s.obfuscated_recall,
+                                   "tp": s.tp, "fp": s.fp, "fn": s.fn, "tn": s.tn} for n, s in scores.items()}
+        if matrix is not None:
+            out = {"scores": out, "confusion": matrix}
+        print(json.dumps(out, indent=2))
     else:
         print(markdown_table(scores))
+        if matrix is not None:
+            print()
+            print(markdown_confusion(matrix))
     return 0
 
 
