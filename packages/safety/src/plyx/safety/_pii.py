@@ -66,6 +66,14 @@ class _PiiSpanDetector(SpanDetector):
         # whether a candidate stands depends on the higher entities too: hold what they hold
         return min([super().pending(text)] + [d.pending(text) for d in self._higher_detectors()])
 
+    def detect_own(self, text: str, context: Mapping[str, Any] | None = None) -> list[Finding]:
+        """Candidates without giving way (for a caller that resolves overlaps by ``PRIORITY`` itself)."""
+        return SpanDetector.detect(self, text, context)
+
+    def pending_own(self, text: str) -> int:
+        """``pending`` of this entity alone (for a caller that also holds what the higher ones hold)."""
+        return SpanDetector.pending(self, text)
+
 
 class EmailDetector(_PiiSpanDetector):
     """RFC 5321-shaped addresses, plus the bracketed obfuscations ``john [at] example [dot] com``."""
@@ -104,7 +112,8 @@ class EmailDetector(_PiiSpanDetector):
         return hits
 
 
-_PHONE_KEYWORDS = r"(?:phone|tel|telephone|mobile|cell|call(?:\s+me)?|text\s+me|whatsapp|fax|contact)"
+# whitespace is bounded so a keyword sits within the stream filter's CONTEXT before the digits
+_PHONE_KEYWORDS = r"(?:phone|tel|telephone|mobile|cell|call(?:\s{1,3}me)?|text\s{1,3}me|whatsapp|fax|contact)"
 
 
 class PhoneDetector(_PiiSpanDetector):
@@ -335,9 +344,15 @@ class PiiDetector:
                 raise DetectorOptionError("entities", "unknown PII entity", value=entity,
                                           fix=f"choose from {', '.join(PII_ENTITIES)}")
         self.parts = [PII_ENTITIES[e]() for e in chosen]
+        # a part whose higher entities are all parts too need not ask them again: the overlap
+        # resolution below gives way to them, and pending() already holds what they hold
+        self._detects = [p.detect_own if set(getattr(p, "yields_to", ())) <= set(chosen) and hasattr(p, "detect_own")
+                         else p.detect for p in self.parts]
+        self._pendings = [p.pending_own if set(getattr(p, "yields_to", ())) <= set(chosen) and hasattr(p, "pending_own")
+                          else p.pending for p in self.parts]
 
     def detect(self, text: str, context: Mapping[str, Any] | None = None) -> list[Finding]:
-        found = [f for part in self.parts for f in part.detect(text, context)]
+        found = [f for detect in self._detects for f in detect(text, context)]
         # one span, one entity: the entity of higher PRIORITY wins (a card over the
         # Aadhaar number its first digits pass for), then the longest, then the first
         rank = {name: i for i, name in enumerate(PRIORITY)}
@@ -350,4 +365,4 @@ class PiiDetector:
         return [Finding(self.name, f.label, f.start, f.end, f.score, f.detail) for f in kept]
 
     def pending(self, text: str) -> int:
-        return min((part.pending(text) for part in self.parts), default=len(text))
+        return min((pending(text) for pending in self._pendings), default=len(text))

@@ -32,11 +32,27 @@ from plyx.safety._engine import Decision, RuleResult, audit_decision, decide, re
 
 __all__ = ["StreamFilter", "CONTEXT", "HOLDBACK_RULE"]
 
-# characters of released text rescanned for word boundaries and look-behinds; the
-# built-in detectors' look-behinds (a phone keyword, a secret's name) reach less far
-CONTEXT = 64
+# characters of released text rescanned for word boundaries and look-behinds. The built-in
+# detectors' look-behinds reach less far: a phone keyword and its separators ("call me at: ",
+# at most ~34 characters), "social security number" (26), a secret's name and its "=" (~35)
+CONTEXT = 48
 HOLDBACK_RULE = "stream-holdback"
 _CUTS = ("block", "redact")  # actions whose spans may never be released in part
+
+
+def _window_start(text: str, upto: int) -> int:
+    """Where to start rescanning: the last offset at or before ``upto`` that follows whitespace not
+    itself preceded by a digit (or 0).
+
+    Word boundaries and look-behinds at the start of a window see nothing before it; starting right
+    after a space makes that the same as what they see in the whole text (``\\b`` before ``api_key``
+    in ``comapi_key`` holds at a window start but not in the text; a card's ``1111 2222`` must not
+    look like the start of an Aadhaar number).
+    """
+    i = max(0, upto)
+    while i > 0 and not (text[i - 1].isspace() and (i < 2 or not text[i - 2].isdigit())):
+        i -= 1
+    return i
 
 
 class StreamFilter:
@@ -56,6 +72,7 @@ class StreamFilter:
         self.decision: Decision | None = None
         self._reported: set[tuple[str, int, int]] = set()
         self._results: dict[str, RuleResult] = {}
+        self._applied: dict[str, list[tuple[int, int]]] = {}  # rule id -> spans settled and released
         self._done = False
 
     # -- the contract -------------------------------------------------------------
@@ -79,11 +96,22 @@ class StreamFilter:
     def _advance(self, final: bool) -> str:
         span_rules = [r for r in self.rules if r.span_scoped]
         text_rules = [r for r in self.rules if not r.span_scoped]
-        base = max(0, self.released - CONTEXT)
-        window = self.text[base:]
-        results = run_rules(span_rules, window, self.context)
-        for r in results:
-            r.findings = [f.shifted(base) for f in r.findings if f.end + base > self.released]
+        start = _window_start(self.text, self.released - CONTEXT)
+        # each rule rescans from its own base: never inside a span it already settled, because the
+        # whole-text scan resumes after a match, and a rescan from inside it would see its tail as a
+        # new match and could swallow the real next one
+        bases, results = [], []
+        for rule in span_rules:
+            base, moved = start, True
+            while moved:  # settled spans of one rule may touch: step past each in turn
+                moved = False
+                for a, b in self._applied.get(rule.id, []):
+                    if a < base < b:
+                        base, moved = b, True
+            found = run_rules([rule], self.text[base:], self.context)[0]
+            found.findings = [f.shifted(base) for f in found.findings if f.end + base > self.released]
+            bases.append(base)
+            results.append(found)
         whole = run_rules(text_rules, self.text, self.context)
 
         # a cutting span that starts in text already released means a detector's
@@ -95,9 +123,9 @@ class StreamFilter:
         end = len(self.text)
         hold = end
         if not final:
-            for r in span_rules:
+            for r, base in zip(span_rules, bases, strict=True):
                 pending = getattr(r.detector, "pending", None)
-                hold = min(hold, base + pending(window) if pending else self.released)
+                hold = min(hold, base + pending(self.text[base:]) if pending else self.released)
             for r in results:
                 for f in r.findings:
                     if f.end >= end:  # could still grow: not settled
@@ -125,6 +153,9 @@ class StreamFilter:
             self.blocked = decision.refusal()
             self._close(decision)
             return ""
+        for r in settled:
+            kept = [(a, b) for a, b in self._applied.get(r.rule.id, []) if b > start]  # older ones are out of reach
+            self._applied[r.rule.id] = kept + [(f.start, f.end) for f in r.findings]
         spans = [(max(f.start, self.released), f.end, replacement(r.rule.rule, f.label))
                  for r in settled if r.rule.rule.action == "redact" for f in r.findings]
         segment = redact(self.text[self.released:hold], [(s - self.released, e - self.released, rep) for s, e, rep in spans])
