@@ -90,7 +90,10 @@ def test_a_release_signs_its_receipt_and_the_gate_checks_it(tmp_path, plyx):
                   metadata=ExportPayload(name="toy", card={"license": "MIT"}, techniques=TECHNIQUES))
     receipt = load_receipt(export / "RECEIPT.json")
     assert receipt["techniques"]["kernels"][1]["implementation"] == "sdpa"
-    assert json.loads((export / "MODEL_CARD.json").read_text())["license"] == "MIT"
+    card = json.loads((export / "MODEL_CARD.json").read_text())
+    assert card["license"] == "MIT" and card["model_details"]["techniques"]["precision"] == "bf16-mixed"
+    md = (export / "MODEL_CARD.md").read_text()
+    assert "- Techniques: precision bf16-mixed" in md and "rmsnorm=triton_rmsnorm (plyx-kernel 1.3.0)" in md
     assert "RECEIPT.json.dsse.json" in (export / "CHECKSUMS.sha256").read_text()
     report = verify_release(export, key=public)
     assert report.ok and any("RECEIPT.json.dsse.json: Ed25519 signature valid" in p for p in report.passed)
