@@ -1,7 +1,9 @@
 """Output rails on streamed text: emit as early as possible, never a blocked or unredacted span.
 
 After each chunk the filter rescans only what it has not released yet (plus
-``CONTEXT`` characters for word boundaries and look-behinds) and works out the
+``CONTEXT`` characters for word boundaries and look-behinds, from just after a
+whitespace, and for each rule never from inside a span it already settled, so
+the rescan sees what the whole-text scan sees) and works out the
 *hold point*: the earliest offset from which the text could still grow into a
 match, i.e. the minimum over span detectors of ``pending(text)`` and the start
 of any finding that touches the end of the text (``a@b.co`` may become
