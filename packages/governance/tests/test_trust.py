@@ -110,6 +110,17 @@ def test_a_release_folder_holding_private_key_material_is_refused(release, tmp_p
     assert not (d / "CHECKSUMS.sha256").exists() and not (d / "RECEIPT.json").exists()  # nothing half-written
 
 
+def test_small_text_files_are_not_mistaken_for_keys(release, tmp_path):
+    d = tmp_path / "rel"
+    d.mkdir()
+    (d / "model.onnx").write_bytes(os.urandom(3000))
+    (d / "config.json").write_text('{"d_model": 64, "n_layers": 12}\n')  # 32 bytes of text
+    assert len((d / "config.json").read_bytes()) == 32
+    (d / "sha.txt").write_text("ab" * 32)  # 64 hex characters, in a file not named like a key
+    write_release(d, name="x", key=release["key"], png=False)
+    assert verify_release(d, key=release["pub"]).ok
+
+
 def test_verify_fails_a_release_that_ships_a_private_key(release):
     d = release["dir"]
     shutil.copy(release["key"], d / "release.key")

@@ -104,7 +104,8 @@ def _private_key_kind(path: Path) -> str:
             return "an encrypted DER private key"
         except (ValueError, UnsupportedAlgorithm):
             pass
-    if size == 32:
+    # 32 random bytes are almost never all printable; a 32-byte config or text file is not a seed
+    if size == 32 and not all(32 <= b < 127 or b in (9, 10, 13) for b in head):
         return "32 raw bytes (an Ed25519 private key seed)"
     if _KEYISH_NAME.search(path.name) and (_HEX32.match(head) or _B64_32.match(head)):
         return "an Ed25519 private key seed in hex or base64"
