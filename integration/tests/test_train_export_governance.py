@@ -39,8 +39,17 @@ def export_run(trained, tmp_path_factory) -> tuple[subprocess.CompletedProcess[s
     """``plyx export CKPT --format onnx --out DIR`` as a user runs it, with every plugin installed
     (the example kernel plugin included: an override to the reference kernels must never run a
     plugin's conformance probe inside the export trace)."""
-    out = tmp_path_factory.mktemp("export") / "tiny-onnx"
-    return _export(trained.checkpoint, out), out
+    from plyx.governance import generate_keypair
+
+    root = tmp_path_factory.mktemp("export")
+    out = root / "tiny-onnx"
+    # the release is signed with a kept key (outside the release folder), and verified against it pinned
+    generate_keypair(root / "keys" / "release.key")
+    return _export(trained.checkpoint, out, env={"PLYX_SIGNING_KEY": str(root / "keys" / "release.key")}), out
+
+
+def _pub(exported: Path) -> str:
+    return str(exported.parent / "keys" / "release.key.pub")
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +96,7 @@ def test_onnx_logits_match_the_trained_torch_model(trained, exported):
 
 
 def test_governance_verify_passes_then_names_a_flipped_byte(exported, tmp_path):
-    ok = _plyx("governance", "verify", str(exported))
+    ok = _plyx("governance", "verify", str(exported), "--key", _pub(exported))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert ok.stdout.strip().splitlines()[-1].startswith("PASS")
 
@@ -96,7 +105,7 @@ def test_governance_verify_passes_then_names_a_flipped_byte(exported, tmp_path):
     raw = bytearray(graph.read_bytes())
     raw[len(raw) // 2] ^= 0xFF  # one byte in the middle of the weights
     graph.write_bytes(bytes(raw))
-    bad = _plyx("governance", "verify", str(release))
+    bad = _plyx("governance", "verify", str(release), "--key", _pub(exported))
     assert bad.returncode != 0, bad.stdout
     fails = [line for line in bad.stdout.splitlines() if line.startswith("FAIL ")]
     assert fails and all("model.onnx" in line for line in fails), bad.stdout
@@ -105,6 +114,7 @@ def test_governance_verify_passes_then_names_a_flipped_byte(exported, tmp_path):
     # the same gate from Python gives the same verdict (and leaves the untouched release passing)
     from plyx.governance import verify_release
 
-    assert verify_release(exported).ok
-    report = verify_release(release)
+    assert verify_release(exported, key=_pub(exported)).ok
+    assert not verify_release(exported).ok  # no trusted key: integrity alone is not a verdict
+    report = verify_release(release, key=_pub(exported))
     assert not report.ok and {p.artifact for p in report.problems} == {"model.onnx"}

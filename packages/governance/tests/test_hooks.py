@@ -78,7 +78,9 @@ def test_export_hook_writes_a_release_that_passes_the_gate(hook, toy_run: dict[s
         assert f"  {name}\n" in listed
     card = json.loads((export / "MODEL_CARD.json").read_text(encoding="utf-8"))
     assert card["name"] == "toy-llm" and card["quantitative_analyses"]["training"]["loss"] == 2.75
-    report = verify_release(export)
+    # an ephemeral key proves integrity only, and verifying says so: it must be asked for
+    assert ("CHECKSUMS.sha256.dsse.json", "trust") in {(p.artifact, p.check) for p in verify_release(export).problems}
+    report = verify_release(export, integrity_only=True)
     assert report.ok, report.lines()
     assert any("ephemeral" in n for n in report.notes)  # no key configured: recorded as such
 
@@ -93,7 +95,9 @@ def test_export_hook_signs_with_the_configured_key(hook, toy_run: dict[str, Path
     assert not any("ephemeral" in n for n in report.notes)
     other, other_pub = generate_keypair(toy_run["root"] / "keys" / "other.key")
     report = verify_release(toy_run["export"], key=other_pub)
-    assert [(p.artifact, p.check) for p in report.problems] == [("CHECKSUMS.sha256.dsse.json", "signature")]
+    # both signatures the release carries (the checksums' and the receipt's) fail under another key
+    assert sorted((p.artifact, p.check) for p in report.problems) == [("CHECKSUMS.sha256.dsse.json", "signature"),
+                                                                      ("RECEIPT.json.dsse.json", "signature")]
 
 
 @pytest.mark.skipif(os.name != "posix", reason="mode bits are POSIX")

@@ -56,10 +56,10 @@ def test_one_byte_of_the_receipt(release: dict[str, Path], offset: int | None) -
     flip_byte(release["dir"] / "RECEIPT.json", offset)
     report = verify_release(release["dir"], key=release["pub"])
     assert ("RECEIPT.json", "checksum") in failures(report)
-    # depending on where the byte lands, the receipt's own checks (content id,
-    # JSON) and the card's link to the receipt fail as well; nothing else does
+    # depending on where the byte lands, the receipt's own checks (content id, JSON) fail as well, and its
+    # signature no longer covers it; every problem is the receipt's, none is blamed on another file
     assert failures(report) <= {("RECEIPT.json", "checksum"), ("RECEIPT.json", "receipt"),
-                                ("MODEL_CARD.json", "card")}
+                                ("RECEIPT.json", "signature")}
 
 
 def test_edited_receipt_that_was_resigned(release: dict[str, Path]) -> None:
@@ -69,8 +69,9 @@ def test_edited_receipt_that_was_resigned(release: dict[str, Path]) -> None:
     path.write_text(json.dumps(doc), encoding="utf-8")
     resign(release)
     report = verify_release(release["dir"], key=release["pub"])
-    # checksums and signature are fine now; the receipt itself still disagrees, twice
-    assert failures(report) == {("RECEIPT.json", "receipt"), ("model.onnx", "receipt")}
+    # checksums and their signature are fine now; the receipt itself still disagrees, twice, and its own
+    # signature (RECEIPT.json.dsse.json, which the checksums re-signing does not touch) names it
+    assert failures(report) == {("RECEIPT.json", "receipt"), ("model.onnx", "receipt"), ("RECEIPT.json", "signature")}
 
 
 def test_one_byte_of_the_signature(release: dict[str, Path]) -> None:

@@ -36,7 +36,8 @@ class _Model(BaseHTTPRequestHandler):
         if "bomb" in lower or "nerve agent" in lower:
             reply = "I'm sorry, but I can't help with that."
         elif "refuse-me-with-400" in lower:
-            self._send(400, {"error": {"message": "blocked by moderation", "type": "invalid_request_error"}})
+            self._send(400, {"error": {"message": "blocked by moderation", "type": "invalid_request_error",
+                                       "code": "content_policy_violation"}})
             return
         elif "reply only with the word" in lower:
             reply = user.rsplit(" ", 1)[-1].rstrip(".")
@@ -102,7 +103,7 @@ def test_http_errors_are_reported_not_fatal(tmp_path):
     assert report.rates(lambda r: r.probe) == {"harmful": (0, 0, 2)}
 
 
-def test_a_400_refusal_from_the_endpoint_counts_as_a_refusal(endpoint):
+def test_a_400_content_policy_refusal_from_the_endpoint_counts_as_a_refusal(endpoint):
     from plyx.safety import is_refusal
 
     target = resolve_target(endpoint, timeout=10)

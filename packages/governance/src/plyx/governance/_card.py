@@ -118,6 +118,7 @@ def build_card(artifact: str | os.PathLike[str] | Sequence[str | os.PathLike[str
             "git": rec.get("git"),
             "python": (rec.get("python") or {}).get("version"),
             "plyx": {k: v for k, v in (rec.get("packages") or {}).items() if str(k).startswith("plyx")},
+            "techniques": rec.get("techniques"),
         },
         "intended_use": {"primary": meta.get("intended_use") or _missing("intended_use"),
                          "out_of_scope": meta.get("out_of_scope_use") or _missing("out_of_scope_use")},
@@ -129,8 +130,8 @@ def build_card(artifact: str | os.PathLike[str] | Sequence[str | os.PathLike[str
         "quantitative_analyses": {"training": train_metrics, "evaluation": eval_metrics},
         "ethical_considerations": meta.get("ethical_considerations") or _missing("ethical_considerations"),
         "caveats_and_recommendations": meta.get("caveats") or (
-            "Trained and described by an automated pipeline; verify the release with "
-            "`plyx governance verify` before use and evaluate it on your own data."),
+            "Trained and described by an automated pipeline; verify the release against its signer's key "
+            "(`plyx governance verify DIR --key SIGNER.pub`) before use and evaluate it on your own data."),
         "datasets": list(meta.get("datasets") or ()),
         "eval_dataset": meta.get("eval_dataset") or "",
     }
@@ -178,6 +179,22 @@ def _text(value: Any) -> str:
     return "```json\n" + json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n```"
 
 
+def _techniques_line(t: Mapping[str, Any]) -> str:
+    """One line of how the model was produced (from the receipt's ``techniques``)."""
+    parts = [f"{k.replace('_', ' ')} {t[k]}" for k in ("precision", "compile", "attention_backend", "optimizer",
+                                                       "parallel_strategy") if t.get(k)]
+    if t.get("parallelism"):
+        parts.append("parallelism " + ", ".join(f"{k}={v}" for k, v in sorted(t["parallelism"].items())))
+    kernels = [f"{k.get('op')}={k.get('implementation')}" + (f" ({k['distribution']} {k.get('version', '')})".rstrip()
+                                                              if k.get("distribution") else "")
+               for k in t.get("kernels") or () if isinstance(k, Mapping)]
+    if kernels:
+        parts.append("kernels " + "; ".join(kernels))
+    if t.get("data_fingerprint"):
+        parts.append(f"data {str(t['data_fingerprint'])[:23]}...")
+    return ", ".join(parts) or "none recorded"
+
+
 def _details(card: Mapping[str, Any]) -> list[str]:
     d = card["model_details"]
     git = d["git"] or {}
@@ -186,11 +203,14 @@ def _details(card: Mapping[str, Any]) -> list[str]:
     lines += [
         f"- Version: {d['version'] or 'not set'}; license: {card['license'] or 'not stated (metadata key `license`)'}",
         f"- Developers: {d['developers'] or 'not stated (metadata key `developers`)'}",
-        f"- Created: {d['created'] or 'unknown'}; run `{d['run_id']}`, step {d['step']}",
+        f"- Created: {d['created'] or 'unknown'}; run `{d['run_id']}`" + (f", step {d['step']}" if d['step'] is not None else ""),
         f"- Source: git {git.get('commit', 'unknown')}{' (dirty work tree)' if git.get('dirty') else ''}; "
         f"Python {d['python']}",
         f"- Reproducibility receipt: `{card['receipt']}`",
     ]
+    techniques = d.get("techniques")
+    if isinstance(techniques, Mapping):
+        lines.append("- Techniques: " + _techniques_line(techniques))
     sbom = card.get("sbom")
     lines.append(f"- SBOM: `{sbom['path']}` ({sbom['format']}, {sbom['packages']} packages)" if sbom else "- SBOM: none")
     if d["architecture"]:

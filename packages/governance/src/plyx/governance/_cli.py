@@ -71,12 +71,14 @@ def _cmd_sign(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify_signature(args: argparse.Namespace) -> int:
-    return _print_report(verify_signature(args.checksums, key=args.key), args.json)
+    return _print_report(verify_signature(args.checksums, key=args.key, trust_file=args.trust,
+                                          integrity_only=args.integrity_only), args.json)
 
 
 def _cmd_receipt(args: argparse.Namespace) -> int:
     if args.receipt_command == "verify":
-        return _print_report(verify_receipt(args.receipt), args.json)
+        return _print_report(verify_receipt(args.receipt, key=args.key, trust_file=args.trust,
+                                            integrity_only=args.integrity_only), args.json)
     if not args.out:
         raise GovernanceError("--out", "missing", fix="pass --out RECEIPT.json (or use `receipt verify RECEIPT.json`)")
     meta = _load_json(args.metadata, "--metadata") if args.metadata else {}
@@ -127,7 +129,18 @@ def _cmd_release(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    return _print_report(verify_release(args.dir, key=args.key), args.json)
+    return _print_report(verify_release(args.dir, key=args.key, trust_file=args.trust,
+                                        integrity_only=args.integrity_only), args.json)
+
+
+def _add_trust_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--key", action="append", default=None,
+                   help="trusted public key of the signer (repeatable; a file may hold several PEM keys)")
+    p.add_argument("--trust", default=None, help="file of trusted PEM public keys (also: $PLYX_TRUSTED_KEYS, "
+                   "files separated by the OS path separator)")
+    p.add_argument("--integrity-only", action="store_true",
+                   help="without a trusted key, check against the bundled SIGNING_KEY.pub: proves nothing changed "
+                   "after signing, not who signed (without this flag, no trusted key is a failure)")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -160,7 +173,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("verify-signature", help="check a checksums file, its signature and the files")
     p.add_argument("checksums", help="CHECKSUMS.sha256")
-    p.add_argument("--key", default=None, help="trusted public key (default: SIGNING_KEY.pub beside the checksums)")
+    _add_trust_options(p)
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.set_defaults(governance_func=_cmd_verify_signature)
 
@@ -173,6 +186,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     rsub = p.add_subparsers(dest="receipt_command", metavar="verify")
     rv = rsub.add_parser("verify", help="recompute every digest and report byte-equality per artifact")
     rv.add_argument("receipt", help="RECEIPT.json")
+    _add_trust_options(rv)  # checked when RECEIPT.json.dsse.json is beside it
     rv.add_argument("--json", action="store_true", help="machine-readable report")
     p.set_defaults(governance_func=_cmd_receipt, receipt_command=None)
 
@@ -203,7 +217,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("verify", help="the release gate: fail naming every missing, changed or invalid artifact")
     p.add_argument("dir", help="the release directory")
-    p.add_argument("--key", default=None, help="trusted public key (default: the bundled SIGNING_KEY.pub)")
+    _add_trust_options(p)
     p.add_argument("--json", action="store_true", help="machine-readable report")
     p.set_defaults(governance_func=_cmd_verify)
 

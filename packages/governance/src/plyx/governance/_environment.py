@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import platform
 import re
@@ -47,6 +48,19 @@ class Distribution:
     homepage: str = ""
     requires: tuple[str, ...] = field(default=())
     """Normalized names of unconditional or environment-marker-only requirements (extras left out)."""
+    direct_url: str = ""
+    """The PEP 610 ``direct_url.json`` of a distribution installed from a URL, a VCS or a local
+    directory (canonical JSON), "" for one installed from an index."""
+
+    def source(self) -> dict[str, Any] | None:
+        """The parsed ``direct_url.json`` (None when installed from an index, or unreadable)."""
+        if not self.direct_url:
+            return None
+        try:
+            info = json.loads(self.direct_url)
+        except ValueError:
+            return None
+        return info if isinstance(info, dict) and isinstance(info.get("url"), str) else None
 
 
 def _requires(dist: Any) -> tuple[str, ...]:
@@ -60,6 +74,20 @@ def _requires(dist: Any) -> tuple[str, ...]:
         if m:
             names.append(normalize_name(m.group(1)))
     return tuple(sorted(set(names)))
+
+
+def _direct_url(dist: Any) -> str:
+    """PEP 610 ``direct_url.json`` as canonical JSON ("" when absent or not JSON)."""
+    try:
+        text = dist.read_text("direct_url.json")
+    except OSError:
+        return ""
+    if not text:
+        return ""
+    try:
+        return json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return ""
 
 
 def installed_distributions() -> list[Distribution]:
@@ -87,6 +115,7 @@ def installed_distributions() -> list[Distribution]:
             summary=(meta.get("Summary") or "").strip(),
             homepage=homepage,
             requires=_requires(dist),
+            direct_url=_direct_url(dist),
         )
     return [seen[k] for k in sorted(seen)]
 

@@ -60,8 +60,10 @@ def lineage_graph(receipts: Sequence[Mapping[str, Any]]) -> tuple[dict[str, tupl
         nodes[run] = ("run", f"run {r.get('run_id') or '(no run id)'}")
         if kind == "checkpoint":
             ckpt = f"checkpoint_{_short(rid)}"
-            nodes[ckpt] = ("checkpoint", f"checkpoint step {r.get('step')}\\nreceipt {_short(rid)}")
-            edges.add((run, ckpt, f"wrote step {r.get('step')}"))
+            # a checkpoint saved outside a training loop has no step: say nothing rather than "None"
+            at = f" step {r['step']}" if r.get("step") is not None else ""
+            nodes[ckpt] = ("checkpoint", f"checkpoint{at}\\nreceipt {_short(rid)}")
+            edges.add((run, ckpt, f"wrote{at}" if at else "wrote"))
         else:
             for out in r.get("outputs") or ():
                 art = f"artifact_{_short(out.get('sha256'))}"

@@ -33,8 +33,17 @@ def plyx_on_checkpoint_saved(path: str, step: int, metadata: dict[str, Any]) -> 
 def plyx_on_export_written(path: str, format: str, metadata: dict[str, Any]) -> None:
     """Write the SBOMs, receipt, lineage, model card, checksums and signature into the export directory."""
     from plyx.governance._release import write_release
+    from plyx.specs.payloads import payload_dict
 
-    meta = dict(metadata or {})
+    meta = payload_dict(metadata)  # a plyx.specs.payloads.ExportPayload or a dict
     artifacts = meta.get("artifacts")
     write_release(path, name=meta.get("name"), format=format, artifacts=list(artifacts) if artifacts else None,
                   source=meta.get("source"), metadata=meta)
+
+
+@hookimpl
+def plyx_on_response(request: dict[str, Any], response: dict[str, Any], context: dict[str, Any]) -> None:
+    """Opt-in (``PLYX_SERVE_RECEIPTS=DIR``): append a receipt of the response's decoding settings."""
+    from plyx.governance._serve_receipts import record_response
+
+    record_response(request, response, context)

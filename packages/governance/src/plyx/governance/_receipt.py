@@ -8,7 +8,15 @@ A receipt is a JSON object (schema ``plyx.governance.receipt/1``):
     inputs  [{name, path, type: file | dir | absent, sha256, size}],
     outputs [{path, type, sha256, size}],
     parents [content ids of the receipts of its inputs],
+    techniques  how it was produced (plyx.specs.payloads.Techniques: the kernel chosen per op with its
+                implementation, distribution, version, device and dtype; precision, compile, attention
+                backend, parallelism, optimizer, data fingerprint; decoding settings) | null,
     content_id  "sha256:<hex>" over the canonical JSON of all of the above
+
+A receipt may be signed: ``RECEIPT.json.dsse.json`` beside it is a DSSE
+envelope (in-toto Statement v1, Ed25519) whose subject is the receipt file and
+whose predicate carries its content id (``sign_receipt``). ``verify_receipt``
+checks that signature against trusted keys when the envelope is present.
 
 Paths are relative to the receipt's directory (``/`` separators) when they
 are at most three levels up, so a run directory can move; paths further away
@@ -35,11 +43,35 @@ from plyx.governance._errors import GovernanceError
 from plyx.governance._files import digest_file, digest_tree, portable_relpath, write_text_atomic
 from plyx.governance._report import Report
 
-__all__ = ["RECEIPT_FILE", "RECEIPT_SCHEMA", "make_receipt", "write_receipt", "load_receipt", "verify_receipt",
-           "jsonable"]
+__all__ = ["RECEIPT_FILE", "RECEIPT_ENVELOPE", "RECEIPT_SCHEMA", "RECEIPT_PREDICATE", "make_receipt", "write_receipt",
+           "load_receipt", "verify_receipt", "sign_receipt", "techniques_record", "jsonable"]
 
 RECEIPT_FILE = "RECEIPT.json"
+RECEIPT_ENVELOPE = RECEIPT_FILE + ".dsse.json"
 RECEIPT_SCHEMA = "plyx.governance.receipt/1"
+RECEIPT_PREDICATE = "https://plyx.dev/governance/receipt/v1"
+# files written beside the outputs: a directory digest never includes them
+_RECORDS = [RECEIPT_FILE, RECEIPT_ENVELOPE, "LINEAGE.dot", "LINEAGE.png"]
+
+
+def techniques_record(techniques: Any) -> dict[str, Any] | None:
+    """``techniques`` (a ``plyx.specs.payloads.Techniques`` or a dict of its fields) validated, as JSON.
+
+    Raises:
+        GovernanceError: naming the field that does not fit the contract.
+    """
+    if techniques is None:
+        return None
+    import msgspec
+    from plyx.specs.payloads import Techniques
+
+    try:
+        typed = techniques if isinstance(techniques, Techniques) else msgspec.convert(
+            dict(techniques), Techniques, strict=False)
+    except (msgspec.ValidationError, TypeError, ValueError) as exc:
+        raise GovernanceError("metadata.techniques", f"does not fit plyx.specs.payloads.Techniques: {exc}",
+                              fix="pass a Techniques struct or a dict of its fields") from None
+    return jsonable(msgspec.to_builtins(typed))
 
 
 def jsonable(value: Any) -> Any:
@@ -105,7 +137,7 @@ def make_receipt(*, base: str | os.PathLike[str], kind: str = "artifacts",
                  metrics: Mapping[str, Any] | None = None, run_id: str | None = None, step: int | None = None,
                  format: str | None = None, parents: Sequence[str] = (),
                  accelerator: Mapping[str, Any] | None = None, git_dir: str | os.PathLike[str] = ".",
-                 extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                 techniques: Any = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Build a receipt (a dict with its ``content_id``).
 
     Args:
@@ -118,6 +150,7 @@ def make_receipt(*, base: str | os.PathLike[str], kind: str = "artifacts",
         parents: content ids of the receipts of the inputs.
         accelerator: what the caller knows about its devices; probed with nvidia-smi otherwise.
         git_dir: a path inside the work tree whose commit is recorded (the current directory by default).
+        techniques: how the artifact was produced (``plyx.specs.payloads.Techniques`` or a dict of its fields).
         extra: more top-level fields (must not clash with the schema's own).
     """
     base = Path(base)
@@ -125,7 +158,7 @@ def make_receipt(*, base: str | os.PathLike[str], kind: str = "artifacts",
         raise GovernanceError("--artifacts", "a receipt needs at least one input or output",
                               fix="pass the files the run produced with --artifacts")
     # the receipt and lineage files sit beside the outputs; a directory digest must not include them
-    own = [RECEIPT_FILE, "LINEAGE.dot", "LINEAGE.png"]
+    own = _RECORDS
     receipt: dict[str, Any] = {
         "schema": RECEIPT_SCHEMA,
         "kind": kind,
@@ -146,6 +179,7 @@ def make_receipt(*, base: str | os.PathLike[str], kind: str = "artifacts",
                    for name, path in sorted((inputs or {}).items())],
         "outputs": [_describe(p, base, exclude=own) for p in outputs],
         "parents": sorted(set(parents)),
+        "techniques": techniques_record(techniques),
     }
     for key, value in (extra or {}).items():
         if key in receipt or key == CONTENT_ID_FIELD:
@@ -174,8 +208,29 @@ def load_receipt(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
+def sign_receipt(path: str | os.PathLike[str], key: Any, *, ephemeral: bool = False) -> Path:
+    """Sign a receipt file: write ``RECEIPT.json.dsse.json`` beside it (DSSE, Ed25519).
+
+    Args:
+        path: the receipt file.
+        key: an Ed25519 private key.
+        ephemeral: the key was made for this release only (recorded in the statement).
+
+    Returns:
+        the envelope's path.
+    """
+    from plyx.governance._sign import sign_statement
+
+    path = Path(path)
+    receipt = load_receipt(path)
+    return sign_statement({path.name: digest_file(path)}, key, path.with_name(path.name + ".dsse.json"),
+                          RECEIPT_PREDICATE, {"receipt": {"content_id": receipt.get(CONTENT_ID_FIELD),
+                                                          "kind": receipt.get("kind")}}, ephemeral=ephemeral)
+
+
 def verify_receipt(path: str | os.PathLike[str], *, report: Report | None = None,
-                   require_inputs: bool = True) -> Report:
+                   require_inputs: bool = True, key: Any = None, trust_file: str | os.PathLike[str] | None = None,
+                   integrity_only: bool = False) -> Report:
     """Replay a receipt: recompute its content id and every input and output digest.
 
     Each artifact gets a line: byte-equal, changed, missing, or not checkable
@@ -187,6 +242,9 @@ def verify_receipt(path: str | os.PathLike[str], *, report: Report | None = None
         require_inputs: a missing input is a problem; when False (a release
             directory shipped without its training data) it is only a note.
             A present input that differs is always a problem.
+        key, trust_file, integrity_only: trusted keys for the receipt's signature
+            (``RECEIPT.json.dsse.json``), checked when the envelope is present;
+            as for ``verify_signature``.
     """
     path = Path(path)
     report = report if report is not None else Report(f"receipt {path}")
@@ -207,8 +265,15 @@ def verify_receipt(path: str | os.PathLike[str], *, report: Report | None = None
                     "the receipt was edited after it was written")
     elif actual is not None:
         report.passed.append(f"{name}: content id {actual[:23]}... matches")
+    envelope = path.with_name(path.name + ".dsse.json")
+    if envelope.is_file():
+        from plyx.governance._sign import verify_statement
+
+        verify_statement(envelope, {name: digest_file(path)}, RECEIPT_PREDICATE, key=key, trust_file=trust_file,
+                         integrity_only=integrity_only, report=report,
+                         expect={"receipt": {"content_id": recorded, "kind": receipt.get("kind")}})
     base = path.parent
-    exclude = [RECEIPT_FILE, "LINEAGE.dot", "LINEAGE.png"]
+    exclude = _RECORDS
     for role in ("inputs", "outputs"):
         entries = receipt.get(role)
         if not isinstance(entries, list):

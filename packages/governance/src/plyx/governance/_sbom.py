@@ -4,8 +4,13 @@ The SPDX document describes one root package, the release (``--name``),
 which CONTAINS the given artifact files (SHA1 + SHA256 each; SPDX 2.3
 requires SHA1) and DEPENDS_ON every installed distribution; distributions
 DEPENDS_ON each other following their ``Requires-Dist`` (extras left out).
-Each distribution carries its version, a ``pkg:pypi`` PURL and its declared
-licence when that is a valid SPDX expression.
+Each distribution carries its version, a PURL saying where it came from
+(``purl``: ``pkg:pypi`` from an index; with a ``vcs_url`` or ``download_url``
+qualifier when PEP 610's ``direct_url.json`` says it was installed from a VCS or
+an archive URL; ``pkg:generic`` with the ``download_url`` of a local directory,
+which no index serves) and its declared licence when that is a valid SPDX
+expression. Like syft's output, the Python interpreter is a package too
+(``pkg:generic/python@X.Y.Z``) and every file has SPDX ``fileTypes``.
 
 Timestamps honour ``SOURCE_DATE_EPOCH`` and the namespace is a UUIDv5 of the
 content, so the same environment and files give the same bytes.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import re
 import uuid
 from collections.abc import Sequence
@@ -56,9 +62,79 @@ def _tool() -> str:
         return "plyx-governance-unknown"
 
 
+def _q(value: str) -> str:
+    """A PURL qualifier value, percent-encoded (``+`` -> ``%2B``, ``@`` -> ``%40``)."""
+    return quote(value, safe=":/")
+
+
+def _vcs_location(info: dict[str, Any]) -> str:
+    """``git+https://host/repo@commit`` (the SPDX / pip form) of a VCS install."""
+    vcs = info.get("vcs_info") or {}
+    where = f"{vcs.get('vcs', 'git')}+{info['url']}"
+    return f"{where}@{vcs['commit_id']}" if vcs.get("commit_id") else where
+
+
 def purl(dist: Distribution) -> str:
-    """``pkg:pypi/<normalized name>@<version>`` with the version percent-encoded (``+`` -> ``%2B``)."""
-    return f"pkg:pypi/{normalize_name(dist.name)}@{quote(dist.version, safe='.-_~')}"
+    """The package URL of an installed distribution, saying where it came from.
+
+    ``pkg:pypi/<normalized name>@<version>`` (version percent-encoded, ``+`` -> ``%2B``) for one
+    installed from an index; plus ``?vcs_url=`` for a VCS install and ``?checksum=...&download_url=``
+    for an archive URL (PEP 610); ``pkg:generic/...?download_url=file:...`` for a local directory.
+    """
+    name, version = normalize_name(dist.name), quote(dist.version, safe=".-_~")
+    info = dist.source()
+    if info is None:
+        return f"pkg:pypi/{name}@{version}"
+    if "vcs_info" in info:
+        return f"pkg:pypi/{name}@{version}?vcs_url={_q(_vcs_location(info))}"
+    if "dir_info" in info:  # a local source tree: no index serves this build
+        return f"pkg:generic/{name}@{version}?download_url={_q(info['url'])}"
+    qualifiers = {"download_url": info["url"]}
+    archive = info.get("archive_info") or {}
+    hashes = dict(archive.get("hashes") or {})
+    if not hashes and isinstance(archive.get("hash"), str) and "=" in archive["hash"]:  # PEP 610's legacy form
+        alg, _, value = archive["hash"].partition("=")
+        hashes[alg] = value
+    if "sha256" in hashes:
+        qualifiers["checksum"] = f"sha256:{hashes['sha256']}"
+    return f"pkg:pypi/{name}@{version}?" + "&".join(f"{k}={_q(v)}" for k, v in sorted(qualifiers.items()))
+
+
+def _source_fields(dist: Distribution) -> dict[str, str]:
+    """SPDX ``downloadLocation`` / ``sourceInfo`` of a distribution installed from a URL (PEP 610)."""
+    info = dist.source()
+    if info is None:
+        return {}
+    if "vcs_info" in info:
+        return {"downloadLocation": _vcs_location(info), "sourceInfo": "installed from a VCS URL (PEP 610)"}
+    if "dir_info" in info:
+        editable = " in editable mode" if (info.get("dir_info") or {}).get("editable") else ""
+        return {"sourceInfo": f"installed{editable} from the local directory {info['url']} (PEP 610)"}
+    return {"downloadLocation": info["url"], "sourceInfo": "installed from an archive URL (PEP 610)"}
+
+
+# SPDX 2.3 file types by suffix (section 8.3); anything else is OTHER
+_FILE_TYPES = {
+    ".onnx": "BINARY", ".safetensors": "BINARY", ".bin": "BINARY", ".gguf": "BINARY", ".pt": "BINARY",
+    ".so": "BINARY", ".json": "TEXT", ".jsonl": "TEXT", ".txt": "TEXT", ".dot": "TEXT", ".sha256": "TEXT",
+    ".pub": "TEXT", ".toml": "TEXT", ".yaml": "TEXT", ".yml": "TEXT", ".md": "DOCUMENTATION",
+    ".png": "IMAGE", ".py": "SOURCE", ".zip": "ARCHIVE", ".tar": "ARCHIVE", ".gz": "ARCHIVE",
+}
+
+
+def _file_type(rel: str) -> str:
+    if rel.endswith(".spdx.json"):
+        return "SPDX"
+    return _FILE_TYPES.get(Path(rel).suffix.lower(), "OTHER")
+
+
+def _python_package() -> dict[str, str]:
+    """The interpreter, as syft's binary cataloger reports it."""
+    version = platform.python_version()
+    return {"name": "python", "version": version, "implementation": platform.python_implementation(),
+            "purl": f"pkg:generic/python@{quote(version, safe='.-_~')}",
+            # CPython is under the PSF licence; other implementations are left unasserted
+            "license": "Python-2.0" if platform.python_implementation() == "CPython" else "NOASSERTION"}
 
 
 def _spdx_id(prefix: str, text: str) -> str:
@@ -131,6 +207,7 @@ def build_spdx(name: str, *, files: Sequence[str | os.PathLike[str]] = (), base:
             "primaryPackagePurpose": "LIBRARY",
             "externalRefs": [{"referenceCategory": "PACKAGE-MANAGER", "referenceType": "purl",
                               "referenceLocator": purl(d)}],
+            **_source_fields(d),
         }
         if d.summary:
             pkg["summary"] = d.summary
@@ -139,6 +216,17 @@ def build_spdx(name: str, *, files: Sequence[str | os.PathLike[str]] = (), base:
         packages.append(pkg)
         relationships.append({"spdxElementId": root_id, "relationshipType": "DEPENDS_ON",
                               "relatedSpdxElement": pkg["SPDXID"]})
+    py = _python_package()
+    py_id = _spdx_id("Package", f"python-{py['version']}")
+    packages.append({
+        "SPDXID": py_id, "name": py["name"], "versionInfo": py["version"], "downloadLocation": "NOASSERTION",
+        "filesAnalyzed": False, "licenseConcluded": "NOASSERTION", "licenseDeclared": py["license"],
+        "copyrightText": "NOASSERTION", "primaryPackagePurpose": "APPLICATION",
+        "comment": f"the {py['implementation']} interpreter that ran the build",
+        "externalRefs": [{"referenceCategory": "PACKAGE-MANAGER", "referenceType": "purl",
+                          "referenceLocator": py["purl"]}],
+    })
+    relationships.append({"spdxElementId": root_id, "relationshipType": "DEPENDS_ON", "relatedSpdxElement": py_id})
     for d in dists:
         for req in d.requires:
             if req in ids and req != normalize_name(d.name):
@@ -150,6 +238,7 @@ def build_spdx(name: str, *, files: Sequence[str | os.PathLike[str]] = (), base:
         spdx_files.append({
             "SPDXID": file_id,
             "fileName": "./" + e["path"],
+            "fileTypes": [_file_type(e["path"])],
             "checksums": [{"algorithm": "SHA1", "checksumValue": e["sha1"]},
                           {"algorithm": "SHA256", "checksumValue": e["sha256"]}],
             "licenseConcluded": "NOASSERTION",
@@ -190,10 +279,14 @@ def build_cyclonedx(name: str, *, files: Sequence[str | os.PathLike[str]] = (), 
         if license_id != "NOASSERTION":
             comp["licenses"] = [{"expression": license_id}]
         components.append(comp)
+    py = _python_package()
+    components.append({"type": "application", "bom-ref": py["purl"], "name": py["name"], "version": py["version"],
+                       "purl": py["purl"], "description": f"the {py['implementation']} interpreter that ran the build"})
     for e in entries:
         components.append({"type": "file", "bom-ref": f"file:{e['path']}", "name": e["path"],
                            "hashes": [{"alg": "SHA-1", "content": e["sha1"]}, {"alg": "SHA-256", "content": e["sha256"]}]})
-    dependencies = [{"ref": root_ref, "dependsOn": sorted(refs.values())}]
+    dependencies = [{"ref": root_ref, "dependsOn": sorted([*refs.values(), py["purl"]])}, {"ref": py["purl"],
+                                                                                       "dependsOn": []}]
     for d in dists:
         dependencies.append({"ref": refs[normalize_name(d.name)],
                              "dependsOn": sorted(refs[r] for r in d.requires if r in refs and r != normalize_name(d.name))})

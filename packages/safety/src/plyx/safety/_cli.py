@@ -34,6 +34,15 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="", help="model name sent to an HTTP target")
     p.add_argument("--api-key", default="", help="bearer token for an HTTP target")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per HTTP request (default: 60)")
+    p.add_argument("--max-tokens", type=int, default=256,
+                   help="most reply tokens per request, lowered to fit the context /v1/models reports (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default: 0)")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="another request field for an HTTP target, VALUE parsed as JSON when it is (repeatable)")
+    p.add_argument("--context", type=int, default=0,
+                   help="the target's context in tokens (default: read from /v1/models when it says)")
+    p.add_argument("--max-error-rate", type=float, default=0.05,
+                   help="share of attempts that may be errors or empty replies before the run fails (default: 0.05)")
     p.add_argument("--probes", default="", help="comma-separated probe names (default: all installed)")
     p.add_argument("--limit", type=int, default=0, help="at most this many attempts per probe (0: all)")
     p.add_argument("--policy", default="", help="put this policy's rails in front of the target")
@@ -43,6 +52,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("eval", help="precision and recall of the detectors on the shipped evaluation set")
     p.add_argument("--detectors", default="", help="comma-separated detector names (default: all evaluated)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--confusion", action="store_true",
+                   help="also print the confusion matrix (true entity x detector that fired)")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -102,7 +113,18 @@ def _redteam(args: argparse.Namespace) -> int:
     from plyx.safety._redteam import run_redteam
     from plyx.safety._targets import GuardedTarget, resolve_target
 
-    http: dict[str, Any] = {"model": args.model, "api_key": args.api_key, "timeout": args.timeout}
+    params: dict[str, Any] = {}
+    for item in args.param:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param {item!r}: write KEY=VALUE, e.g. --param top_p=0.9")
+        try:
+            params[key] = json.loads(raw)
+        except ValueError:
+            params[key] = raw
+    http: dict[str, Any] = {"model": args.model, "api_key": args.api_key, "timeout": args.timeout,
+                            "max_tokens": args.max_tokens, "temperature": args.temperature, "params": params,
+                            "context": args.context}
     target = resolve_target(args.target, **http) if args.target.startswith("http") else resolve_target(args.target)
     name = args.target
     if args.policy:
@@ -115,25 +137,40 @@ def _redteam(args: argparse.Namespace) -> int:
 
         options = {p: {"limit": args.limit} for p in available_probes()}
     report = run_redteam(target, probes=probes, probe_options=options, out_dir=args.out, workers=args.workers,
-                         target_name=name)
-    errors = sum(bool(r.error) for r in report.results)
-    print(f"{len(report.results)} attempts, failure rate {report.failure_rate:.1%}, {errors} errors")
+                         target_name=name, max_error_rate=args.max_error_rate)
+    print(f"{len(report.results)} attempts: {len(report.judged)} judged, failure rate {report.failure_rate:.1%}, "
+          f"{report.error_count} errors, {report.empty_count} empty replies")
+    empties = report.empties(lambda r: r.probe)
     for probe, (n, f, e) in report.rates(lambda r: r.probe).items():
-        print(f"  {probe:<18} {f}/{n} failed" + (f", {e} errors" if e else ""))
+        print(f"  {probe:<18} {f}/{n} failed" + (f", {e} errors" if e else "") +
+              (f", {empties[probe]} empty" if empties.get(probe) else ""))
+    first = next((r.error for r in report.results if r.error), "")
+    if first:
+        print(f"first error: {first}", file=sys.stderr)
     print(f"wrote {report.log_path} and {report.report_path}")
-    return 0 if errors < len(report.results) or not report.results else 1
+    if not report.ok:
+        print(f"plyx safety redteam: {report.verdict}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from plyx.safety._evaluate import evaluate, markdown_table
+    from plyx.safety._evaluate import confusion_matrix, evaluate, markdown_confusion, markdown_table
 
     names = [d.strip() for d in args.detectors.split(",") if d.strip()] or None
     scores = evaluate(names)
+    matrix = confusion_matrix(names) if args.confusion else None
     if args.json:
-        print(json.dumps({n: {"precision": s.precision, "recall": s.recall, "obfuscated_recall": s.obfuscated_recall,
-                              "tp": s.tp, "fp": s.fp, "fn": s.fn, "tn": s.tn} for n, s in scores.items()}, indent=2))
+        out: dict[str, Any] = {n: {"precision": s.precision, "recall": s.recall, "obfuscated_recall": s.obfuscated_recall,
+                                   "tp": s.tp, "fp": s.fp, "fn": s.fn, "tn": s.tn} for n, s in scores.items()}
+        if matrix is not None:
+            out = {"scores": out, "confusion": matrix}
+        print(json.dumps(out, indent=2))
     else:
         print(markdown_table(scores))
+        if matrix is not None:
+            print()
+            print(markdown_confusion(matrix))
     return 0
 
 

@@ -48,12 +48,25 @@ MOVES: list[tuple[str, float, str]] = [
      r"\b(?:without|no|free\s+(?:of|from)|ignore|bypass|free\s+of\s+all)\s+(?:any\s+|all\s+|your\s+)?"
      r"(?:restrictions|filters?|filtering|censorship|limitations|ethical\s+(?:guidelines|constraints|boundaries)"
      r"|moral\s+(?:guidelines|constraints|boundaries)|safety\s+(?:guidelines|rules|filters|measures))"),
+    ("no_limits", 0.8,
+     r"\b(?:pretend|imagine|assume|act\s+as\s+if|suppose)\b.{0,40}?\b(?:you\s+(?:have|had|'ve)|there\s+(?:is|are|were)"
+     r"|you\s+are\s+(?:free\s+of|without))\s+(?:no|zero)\s+(?:content\s+|safety\s+|usage\s+)?"
+     r"(?:polic(?:y|ies)|filters?|restrictions|guidelines|rules|limits|safeguards|guardrails)"),
+    ("no_limits", 0.5,
+     r"\byou\s+(?:have|'ve)\s+no\s+(?:content\s+|safety\s+)?(?:polic(?:y|ies)|filters?|restrictions|guidelines)\b"),
     ("extraction", 0.8,
      r"\b(?:reveal|show|print|repeat|output|display|leak|dump|recite|tell\s+me|what\s+(?:is|are|were))\b.{0,30}"
      r"\byour\s+(?:system\s+prompt|initial\s+(?:prompt|instructions)|hidden\s+(?:prompt|instructions)"
      r"|original\s+(?:prompt|instructions)|instructions|prompt|rules)\b"),
     ("extraction", 0.7, r"\b(?:repeat|print|output)\s+(?:the\s+)?(?:text|words|everything|instructions)\s+(?:above|before\s+this)\b"),
-    ("template", 0.7, r"<\|im_start\|>|<\|im_end\|>|<\|system\|>|<\|endoftext\|>|\[/?inst\]|<</?sys>>|<\|start_header_id\|>"),
+    # chat-template control tokens in user text (ChatML, Llama 2/3, Gemma, Phi, Mistral). Matched on text
+    # whose "_" became " " (see _moves_in): `im[ _]start`
+    ("template", 0.7,
+     r"<\|im[ _](?:start|end|sep)\|>|<\|(?:system|user|assistant|endoftext|eot[ _]id|end)\|>|\[/?inst\]|<</?sys>>"
+     r"|<\|(?:start|end)[ _]header[ _]id\|>|<(?:start|end)[ _]of[ _]turn>"),
+    # a smuggled system turn: the control token followed by a system role
+    ("template_system", 0.9,
+     r"(?:<\|im[ _]start\|>|<\|start[ _]header[ _]id\|>|<start[ _]of[ _]turn>)\s*system\b|<\|system\|>|<<sys>>"),
     ("template", 0.4, r"(?:^|\n)\s*#{2,}\s*(?:system|instruction|new\s+instructions?)\b|(?:^|\n)\s*system\s*:"),
     ("framing", 0.4,
      r"\b(?:hypothetically|in\s+a\s+fictional\s+(?:world|story|universe)|for\s+a\s+(?:novel|story|movie|screenplay))\b"

@@ -26,7 +26,9 @@ for _sym, _letter in LEET.items():
 _LETTER_FORMS["l"] = _LETTER_FORMS.get("l", "l") + "1"  # 1 stands for l as often as for i
 
 _SEP = r"[\s.\-_*·~]?"  # one separator between letters of a word
-_GAP = r"[\W_]+"  # any run of non-word characters between words
+# a run of non-word characters between words; bounded so that a streaming filter
+# rescanning CONTEXT characters back finds the same matches as the whole-text pass
+_GAP = r"[\W_]{1,8}"
 
 
 def _atoms(term: str, leet: bool) -> list[str]:
@@ -104,7 +106,7 @@ class DenyListDetector:
             re.compile("|".join(f"(?:{term_pattern(t, leet=leet, separators=separators)[0]})" for t in self.allow))
             if self.allow else None
         )
-        self.max_len = 3 * max(len(t) for t in self.deny) + 8
+        self.max_len = max(3 * len(t) + 8 * t.count(" ") for t in self.deny) + 8
 
     @staticmethod
     def _norm_term(term: Any, option: str) -> str:

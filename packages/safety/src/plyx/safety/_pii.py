@@ -3,6 +3,12 @@
 Each is a regex that finds candidates and a validator that keeps only what is
 structurally real (a check digit, a registry length, an address that parses),
 which is what keeps order numbers, dates and version strings out.
+
+Entities overlap: an IBAN's digits after ``00`` look like an international
+phone number, a card's first twelve digits may pass Aadhaar's Verhoeff check.
+``PRIORITY`` orders the entities; a detector drops a candidate that overlaps a
+validated entity of higher priority (``yields_to``), alone or inside ``pii``,
+so one span is one entity.
 """
 
 from __future__ import annotations
@@ -25,46 +31,98 @@ __all__ = [
     "IpAddressDetector",
     "PiiDetector",
     "PII_ENTITIES",
+    "PRIORITY",
 ]
 
 Hit = tuple[str, int, int, float, str]
 
+#: entity priority, highest first: where validated spans overlap, the higher one is the entity
+PRIORITY = ("secrets", "credit_card", "iban", "national_id", "email", "ip_address", "phone")
 
-class EmailDetector(SpanDetector):
+
+class _PiiSpanDetector(SpanDetector):
+    """A PII detector that gives way to higher-priority entities it can be confused with."""
+
+    #: entities (keys of ``PII_ENTITIES``, higher in ``PRIORITY``) whose spans this detector never claims
+    yields_to: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._higher: list[SpanDetector] | None = None
+
+    def _higher_detectors(self) -> list[SpanDetector]:
+        if self._higher is None:  # built lazily: the entity table is defined below
+            self._higher = [PII_ENTITIES[e]() for e in self.yields_to]
+        return self._higher
+
+    def detect(self, text: str, context: Mapping[str, Any] | None = None) -> list[Finding]:
+        found = super().detect(text, context)
+        if not found or not self.yields_to:
+            return found
+        taken = [(f.start, f.end) for d in self._higher_detectors() for f in d.detect(text, context)]
+        return [f for f in found if all(f.end <= s or f.start >= e for s, e in taken)]
+
+    def pending(self, text: str) -> int:
+        # whether a candidate stands depends on the higher entities too: hold what they hold
+        return min([super().pending(text)] + [d.pending(text) for d in self._higher_detectors()])
+
+    def detect_own(self, text: str, context: Mapping[str, Any] | None = None) -> list[Finding]:
+        """Candidates without giving way (for a caller that resolves overlaps by ``PRIORITY`` itself)."""
+        return SpanDetector.detect(self, text, context)
+
+    def pending_own(self, text: str) -> int:
+        """``pending`` of this entity alone (for a caller that also holds what the higher ones hold)."""
+        return SpanDetector.pending(self, text)
+
+
+class EmailDetector(_PiiSpanDetector):
     """RFC 5321-shaped addresses, plus the bracketed obfuscations ``john [at] example [dot] com``."""
 
     name = "email"
-    alphabet = r"[\w.%+\-@]"
+    alphabet = r"[\w.%+\-@']"
     # a plain address is one run of address characters; an obfuscated one may
     # contain spaces once a bracket follows the local part ("john [at] ex")
-    tail = r"[\w.%+\-@]*(?:[ \t]*(?:[\[({<][\w\s\[\](){}<>.@\-]*)?)?\Z"
+    tail = r"[\w.%+\-@']*(?:[ \t]*(?:[\[({<][\w\s\[\](){}<>.@\-]*)?)?\Z"
     max_len = 254
     _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    # the local part: RFC 5322 atext as people write it; an apostrophe only between
+    # letters (o'brien), so quotes around an address stay outside it
+    _LOCAL = r"[A-Za-z0-9._%+\-](?:[A-Za-z0-9._%+\-]|'(?=[A-Za-z0-9])){0,63}"
+    _BEFORE = r"(?<![\w.%+\-])(?<!\w')"
     _PLAIN = re.compile(
-        rf"(?<![\w.%+-])[A-Za-z0-9._%+-]{{1,64}}@{_LABEL}(?:\.{_LABEL})*\.[A-Za-z]{{2,24}}(?![\w-])"
+        rf"{_BEFORE}{_LOCAL}@{_LABEL}(?:\.{_LABEL})*\.([A-Za-z]{{2,24}})(?![\w-])"
     )
     _AT = r"\s*[\[({<]\s*(?:at|@)\s*[\])}>]\s*"
     _DOT = r"(?:\s*[\[({<]\s*(?:dot|\.)\s*[\])}>]\s*|\.)"
     _OBFUSCATED = re.compile(
-        rf"(?<![\w.%+-])[A-Za-z0-9._%+-]{{1,64}}{_AT}{_LABEL}(?:{_DOT}{_LABEL})*{_DOT}[A-Za-z]{{2,24}}(?![\w-])",
+        rf"{_BEFORE}{_LOCAL}{_AT}{_LABEL}(?:{_DOT}{_LABEL})*{_DOT}([A-Za-z]{{2,24}})(?![\w-])",
         re.IGNORECASE,
     )
+    # file extensions that are not top-level domains: logo@2x.png is an image, not an address
+    _FILE_EXTENSIONS = frozenset({"png", "jpg", "jpeg", "gif", "svg", "webp", "bmp", "ico", "tif", "tiff", "avif",
+                                  "heic", "pdf", "css", "js", "mjs", "ts", "json", "yaml", "yml", "toml", "html",
+                                  "htm", "txt", "csv", "mp3", "mp4", "wav", "webm", "woff", "woff2", "ttf", "otf",
+                                  "map", "lock", "tgz", "gz", "bz2", "xz", "whl", "exe", "dll", "so", "dylib"})
 
     def _scan(self, text: str) -> list[Hit]:
-        hits: list[Hit] = [("email", m.start(), m.end(), 1.0, "address") for m in self._PLAIN.finditer(text)]
-        hits += [("email", m.start(), m.end(), 0.9, "obfuscated") for m in self._OBFUSCATED.finditer(text)]
+        hits: list[Hit] = [("email", m.start(), m.end(), 1.0, "address") for m in self._PLAIN.finditer(text)
+                           if m.group(1).lower() not in self._FILE_EXTENSIONS]
+        hits += [("email", m.start(), m.end(), 0.9, "obfuscated") for m in self._OBFUSCATED.finditer(text)
+                 if m.group(1).lower() not in self._FILE_EXTENSIONS]
         return hits
 
 
-_PHONE_KEYWORDS = r"(?:phone|tel|telephone|mobile|cell|call(?:\s+me)?|text\s+me|whatsapp|fax|contact)"
+# whitespace is bounded so a keyword sits within the stream filter's CONTEXT before the digits
+_PHONE_KEYWORDS = r"(?:phone|tel|telephone|mobile|cell|call(?:\s{1,3}me)?|text\s{1,3}me|whatsapp|fax|contact)"
 
 
-class PhoneDetector(SpanDetector):
+class PhoneDetector(_PiiSpanDetector):
     """International numbers written with ``+``/``00`` and a country code, North
     American numbers with separators, and bare digit runs right after a phone
     keyword; 8-15 digits (ITU-T E.164)."""
 
     name = "phone"
+    yields_to = ("credit_card", "iban", "national_id")
     alphabet = r"[\d\s().+\-]"
     tail = r"[+(\d][\d\s().+\-]*\Z"  # a number starts with a digit, "+" or "("
     max_len = 40  # 15 digits (E.164), a separator after each, "+" or "00", parentheses
@@ -73,7 +131,7 @@ class PhoneDetector(SpanDetector):
         r"(?<![\w+])(?:1[ .\-]?)?(?:\([2-9]\d{2}\)\s?|[2-9]\d{2}[ .\-])[2-9]\d{2}[ .\-]\d{4}(?![\w])"
     )
     _CONTEXT = re.compile(
-        rf"\b{_PHONE_KEYWORDS}\b[\s:#.]*(?:no\.?|number|nr\.?|at|on)?[\s:#.]*(\(?\d[\d ().\-]{{6,18}}\d)(?![\w])",
+        rf"\b{_PHONE_KEYWORDS}\b[\s:#.]{{0,8}}(?:no\.?|number|nr\.?|at|on)?[\s:#.]{{0,8}}(\(?\d[\d ().\-]{{6,18}}\d)(?![\w])",
         re.IGNORECASE,
     )
 
@@ -93,7 +151,7 @@ class PhoneDetector(SpanDetector):
         return hits
 
 
-class CreditCardDetector(SpanDetector):
+class CreditCardDetector(_PiiSpanDetector):
     """Payment card numbers: 13-19 digits with one consistent separator, a known
     issuer prefix (ISO/IEC 7812 IIN ranges) and a valid Luhn check digit."""
 
@@ -117,7 +175,7 @@ class CreditCardDetector(SpanDetector):
         return hits
 
 
-class IbanDetector(SpanDetector):
+class IbanDetector(_PiiSpanDetector):
     """IBANs: a registered country code, its registry length and MOD 97-10 == 1;
     spaces or dashes between characters are allowed."""
 
@@ -150,15 +208,17 @@ class IbanDetector(SpanDetector):
         return hits
 
 
-class NationalIdDetector(SpanDetector):
+class NationalIdDetector(_PiiSpanDetector):
     """National identifiers with their validity rules: US SSN (SSA area/group/serial
     rules), UK National Insurance number (HMRC prefix rules), Spanish DNI/NIE
     (mod-23 letter), Indian Aadhaar (Verhoeff check digit)."""
 
     name = "national_id"
+    yields_to = ("credit_card", "iban")
     alphabet = r"[A-Za-z0-9 \-]"
     # prefixes of every kind: up to 2 letters, digits with separators, a final letter
-    tail = r"(?<![A-Za-z0-9])(?:[A-Za-z]{1,2}|\d)[\d \-]*[A-Za-z]?\Z"
+    # (a digit may follow a letter: an Aadhaar number's look-behind only refuses digits and dashes)
+    tail = r"(?:(?<![A-Za-z0-9])[A-Za-z]{1,2}|\d)[\d \-]*[A-Za-z]?\Z"
     max_len = 16
     KINDS = ("us_ssn", "uk_nino", "es_dni", "in_aadhaar")
     _SSN = re.compile(r"(?<![\d\-])(\d{3})([ \-])(\d{2})\2(\d{4})(?![\d\-])")
@@ -167,7 +227,8 @@ class NationalIdDetector(SpanDetector):
         r"(?<![A-Za-z0-9])([A-CEGHJ-PR-TW-Z][A-CEGHJ-NPR-TW-Z]) ?(\d{2}) ?(\d{2}) ?(\d{2}) ?([A-D])(?![A-Za-z0-9])"
     )
     _DNI = re.compile(r"(?<![A-Za-z0-9])([XYZ]?\d{7,8})[ \-]?([A-Za-z])(?![A-Za-z0-9])")
-    _AADHAAR = re.compile(r"(?<![\d\-])([2-9]\d{3})([ \-]?)(\d{4})\2(\d{4})(?![\d\-])")
+    # 12 digits, not a piece of a longer grouped number (a 16-digit card written 4-4-4-4)
+    _AADHAAR = re.compile(r"(?<![\d\-])(?<!\d )([2-9]\d{3})([ \-]?)(\d{4})\2(\d{4})(?![\d\-])(?! \d)")
 
     def __init__(self, kinds: Iterable[str] | None = None) -> None:
         super().__init__()
@@ -208,7 +269,7 @@ class NationalIdDetector(SpanDetector):
         return hits
 
 
-class IpAddressDetector(SpanDetector):
+class IpAddressDetector(_PiiSpanDetector):
     """IPv4 and IPv6 addresses that ``ipaddress`` parses; dotted runs with more
     than four parts (version strings) are not addresses."""
 
@@ -283,12 +344,19 @@ class PiiDetector:
                 raise DetectorOptionError("entities", "unknown PII entity", value=entity,
                                           fix=f"choose from {', '.join(PII_ENTITIES)}")
         self.parts = [PII_ENTITIES[e]() for e in chosen]
+        # a part whose higher entities are all parts too need not ask them again: the overlap
+        # resolution below gives way to them, and pending() already holds what they hold
+        self._detects = [p.detect_own if set(getattr(p, "yields_to", ())) <= set(chosen) and hasattr(p, "detect_own")
+                         else p.detect for p in self.parts]
+        self._pendings = [p.pending_own if set(getattr(p, "yields_to", ())) <= set(chosen) and hasattr(p, "pending_own")
+                          else p.pending for p in self.parts]
 
     def detect(self, text: str, context: Mapping[str, Any] | None = None) -> list[Finding]:
-        found = [f for part in self.parts for f in part.detect(text, context)]
-        # one span, one entity: a checksum-validated IBAN wins over the phone
-        # number its digits also look like (highest score, then longest, first)
-        found.sort(key=lambda f: (-f.score, f.start - f.end, f.start))
+        found = [f for detect in self._detects for f in detect(text, context)]
+        # one span, one entity: the entity of higher PRIORITY wins (a card over the
+        # Aadhaar number its first digits pass for), then the longest, then the first
+        rank = {name: i for i, name in enumerate(PRIORITY)}
+        found.sort(key=lambda f: (rank.get(f.detector, len(rank)), f.start - f.end, f.start))
         kept: list[Finding] = []
         for f in found:
             if all(f.end <= k.start or f.start >= k.end for k in kept):
@@ -297,4 +365,4 @@ class PiiDetector:
         return [Finding(self.name, f.label, f.start, f.end, f.score, f.detail) for f in kept]
 
     def pending(self, text: str) -> int:
-        return min((part.pending(text) for part in self.parts), default=len(text))
+        return min((pending(text) for pending in self._pendings), default=len(text))

@@ -75,6 +75,10 @@ class Policy(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """block (fail closed) | allow (fail open): what a detector that raises does, unless a rule overrides it."""
     refusal_message: str = "I can't help with that request."
     """Message of a block whose rule sets none."""
+    stream_holdback: int = 65536
+    """Most characters a streamed response may hold back at once while a span is undecided (a secret still
+    being written); past it the stream ends with the refusal of rule ``stream-holdback``. Never a reason to
+    release an undecided span."""
     audit_log: str = ""
     """Path of the JSONL audit log (relative paths are relative to the policy file); empty: no file."""
     input: list[Rule] = []
@@ -88,6 +92,9 @@ class Policy(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
         if self.on_error not in ("block", "allow"):
             raise ConfigError("$.on_error", "unknown failure mode", value=self.on_error,
                               fix="use block (fail closed) or allow (fail open)")
+        if self.stream_holdback < 1:
+            raise ConfigError("$.stream_holdback", "must be at least 1 character", value=self.stream_holdback,
+                              fix="give the most characters a stream may hold back, e.g. 65536")
         seen: dict[str, str] = {}
         for rail in RAILS:
             for i, rule in enumerate(getattr(self, rail)):

@@ -1,4 +1,9 @@
-"""User regexes as a detector."""
+"""User regexes as a detector.
+
+Matching uses Python's ``re``; streaming uses the ``regex`` module's partial
+matching (``partial=True``) on the same patterns to tell exactly from where a
+partial text could still grow into a match, however long that match gets.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import regex
 from plyx.safety._normalize import normalize
 from plyx.safety._types import DetectorOptionError, Finding
 
@@ -13,8 +19,8 @@ __all__ = ["RegexDetector"]
 
 _FLAGS = {"IGNORECASE": re.IGNORECASE, "MULTILINE": re.MULTILINE, "DOTALL": re.DOTALL, "VERBOSE": re.VERBOSE,
           "ASCII": re.ASCII}
-# constructs that can match whitespace: a match may then span words
-_SPANS_WORDS = re.compile(r"\\s|\\W|\\D|\\S|\[\^| |\.")
+_PARTIAL_FLAGS = {"IGNORECASE": regex.IGNORECASE, "MULTILINE": regex.MULTILINE, "DOTALL": regex.DOTALL,
+                  "VERBOSE": regex.VERBOSE, "ASCII": regex.ASCII}
 
 
 class RegexDetector:
@@ -25,7 +31,8 @@ class RegexDetector:
         flags: names of ``re`` flags (``IGNORECASE``, ``MULTILINE``, ``DOTALL``, ``VERBOSE``, ``ASCII``).
         label: the finding label (``regex`` unless set).
         normalize: match on the normalised text (case, homoglyphs, zero-width) instead of the raw one.
-        max_len: the longest match expected; streaming holds back at most this many characters.
+        max_len: kept for older policies; streaming no longer relies on it: a match of any length is held
+            back until it is decided (partial matching).
     """
 
     name = "regex"
@@ -38,11 +45,12 @@ class RegexDetector:
         patterns = list(patterns)
         if not patterns:
             raise DetectorOptionError("patterns", "no pattern given", fix='write patterns = ["..."]')
-        value = 0
+        value = partial_flags = 0
         for name in flags:
             if name.upper() not in _FLAGS:
                 raise DetectorOptionError("flags", "unknown regex flag", value=name, fix=f"choose from {', '.join(_FLAGS)}")
             value |= _FLAGS[name.upper()]
+            partial_flags |= _PARTIAL_FLAGS[name.upper()]
         self.compiled = []
         for i, p in enumerate(patterns):
             if not isinstance(p, str):
@@ -57,11 +65,15 @@ class RegexDetector:
             if self.compiled[-1].search(""):
                 raise DetectorOptionError(f"patterns[{i}]", "the pattern matches the empty string", value=p,
                                           fix="make it match at least one character")
+        # the same patterns for partial matching; one `regex` cannot compile is held back whole
+        self._partial: list[regex.Pattern[str]] | None = []
+        try:
+            self._partial = [regex.compile(p, partial_flags | regex.VERSION0) for p in patterns]
+        except regex.error:
+            self._partial = None
         self.label = label
         self.normalize = normalize
         self.max_len = int(max_len)
-        self._tail = re.compile(r"\S+\Z")
-        self._spans_words = any(_SPANS_WORDS.search(p) for p in patterns)
 
     def detect(self, text: str, context: Mapping[str, Any] | None = None) -> list[Finding]:
         norm = normalize(text) if self.normalize else None
@@ -74,11 +86,14 @@ class RegexDetector:
         return found
 
     def pending(self, text: str) -> int:
-        # Python's re has no partial matching: a pattern that can span words may
-        # still match anywhere in the last max_len characters; one that cannot
-        # only within the trailing word.
-        floor = max(0, len(text) - self.max_len)
-        if self._spans_words:
-            return floor
-        m = self._tail.search(text, floor)
-        return m.start() if m else len(text)
+        """The start of the earliest partial match at the end of ``text`` (``len(text)`` if none)."""
+        norm = normalize(text) if self.normalize else None
+        subject = norm.text if norm else text
+        if self._partial is None:
+            return 0
+        hold = len(subject)
+        for rx in self._partial:
+            for m in rx.finditer(subject, partial=True):
+                if m.partial and m.start() < hold:
+                    hold = m.start()
+        return norm.offset(hold) if norm else hold

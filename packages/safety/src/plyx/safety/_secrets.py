@@ -44,11 +44,24 @@ _PRIVATE_KEY = re.compile(
 )
 _NAME = (r"(?i)\b(?:[a-z0-9]+[_\-.])*(?:api[_\-]?key|apikey|secret(?:[_\-]?key)?|access[_\-]?key|access[_\-]?token"
          r"|auth[_\-]?token|token|passw(?:or)?d|pwd|client[_\-]?secret|private[_\-]?key|credentials?)\b"
-         r"[\"']?\s*(?::=|=>|[:=])\s*[\"']?")
+         r"[\"']?[ \t]{0,8}(?::=|=>|[:=])[ \t]{0,8}[\"']?")
 _ASSIGNED = re.compile(_NAME + r"([^\s\"'`,;]{12,})")
 # a value still being written: everything after the "=" may become part of a finding
 _ASSIGNING = re.compile(_NAME + r"([^\s\"'`,;]*)\Z")
+_VALUE_RUN = re.compile(r"[^\s\"'`,;]*\Z")
+_NAME_REACH = 96  # characters a name, its separator and quotes take before the value
 _PLACEHOLDER = re.compile(r"(?i)(x{4,}|\*{4,}|your|example|placeholder|changeme|dummy|redacted|<|\$\{|\{\{|%\(|os\.environ|getenv)")
+
+
+# stand-ins with a real prefix (AKIAXXXXXXXXXXXXXXXX, sk-live-****, ghp_000000...). AWS's documented
+# AKIAIOSFODNN7EXAMPLE is kept a finding: it has a real key's shape and is pasted into real configs
+_TOKEN_PLACEHOLDER = re.compile(r"(?i)x{6,}|\*{4,}|0{8,}|placeholder|your[_\-]?(?:key|token)")
+
+
+def _placeholder_token(token: str) -> bool:
+    """True for a prefixed token that is a documentation stand-in rather than a key."""
+    body = re.sub(r"^[A-Za-z]{2,4}[_\-]|^(?:AKIA|ASIA|AGPA|AIDA|AROA|ANPA|ANVA|AIPA|AIza|eyJ)", "", token)
+    return bool(_TOKEN_PLACEHOLDER.search(token)) or len(set(body)) < 6
 
 
 def shannon_entropy(s: str) -> float:
@@ -88,7 +101,8 @@ class SecretsDetector(SpanDetector):
     def _scan(self, text: str) -> list[tuple[str, int, int, float, str]]:
         hits = []
         for m in self._prefixed.finditer(text):
-            hits.append(("secret", m.start(), m.end(), 1.0, m.lastgroup or "prefix"))
+            if not _placeholder_token(m.group()):
+                hits.append(("secret", m.start(), m.end(), 1.0, m.lastgroup or "prefix"))
         for m in _PRIVATE_KEY.finditer(text):
             hits.append(("secret", m.start(), m.end(), 1.0, "private_key"))
         for m in _ASSIGNED.finditer(text):
@@ -105,5 +119,9 @@ class SecretsDetector(SpanDetector):
             return begin
         hold = super().pending(text)
         norm = self._normalize(text)
-        m = _ASSIGNING.search(norm.text, max(0, len(norm.text) - self.max_len))
+        # the value being written may be longer than max_len: start from its name,
+        # which sits right before the trailing run of value characters
+        run = _VALUE_RUN.search(norm.text)
+        start = max(0, (run.start() if run else len(norm.text)) - _NAME_REACH)
+        m = _ASSIGNING.search(norm.text, start)
         return min(hold, norm.offset(m.start(1))) if m else hold

@@ -17,11 +17,19 @@ def trailing_run(text: str, alphabet: re.Pattern[str], max_len: int) -> int:
     """Start of the longest suffix of ``text`` made of ``alphabet`` characters, at most ``max_len`` long.
 
     A match of a detector whose matches only contain ``alphabet`` characters and
-    are at most ``max_len`` long can only still grow out of this suffix.
+    are at most ``max_len`` long can only still grow out of this suffix. When the
+    suffix reaches past ``max_len`` (a 400-character JWT) the span may have started
+    anywhere: 0 is returned, so a streaming filter holds everything it has not
+    released until the run ends and the span can be decided.
     """
-    m = alphabet.search(text, max(0, len(text) - max_len))
+    floor = max(0, len(text) - max_len)
+    m = alphabet.search(text, floor)
     # the pattern is anchored at the end (`...+\Z`), so its first hit is the run
-    return m.start() if m else len(text)
+    if m is None:
+        return len(text)
+    if m.start() == floor > 0 and alphabet.match(text, floor - 1):
+        return 0  # longer than the bound: never let an undecided span go
+    return m.start()
 
 
 class SpanDetector:

@@ -42,6 +42,7 @@ def _objects() -> dict[str, dict[str, Any]]:
         mod(n) for n in ("batch", "checkpoint", "components", "config", "hookspecs", "kernels", "kvcache", "tensorspec")
     )
 
+    payloads = mod("payloads")  # the typed metadata of the lifecycle hooks belongs to the hook contract
     hook_fns = {
         name: getattr(hookspecs, name) for name in dir(hookspecs) if name.startswith("plyx_")
     }
@@ -58,7 +59,8 @@ def _objects() -> dict[str, dict[str, Any]]:
         "kernels": {n: getattr(kernels, n) for n in kernels.__all__ if n != "CONTRACT_VERSION"},
         "checkpoint": {n: getattr(checkpoint, n) for n in checkpoint.__all__ if n != "CONTRACT_VERSION"},
         "batch": {n: getattr(batch, n) for n in batch.__all__ if n != "CONTRACT_VERSION"},
-        "hooks": {**hook_fns, "Component": components.Component, "CliCommand": components.CliCommand},
+        "hooks": {**hook_fns, "Component": components.Component, "CliCommand": components.CliCommand,
+                  **{n: getattr(payloads, n) for n in payloads.__all__ if n != "CONTRACT_VERSION"}},
     }
 
 

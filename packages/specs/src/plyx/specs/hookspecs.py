@@ -143,7 +143,9 @@ def plyx_on_checkpoint_saved(path: str, step: int, metadata: dict[str, Any]) -> 
     :param path: the checkpoint directory.
     :param step: the training step it holds.
     :param metadata: ``config`` (dict), ``seeds``, ``inputs`` (name -> path of data
-        and tokenizer), ``outputs`` (paths written), ``metrics`` and ``run_id``.
+        and tokenizer), ``outputs`` (paths written), ``metrics`` and ``run_id``; optionally
+        ``techniques`` and ``writer``. Its typed form is ``plyx.specs.payloads.CheckpointPayload``
+        (pass the struct or ``payload_dict(struct)``).
     """
 
 
@@ -163,7 +165,8 @@ def plyx_on_export_written(path: str, format: str, metadata: dict[str, Any]) -> 
 
     :param path: the export directory.
     :param format: ``onnx``, ``hf``, ``safetensors``...
-    :param metadata: ``artifacts`` (paths), ``source`` checkpoint, ``config``, ``name``.
+    :param metadata: ``artifacts`` (paths), ``source`` checkpoint, ``config``, ``name``; optionally
+        ``techniques`` and model card fields. Its typed form is ``plyx.specs.payloads.ExportPayload``.
     """
 
 
