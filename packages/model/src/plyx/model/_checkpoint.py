@@ -379,6 +379,13 @@ def save_hf(model: TransformerLM, path: str | os.PathLike[str], *, max_shard_byt
     ``config.json`` + ``model.safetensors`` (or shards + ``model.safetensors.index.json``),
     Hugging Face tensor names; a tied LM head is not stored twice.
     """
+    from plyx.model.adapters import adapter_layers
+
+    if adapter_layers(model):  # transformers would drop the adapter tensors and load the bare base
+        raise CheckpointError(
+            "save_hf: the model carries adapters; merge_and_unload(model) first for a merged checkpoint, or "
+            "save_hf a model without them and save_peft(model, dir) for the adapter alone"
+        )
     hf_config = config_to_hf(model.config)
     state = {hf_name(n): t for n, t in model.state_dict().items()}
     dest = Path(path)

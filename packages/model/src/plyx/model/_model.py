@@ -23,7 +23,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from plyx.attn import Attention, KVStep, RMSNorm, begin_step, pack_linears_, packed_for_inference
+from plyx.attn import (
+    Attention,
+    KVStep,
+    RMSNorm,
+    begin_step,
+    pack_linears_,
+    packed_for_inference,
+    weight_reads_exact,
+)
 from plyx.specs.config.model import ModelConfig
 from plyx.specs.kvcache import KVCache
 from torch import nn
@@ -169,7 +177,7 @@ class DecoderLayer(nn.Module):
         mlp = self.mlp
         gate_up = packed_for_inference((mlp.gate_proj, mlp.up_proj))
         down = _optional_kernel("swiglu_linear", x, mlp.down_proj.weight, rows=B * T, hidden=mlp.down_proj.in_features)
-        if gate_up is None or down is None:
+        if gate_up is None or down is None or not weight_reads_exact(mlp.down_proj):  # e.g. an unmerged adapter
             return mlp(x, packed=True), residual
         # the SwiGLU inside the down projection's GEMV (one launch for cuBLAS's split-K GEMV, its reduce and swiglu)
         return down(F.linear(x, *gate_up), mlp.down_proj.weight, bias=mlp.down_proj.bias), residual

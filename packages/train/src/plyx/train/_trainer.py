@@ -270,6 +270,10 @@ class Trainer:
 
             model = TransformerLM(config.model, device=self.device)
         self.module = model.to(self.device)
+        if config.neftune_alpha is not None:  # noisy embeddings in train mode only (plyx.model.adapters.neftune)
+            from plyx.model.adapters import neftune
+
+            self.neftune = neftune(self.module, config.neftune_alpha)
         self._check_memory()
         self.ckpt_layers = _checkpoint_layers(self.module) if config.activation_checkpointing else 0
         self.optimizer = build_optimizer(self.module, config.optimizer)
