@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-__all__ = ["ChatTemplate", "ChatTemplateError", "RenderedChat", "load_chat_template"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "RenderedChat", "load_chat_template", "strip_generation_tags"]
 
 _START, _END = "\ue000", "\ue001"  # private-use code points marking {% generation %} output
 
@@ -145,6 +146,15 @@ class ChatTemplate:
                 )
             spans.append((len(head), len(upto)))
         return RenderedChat(text, tuple(spans))
+
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*(?:end)?generation\s*-?%\}")
+
+
+def strip_generation_tags(source: str) -> str:
+    """``source`` without ``{% generation %}`` / ``{% endgeneration %}``: the same renders, for consumers
+    (inference servers) whose Jinja environment lacks transformers' training-only tag."""
+    return _GENERATION_TAG.sub("", source)
 
 
 def _strip_markers(marked: str) -> RenderedChat:

@@ -34,7 +34,7 @@ import torch
 from plyx.specs import Batch, components
 from torch import nn
 
-from plyx.rl._chat import ChatTemplate, ChatTemplateError, load_chat_template
+from plyx.rl._chat import ChatTemplate, ChatTemplateError, load_chat_template, strip_generation_tags
 from plyx.rl._config import PreferenceConfig, RunConfig, SFTConfig, default_beta
 from plyx.rl._data import (
     DataError,
@@ -53,7 +53,10 @@ from plyx.rl._data import (
 from plyx.rl._logprobs import sequence_logps, token_logps
 from plyx.rl._losses import dpo_loss, kto_loss, orpo_loss, preference_metrics, simpo_loss
 
-__all__ = ["RunResult", "preference", "sft", "load_tokenizer_and_template"]
+__all__ = ["END_OF_TURN", "RunResult", "preference", "sft", "load_tokenizer_and_template"]
+
+#: end-of-turn tokens of common chat templates; those a run's template uses become stop ids of the saved model
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "</s>")
 
 
 @attrs.frozen
@@ -288,8 +291,12 @@ def _save(model: nn.Module, config: RunConfig, tokenizer: Any, template: ChatTem
     tokenizer.save(model_dir / "tokenizer.json")
     if template is not None:
         _atomic_json(model_dir / "tokenizer_config.json", {
-            "chat_template": template.source, "eos_token": tokenizer.eos_token, "bos_token": template.bos_token or None,
+            "chat_template": strip_generation_tags(template.source), "eos_token": tokenizer.eos_token, "bos_token": template.bos_token or None,
             "tokenizer_class": "PreTrainedTokenizerFast"})
+        # a chat model stops at its end-of-turn token too (Hugging Face's generation_config convention)
+        vocab = tokenizer.inner.get_vocab(with_added_tokens=True)
+        stops = [int(tokenizer.eos_id)] + [int(vocab[t]) for t in END_OF_TURN if t in vocab and t in template.source]
+        _atomic_json(model_dir / "generation_config.json", {"eos_token_id": sorted(set(stops))})
     return model_dir, adapter_dir
 
 
