@@ -57,13 +57,14 @@ def _tokens(seed: int, rows: int):
     return logps.requires_grad_(True), mask
 
 
-def _trl_dpo(loss_type: str, beta: float, label_smoothing: float, per_token, mask, ref_c, ref_r):
+def _trl_dpo(loss_type: str, beta: float, label_smoothing: float, per_token, mask, ref_c, ref_r, *,
+             extra_types=(), extra_weights=()):
     from trl.trainer.dpo_trainer import DPOTrainer
 
     t = object.__new__(DPOTrainer)
     stand_in = _StandIn(per_token)
-    t.__dict__.update(model=stand_in, accelerator=_Accel(), precompute_ref_logps=True, loss_types=[loss_type],
-                      loss_weights=[1.0], ld_alpha=None, f_divergence_type="reverse_kl", beta=beta,
+    t.__dict__.update(model=stand_in, accelerator=_Accel(), precompute_ref_logps=True, loss_types=[loss_type, *extra_types],
+                      loss_weights=[1.0, *extra_weights], ld_alpha=None, f_divergence_type="reverse_kl", beta=beta,
                       label_smoothing=label_smoothing, use_weighting=False, aux_loss_enabled=False,
                       _metrics={"train": defaultdict(list), "eval": defaultdict(list)}, _total_train_tokens=0,
                       _tp_size=1)
@@ -110,6 +111,23 @@ def test_reference_free_dpo_is_trl_dpo_against_a_zero_reference():
     (want_grad,) = torch.autograd.grad(want, per_token)
     logps = per_token.sum(-1)
     out = dpo_loss(logps[:B], logps[B:], None, None, beta=0.1, reference_free=True)
+    (got_grad,) = torch.autograd.grad(out.loss, per_token)
+    torch.testing.assert_close(out.loss, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.0])
+def test_rpo_is_trl_dpo_plus_its_sft_loss_type(alpha):
+    """TRL 1.16 composes losses: loss_type=["sigmoid", "sft"], loss_weights=[1, alpha] is RPO."""
+    per_token, mask = _tokens(8, 2 * B)
+    g = torch.Generator().manual_seed(9)
+    ref = -8 * torch.rand(2 * B, generator=g, dtype=torch.float64)
+    want, trl_metrics = _trl_dpo("sigmoid", 0.1, 0.0, per_token, mask, ref[:B], ref[B:], extra_types=("sft",),
+                                 extra_weights=(alpha,))
+    (want_grad,) = torch.autograd.grad(want, per_token)
+    logps = per_token.sum(-1)
+    nll = -(per_token[:B] * mask[:B]).sum() / mask[:B].sum()  # masked tokens only, as token_logps gives them
+    out = dpo_loss(logps[:B], logps[B:], ref[:B], ref[B:], beta=0.1, chosen_nll=nll, rpo_alpha=alpha)
     (got_grad,) = torch.autograd.grad(out.loss, per_token)
     torch.testing.assert_close(out.loss, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)

@@ -103,6 +103,7 @@ def test_sft_packed_with_lora_trains_only_the_adapter(base, tmp_path):
 @pytest.mark.parametrize("method,extra", [
     ("dpo", {"loss_type": "sigmoid"}), ("dpo", {"loss_type": "ipo"}), ("dpo", {"loss_type": "hinge"}),
     ("dpo", {"loss_type": "robust", "label_smoothing": 0.1}), ("dpo", {"reference_free": True}),
+    ("dpo", {"rpo_alpha": 1.0}),
     ("orpo", {}), ("simpo", {}), ("kto", {})])
 def test_preference_methods_raise_the_reward_margin(base, tmp_path, method, extra):
     root, _ = base
@@ -110,7 +111,7 @@ def test_preference_methods_raise_the_reward_margin(base, tmp_path, method, extr
     cfg = PreferenceConfig(model=str(root / "model"), data=str(data), out_dir=str(tmp_path / "run"), method=method,
                            steps=8, optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0), **extra, **COMMON)
     result = preference(cfg, print_fn=lambda *_: None)
-    first, last = result.history[0], result.history[-1]
+    last = result.history[-1]
     assert all(k in last for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen",
                                    "logps/rejected"))
     if method != "kto":

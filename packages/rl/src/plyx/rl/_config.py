@@ -109,6 +109,8 @@ class PreferenceConfig(RunConfig, kw_only=True, frozen=True, forbid_unknown_fiel
     """(dpo robust, simpo) assumed rate of flipped preference labels."""
     reference_free: bool = False
     """(dpo) score against a uniform reference instead of the starting model."""
+    rpo_alpha: NonNegFloat = 0.0
+    """(dpo) add this x the chosen completions' mean NLL (RPO; keeps chosen answers likely); 0: off."""
     simpo_gamma: NonNegFloat = 0.5
     """(simpo) target reward margin gamma."""
     desirable_weight: NonNegFloat = 1.0

@@ -26,9 +26,8 @@ from typing import Any, Literal
 
 import attrs
 import torch
-from plyx.specs import Batch
-
 from plyx.rl._chat import ChatTemplate, ChatTemplateError
+from plyx.specs import Batch
 
 __all__ = [
     "DataError",

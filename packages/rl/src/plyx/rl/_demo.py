@@ -6,8 +6,9 @@ ChatML's two special tokens, a small Llama-style plyx model. Stages:
 1. pretrain on the tasks as plain text (``add 23 58 = 81``), packed, loss on every token;
 2. held-out accuracy of the base model in the chat format (it has never seen the format);
 3. SFT on chat conversations (assistant-only loss), accuracy again;
-4. DPO: chosen = the correct answer, rejected = the SFT model's own wrong greedy answer where it has one,
-   else a corrupted correct answer (one character changed or two swapped); accuracy again.
+4. DPO (sigmoid loss plus the chosen answers' NLL, RPO's ``rpo_alpha``): chosen = the correct answer,
+   rejected = the SFT model's own wrong greedy answer where it has one, else a corrupted correct answer
+   (one character changed or two swapped); accuracy again.
 
 ``DemoSizes`` sets every size; ``bench/demo.py`` runs the documented one, the tests a much smaller one.
 """
@@ -23,7 +24,6 @@ from typing import Any
 
 import attrs
 import torch
-
 from plyx.rl._chat import ChatTemplate
 from plyx.rl._tasks import Task, corrupt, greedy_answers, make_tasks, score
 
@@ -49,14 +49,15 @@ class DemoSizes:
     train_tasks: int = 4000
     test_tasks: int = 400
     dpo_pairs: int = 1000
-    pretrain_steps: int = 600
-    sft_steps: int = 500
-    dpo_steps: int = 150
+    pretrain_steps: int = 300
+    sft_steps: int = 250
+    dpo_steps: int = 60
     batch_size: int = 32
-    pretrain_lr: float = 2e-3
+    pretrain_lr: float = 3e-3
     sft_lr: float = 1e-3
     dpo_lr: float = 2e-5
     beta: float = 0.1
+    rpo_alpha: float = 1.0
     seed: int = 0
 
 
@@ -97,10 +98,9 @@ def _model(sizes: DemoSizes, vocab: int) -> Any:
 def run_demo(out_dir: str | Path, sizes: DemoSizes = DemoSizes(), *, progress: bool = False,
              print_fn: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the four stages into ``out_dir``; returns the accuracies, timings and sizes (also ``results.json``)."""
-    from plyx.specs import OptimizerConfig, ScheduleConfig
-
     from plyx.rl._config import PreferenceConfig, SFTConfig
     from plyx.rl._run import preference, sft
+    from plyx.specs import OptimizerConfig, ScheduleConfig
 
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -156,7 +156,7 @@ def run_demo(out_dir: str | Path, sizes: DemoSizes = DemoSizes(), *, progress: b
                       "rejected": rejected})
     write_jsonl(root / "dpo.jsonl", pairs)
     tuned_pref = preference(
-        PreferenceConfig(method="dpo", beta=sizes.beta, data=str(root / "dpo.jsonl"), out_dir=str(root / "dpo"),
+        PreferenceConfig(method="dpo", beta=sizes.beta, rpo_alpha=sizes.rpo_alpha, data=str(root / "dpo.jsonl"), out_dir=str(root / "dpo"),
                          steps=sizes.dpo_steps, optimizer=OptimizerConfig(lr=sizes.dpo_lr, weight_decay=0.0),
                          schedule=ScheduleConfig(kind="constant", warmup_steps=10), **common),
         model=tuned.model, tokenizer=tok, template=template, overwrite=True, progress=progress, print_fn=print_fn)

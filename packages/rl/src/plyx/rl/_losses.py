@@ -15,6 +15,7 @@ chosen / rejected completion, ``h = [log pi(y_w) - log ref(y_w)] - [log pi(y_l) 
 - robust DPO (Chowdhury et al. 2024, eq. 8), label-flip rate ``eps``:
   ``[-(1 - eps) log sigmoid(beta h) + eps log sigmoid(-beta h)] / (1 - 2 eps)``.
 - reference-free: the reference log-probs are taken as 0 (``h = log pi(y_w) - log pi(y_l)``).
+- RPO (Pang et al. 2024): any of the above plus ``alpha`` x the chosen completions' mean token NLL.
 - ORPO (Hong et al. 2024, eqs. 4-7): ``NLL(y_w) - beta log sigmoid(log odds(y_w) - log odds(y_l))`` with
   ``odds(y) = p / (1 - p)`` of the length-averaged log-prob ``log p``.
 - SimPO (Meng et al. 2024, eq. 6): ``-log sigmoid(beta (avg log pi(y_w) - avg log pi(y_l)) - gamma)``.
@@ -81,6 +82,8 @@ def dpo_loss(
     reference_free: bool = False,
     chosen_lengths: torch.Tensor | None = None,
     rejected_lengths: torch.Tensor | None = None,
+    chosen_nll: torch.Tensor | None = None,
+    rpo_alpha: float = 0.0,
 ) -> PreferenceLoss:
     """The DPO family on summed completion log-probs ``[B]``.
 
@@ -92,6 +95,9 @@ def dpo_loss(
         label_smoothing: ``robust``: the assumed rate of flipped labels, in ``[0, 0.5)``.
         reference_free: score against a uniform reference (ref log-probs = 0).
         chosen_lengths, rejected_lengths: ``[B]`` completion token counts (``ipo`` needs them).
+        chosen_nll: 0-dim mean NLL of the chosen completions' tokens (needed when ``rpo_alpha > 0``).
+        rpo_alpha: weight of ``chosen_nll`` added to the loss (RPO, Pang et al. 2024: DPO + NLL keeps the
+            chosen completions likely; TRL's ``loss_type=[..., "sft"]``).
 
     Returns:
         ``PreferenceLoss`` with rewards ``beta * (log pi - log ref)``.
@@ -121,7 +127,14 @@ def dpo_loss(
         if not 0 <= eps < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5) for the robust loss (got {eps})")
         losses = (-(1 - eps) * F.logsigmoid(beta * h) + eps * F.logsigmoid(-beta * h)) / (1 - 2 * eps)
-    return PreferenceLoss(losses.mean(), losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach())
+    loss = losses.mean()
+    extra: dict[str, float] = {}
+    if rpo_alpha > 0:
+        if chosen_nll is None:
+            raise ValueError("rpo_alpha > 0 adds the chosen completions' NLL: pass chosen_nll")
+        loss = loss + rpo_alpha * chosen_nll
+        extra["nll_loss"] = float(chosen_nll.detach())
+    return PreferenceLoss(loss, losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), extra)
 
 
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:

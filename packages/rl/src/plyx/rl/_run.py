@@ -23,7 +23,6 @@ import math
 import os
 import shutil
 import signal
-
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -31,9 +30,6 @@ from typing import Any
 
 import attrs
 import torch
-from plyx.specs import Batch, components
-from torch import nn
-
 from plyx.rl._chat import ChatTemplate, ChatTemplateError, load_chat_template, strip_generation_tags
 from plyx.rl._config import PreferenceConfig, RunConfig, SFTConfig, default_beta
 from plyx.rl._data import (
@@ -52,6 +48,8 @@ from plyx.rl._data import (
 )
 from plyx.rl._logprobs import sequence_logps, token_logps
 from plyx.rl._losses import dpo_loss, kto_loss, orpo_loss, preference_metrics, simpo_loss
+from plyx.specs import Batch, components
+from torch import nn
 
 __all__ = ["END_OF_TURN", "RunResult", "preference", "sft", "load_tokenizer_and_template"]
 
@@ -492,10 +490,11 @@ def preference(config: PreferenceConfig, *, model: nn.Module | None = None, toke
             sums, counts = logps.sum(-1), mask.sum(-1)
             pc, pr = sums[:b], sums[b:]
             if method == "dpo":
+                nll = -logps[:b].sum() / mask[:b].sum().clamp(min=1) if config.rpo_alpha > 0 else None
                 out = dpo_loss(pc, pr, ref_c[idx] if needs_ref else None, ref_r[idx] if needs_ref else None,
                                beta=beta, loss_type=config.loss_type, label_smoothing=config.label_smoothing,
                                reference_free=config.reference_free, chosen_lengths=counts[:b],
-                               rejected_lengths=counts[b:])
+                               rejected_lengths=counts[b:], chosen_nll=nll, rpo_alpha=config.rpo_alpha)
             else:
                 avg = sums / counts.clamp(min=1)
                 if method == "simpo":
