@@ -20,6 +20,7 @@ from plyx.rl import (
     preference,
     sft,
     split_of,
+    strip_generation_tags,
 )
 from plyx.rl._demo import CHATML, build_tokenizer, write_jsonl
 from plyx.specs import OptimizerConfig, ScheduleConfig
@@ -64,7 +65,7 @@ def test_task_split_is_fixed_by_prompt():
 def test_sft_full_fine_tune_learns_and_writes_a_servable_checkpoint(base, tmp_path):
     from plyx.model import load_checkpoint
 
-    root, _ = base
+    root, tok = base
     cfg = SFTConfig(model=str(root / "model"), data=str(root / "sft.jsonl"), out_dir=str(tmp_path / "run"), steps=12,
                     optimizer=OptimizerConfig(lr=3e-3, weight_decay=0.0), **COMMON)
     result = sft(cfg, print_fn=lambda *_: None)
@@ -74,7 +75,10 @@ def test_sft_full_fine_tune_learns_and_writes_a_servable_checkpoint(base, tmp_pa
     for a, b in zip(model.state_dict().values(), result.model.state_dict().values()):
         torch.testing.assert_close(a, b)
     assert (result.model_dir / "tokenizer.json").is_file()
-    assert json.loads((result.model_dir / "tokenizer_config.json").read_text())["chat_template"] == CHATML
+    saved = json.loads((result.model_dir / "tokenizer_config.json").read_text())["chat_template"]
+X
+    stops = json.loads((result.model_dir / "generation_config.json").read_text())["eos_token_id"]
+    assert sorted(stops) == sorted([tok.eos_id, tok.inner.token_to_id("<|im_end|>")])
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["kept"] == 24
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 12
@@ -174,27 +178,30 @@ def test_nothing_is_written_for_bad_data_and_out_dir_is_protected(base, tmp_path
         preference(cfg, print_fn=lambda *_: None)
 
 
-def test_cli_runs_sft_and_dpo_and_reports_errors(base, tmp_path):
+def test_cli_runs_sft_and_dpo_and_reports_errors(base, tmp_path, capsys):
+    from plyx.specs.cli import main
+
     root, _ = base
     cfg = tmp_path / "sft.toml"
     cfg.write_text(f'model = "{root / "model"}"\ndata = "{root / "sft.jsonl"}"\nsteps = 2\nbatch_size = 4\n'
                    f'device = "cpu"\nmax_length = 48\n')
-    cli = [sys.executable, "-m", "plyx.specs", "rl"]
-    env_run = {"capture_output": True, "text": True, "timeout": 300}
-    proc = subprocess.run([*cli, "sft", str(cfg), "--out-dir", str(tmp_path / "s"), "--no-progress"], **env_run)
+    # the real command once, in a fresh process: the subcommand comes from the plugin's entry point
+    proc = subprocess.run([sys.executable, "-m", "plyx.specs", "rl", "sft", str(cfg), "--out-dir", str(tmp_path / "s"),
+                           "--no-progress"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "model: " in proc.stdout and (tmp_path / "s" / "model" / "model_card.json").is_file()
     dpo = tmp_path / "dpo.toml"
     dpo.write_text(cfg.read_text().replace("sft.jsonl", "pairs.jsonl") + 'loss_type = "ipo"\n')
-    proc = subprocess.run([*cli, "dpo", str(dpo), "--out-dir", str(tmp_path / "d"), "--no-progress",
-                           "--set", "beta=0.2"], **env_run)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "rewards/accuracies" in proc.stdout
-    proc = subprocess.run([*cli, "dpo", str(dpo), "--print-config", "--set", "betta=1"], **env_run)
-    assert proc.returncode == 2 and "betta" in proc.stderr
+    assert main(["rl", "dpo", str(dpo), "--out-dir", str(tmp_path / "d"), "--no-progress", "--set", "beta=0.2"]) == 0
+    assert "rewards/accuracies" in capsys.readouterr().out
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["beta"] == 0.2
+    assert main(["rl", "orpo", str(dpo), "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["method"] == "orpo"  # the command's method wins
+    assert main(["rl", "dpo", str(dpo), "--print-config", "--set", "betta=1"]) == 2
+    assert "betta" in capsys.readouterr().err
     strict = tmp_path / "strict.jsonl"
     strict.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    proc = subprocess.run([*cli, "sft", str(cfg), "--set", f"data={json.dumps(str(strict))}", "--strict",
-                           "--out-dir", str(tmp_path / "x")], **env_run)
-    assert proc.returncode == 2 and ":1: record skipped (no_assistant_turn)" in proc.stderr
+    code = main(["rl", "sft", str(cfg), "--set", f"data={json.dumps(str(strict))}", "--strict", "--out-dir",
+                 str(tmp_path / "x")])
+    assert code == 2 and ":1: record skipped (no_assistant_turn)" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

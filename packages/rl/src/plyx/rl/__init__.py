@@ -6,7 +6,7 @@ Python API: ``sft(SFTConfig(...))``, ``preference(PreferenceConfig(method="dpo",
 ``make_tasks`` generates verifiable tasks with a fixed held-out split.
 """
 
-from plyx.rl._chat import ChatTemplate, ChatTemplateError, RenderedChat, load_chat_template
+from plyx.rl._chat import ChatTemplate, ChatTemplateError, RenderedChat, load_chat_template, strip_generation_tags
 from plyx.rl._config import AdapterSettings, PreferenceConfig, RunConfig, SFTConfig, default_beta
 from plyx.rl._data import (
     DataError,
@@ -73,6 +73,7 @@ __all__ = [
     "sft",
     "simpo_loss",
     "split_of",
+    "strip_generation_tags",
     "tokenize_kto",
     "tokenize_pairs",
     "tokenize_sft",
