@@ -76,7 +76,7 @@ def test_sft_full_fine_tune_learns_and_writes_a_servable_checkpoint(base, tmp_pa
         torch.testing.assert_close(a, b)
     assert (result.model_dir / "tokenizer.json").is_file()
     saved = json.loads((result.model_dir / "tokenizer_config.json").read_text())["chat_template"]
-X
+    assert saved == strip_generation_tags(CHATML) and "{% generation %}" not in saved  # serve's Jinja lacks the tag
     stops = json.loads((result.model_dir / "generation_config.json").read_text())["eos_token_id"]
     assert sorted(stops) == sorted([tok.eos_id, tok.inner.token_to_id("<|im_end|>")])
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
