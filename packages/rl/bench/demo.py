@@ -36,7 +36,7 @@ def main() -> None:
     sizes = DemoSizes(seed=args.seed)
     if args.quick:
         sizes = DemoSizes(d_model=64, n_layers=2, train_tasks=800, test_tasks=100, dpo_pairs=200,
-                          pretrain_steps=60, sft_steps=60, dpo_steps=20, batch_size=16, seed=args.seed)
+                          pretrain_steps=60, sft_steps=60, dpo_steps=20, batch_size=16, control=False, seed=args.seed)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     device = f"cpu ({platform.processor() or platform.machine()}, {args.threads} thread(s))"
     print(f"device: {device}; date: {started}; torch {torch.__version__}")
@@ -46,7 +46,9 @@ def main() -> None:
               "quick": args.quick, **result}
     acc = result["accuracy"]
     print(f"held-out accuracy ({result['test_tasks']} tasks): before SFT {acc['before_sft']['accuracy']:.3f}, "
-          f"after SFT {acc['after_sft']['accuracy']:.3f}, after DPO {acc['after_dpo']['accuracy']:.3f}")
+          f"after SFT {acc['after_sft']['accuracy']:.3f}, after DPO {acc['after_dpo']['accuracy']:.3f}"
+          + (f"; control (SFT on the chosen answers) {acc['control_sft_on_chosen']['accuracy']:.3f}"
+             if "control_sft_on_chosen" in acc else ""))
     if not args.no_record:
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         with RESULTS.open("a", encoding="utf-8") as fh:

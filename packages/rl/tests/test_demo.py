@@ -18,7 +18,7 @@ def test_demo_pipeline_runs_every_stage_and_records_results(tmp_path):
     finally:
         torch.set_num_threads(threads)
     acc = result["accuracy"]
-    assert set(acc) == {"before_sft", "after_sft", "after_dpo"}
+    assert set(acc) == {"before_sft", "after_sft", "after_dpo", "control_sft_on_chosen"}
     for stage in acc.values():
         assert 0.0 <= stage["accuracy"] <= 1.0
         assert {"accuracy/add", "accuracy/reverse", "accuracy/sort", "accuracy/date"} <= set(stage)
@@ -27,5 +27,5 @@ def test_demo_pipeline_runs_every_stage_and_records_results(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["accuracy"] == acc
     pairs = [json.loads(line) for line in (tmp_path / "dpo.jsonl").read_text().splitlines()]
     assert all(p["chosen"] != p["rejected"] for p in pairs)
-    for stage in ("pretrain", "sft", "dpo"):
+    for stage in ("pretrain", "sft", "dpo", "control"):
         assert (tmp_path / stage / "model" / "model_card.json").is_file()

@@ -8,13 +8,16 @@ ChatML's two special tokens, a small Llama-style plyx model. Stages:
 3. SFT on chat conversations (assistant-only loss), accuracy again;
 4. DPO (sigmoid loss plus the chosen answers' NLL, RPO's ``rpo_alpha``): chosen = the correct answer,
    rejected = the SFT model's own wrong greedy answer where it has one, else a corrupted correct answer
-   (one character changed or two swapped); accuracy again.
+   (one character changed or two swapped); accuracy again;
+5. the control: the SFT model trained on the DPO stage's chosen answers alone, same steps and learning
+   rate (the NLL part of the DPO stage without the preference term), accuracy again.
 
 ``DemoSizes`` sets every size; ``bench/demo.py`` runs the documented one, the tests a much smaller one.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import time
@@ -58,6 +61,8 @@ class DemoSizes:
     dpo_lr: float = 2e-5
     beta: float = 0.1
     rpo_alpha: float = 1.0
+    control: bool = True
+    """Also run the control: SFT on the chosen answers with DPO's steps and learning rate (RPO's NLL part alone)."""
     seed: int = 0
 
 
@@ -155,16 +160,33 @@ def run_demo(out_dir: str | Path, sizes: DemoSizes = DemoSizes(), *, progress: b
         pairs.append({"prompt": [{"role": "user", "content": task.prompt}], "chosen": task.answer,
                       "rejected": rejected})
     write_jsonl(root / "dpo.jsonl", pairs)
+    times["dpo_pairs_s"] = time.perf_counter() - t
+    control_acc = None
+    if sizes.control:
+        # the control: the same steps, learning rate and batches of chosen answers as plain SFT (the NLL part of
+        # the DPO stage alone), from a copy of the SFT model; what DPO adds is the difference to this
+        t = time.perf_counter()
+        write_jsonl(root / "control.jsonl", [{"messages": x.messages()} for x in dpo_tasks])
+        control = sft(SFTConfig(data=str(root / "control.jsonl"), out_dir=str(root / "control"), steps=sizes.dpo_steps,
+                                optimizer=OptimizerConfig(lr=sizes.dpo_lr, weight_decay=0.0),
+                                schedule=ScheduleConfig(kind="constant", warmup_steps=10), **common),
+                      model=copy.deepcopy(tuned.model), tokenizer=tok, template=template, overwrite=True,
+                      progress=progress, print_fn=print_fn)
+        times["control_s"] = time.perf_counter() - t
+        control_acc, _ = accuracy(control.model, test)
+        print_fn(f"held-out accuracy after the control (SFT on the chosen answers only): {control_acc['accuracy']:.3f}")
+        t = time.perf_counter()
     tuned_pref = preference(
         PreferenceConfig(method="dpo", beta=sizes.beta, rpo_alpha=sizes.rpo_alpha, data=str(root / "dpo.jsonl"), out_dir=str(root / "dpo"),
                          steps=sizes.dpo_steps, optimizer=OptimizerConfig(lr=sizes.dpo_lr, weight_decay=0.0),
                          schedule=ScheduleConfig(kind="constant", warmup_steps=10), **common),
         model=tuned.model, tokenizer=tok, template=template, overwrite=True, progress=progress, print_fn=print_fn)
-    times["dpo_s"] = time.perf_counter() - t
+    times["dpo_s"] = time.perf_counter() - t + times.pop("dpo_pairs_s")
     after_dpo, _ = accuracy(tuned_pref.model, test)
     print_fn(f"held-out accuracy after DPO: {after_dpo['accuracy']:.3f}")
     result = {
-        "accuracy": {"before_sft": base, "after_sft": after_sft, "after_dpo": after_dpo},
+        "accuracy": {"before_sft": base, "after_sft": after_sft, "after_dpo": after_dpo,
+                     **({"control_sft_on_chosen": control_acc} if control_acc is not None else {})},
         "dpo": {"pairs": len(pairs), "on_policy_rejected": on_policy, "final": tuned_pref.metrics},
         "sft_final": tuned.metrics, "pretrain_final": pre.metrics,
         "times_s": times, "sizes": attrs.asdict(sizes),
