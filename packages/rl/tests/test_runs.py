@@ -205,3 +205,17 @@ def test_cli_runs_sft_and_dpo_and_reports_errors(base, tmp_path, capsys):
                  str(tmp_path / "x")])
     assert code == 2 and ":1: record skipped (no_assistant_turn)" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_reference_log_probs_are_computed_once(base, tmp_path):
+    """24 pairs: the reference costs 2 x ceil(24 / 16) forwards before training, then one forward per step."""
+    from plyx.model import load_checkpoint
+
+    root, _ = base
+    model = load_checkpoint(root / "model")
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(torch.is_grad_enabled()))
+    cfg = PreferenceConfig(model=str(root / "model"), data=str(root / "pairs.jsonl"), out_dir=str(tmp_path / "run"),
+                           steps=5, **COMMON)
+    preference(cfg, model=model, print_fn=lambda *_: None)
+    assert calls == [False] * 4 + [True] * 5

@@ -219,13 +219,13 @@ class _Encoder:
 
 def _truncate_sft(ex: SFTExample, max_length: int, policy: Truncation, where: str, report: DataReport
                   ) -> SFTExample | None:
+    """``ex`` within ``max_length`` under ``policy``; None when it is to be skipped (``too_long``)."""
     if len(ex.ids) <= max_length:
         return ex
     if policy == "error":
         raise DataError(f"{where}: {len(ex.ids)} tokens exceed max_length {max_length}; raise max_length or set "
                         "truncation = 'skip' or 'truncate'")
     if policy == "skip":
-        report.skip(int(where.rsplit(":", 1)[-1]), "too_long")
         return None
     report.truncated += 1
     return SFTExample(ex.ids[:max_length], ex.loss_mask[:max_length])
@@ -277,18 +277,15 @@ def tokenize_sft(path: str | os.PathLike[str], tokenizer: Any, template: ChatTem
             raise DataError(f"{where}: an SFT record needs 'messages', 'prompt' + 'completion', or 'text' "
                             f"(has {', '.join(sorted(record)) or 'no fields'})")
         if reason is None:
-            truncated = _truncate_sft(ex, max_length, truncation, where, report)
-            if truncated is None:
+            fitted = _truncate_sft(ex, max_length, truncation, where, report)
+            if fitted is None:
                 reason = "too_long"
-            elif not any(truncated.loss_mask[1:]):
+            elif not any(fitted.loss_mask[1:]):  # the first token is never predicted
                 reason = "no_loss_tokens"
             else:
-                out.append(truncated)
+                out.append(fitted)
                 continue
-            if reason != "too_long":
-                report.skip(number, reason)
-        else:
-            report.skip(number, reason)
+        report.skip(number, reason)
         if strict:
             raise DataError(f"{where}: record skipped ({reason}); fix the record or drop `--strict`")
     report.kept = len(out)
