@@ -219,3 +219,28 @@ def test_reference_log_probs_are_computed_once(base, tmp_path):
                            steps=5, **COMMON)
     preference(cfg, model=model, print_fn=lambda *_: None)
     assert calls == [False] * 4 + [True] * 5
+
+
+def test_ctrl_c_finishes_the_step_and_saves(base, tmp_path):
+    import os
+    import signal
+
+    from plyx.model import load_checkpoint
+
+    root, _ = base
+    model = load_checkpoint(root / "model")
+    seen = []
+
+    def interrupt_on_third_step(module, args):
+        if torch.is_grad_enabled():
+            seen.append(1)
+            if len(seen) == 3:
+                os.kill(os.getpid(), signal.SIGINT)  # arrives mid-step; the step still completes
+
+    model.register_forward_pre_hook(interrupt_on_third_step)
+    cfg = SFTConfig(model=str(root / "model"), data=str(root / "sft.jsonl"), out_dir=str(tmp_path / "run"), steps=50,
+                    **COMMON)
+    result = sft(cfg, model=model, print_fn=lambda *_: None)
+    assert result.stopped == "SIGINT" and result.step == 3
+    assert (result.model_dir / "model_card.json").is_file()
+    assert json.loads((result.model_dir / "model_card.json").read_text())["training"]["stopped"] == "SIGINT"
