@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -187,7 +188,8 @@ def test_cli_runs_sft_and_dpo_and_reports_errors(base, tmp_path, capsys):
                    f'device = "cpu"\nmax_length = 48\n')
     # the real command once, in a fresh process: the subcommand comes from the plugin's entry point
     proc = subprocess.run([sys.executable, "-m", "plyx.specs", "rl", "sft", str(cfg), "--out-dir", str(tmp_path / "s"),
-                           "--no-progress"], capture_output=True, text=True, timeout=300)
+                           "--no-progress"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "model: " in proc.stdout and (tmp_path / "s" / "model" / "model_card.json").is_file()
     dpo = tmp_path / "dpo.toml"
@@ -222,7 +224,6 @@ def test_reference_log_probs_are_computed_once(base, tmp_path):
 
 
 def test_ctrl_c_finishes_the_step_and_saves(base, tmp_path):
-    import os
     import signal
 
     from plyx.model import load_checkpoint
