@@ -199,6 +199,23 @@ def test_training_moves_only_the_adapter(tiny, random_model):
         assert torch.equal(model.state_dict()[k], v), k
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bf16_autocast_training_step(tiny, random_model, variant):
+    """The Trainer's bf16-autocast precision: float32 adapter parameters, bf16 matmuls, float32 gradients."""
+    model = random_model(tiny()).train()
+    add_adapter(model, LoraConfig(r=4, target_modules=ALL, variant=variant, init_lora_weights=False))
+    mark_only_adapters_trainable(model)
+    ids = torch.randint(0, 97, (2, 8))
+    want = model(ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(ids)
+    got.float().logsumexp(-1).mean().backward()
+    # bf16 matmuls through 2 layers: ~1e-2 relative on logits of size ~5
+    torch.testing.assert_close(got.float(), want, rtol=5e-2, atol=1.5e-1)
+    grads = [p.grad for p in model.parameters() if p.requires_grad]  # the adapters (base frozen)
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
 def test_lora_plus_groups():
     holder = _layer(torch.float32)
     holder["norm"] = nn.LayerNorm(12)
@@ -273,6 +290,18 @@ def test_a_variant_from_a_plugin_is_used():
         unregister_plugin("test-doubled-variant")
     layer = holder["proj"]
     assert isinstance(layer.variants["default"], _Doubled) and layer.scaling["default"] == 3.0
+
+    class Broken:
+        @hookimpl
+        def plyx_adapter_variants(self):
+            return [Component("broken", lambda: object(), "not an AdapterVariant")]
+
+    register_plugin(Broken(), "test-broken-variant")
+    try:
+        with pytest.raises(AdapterError, match="'broken'.*built object, not a plyx.model.adapters.AdapterVariant"):
+            add_adapter(holder, LoraConfig(target_modules=("proj",), variant="lora"), "other")
+    finally:
+        unregister_plugin("test-broken-variant")
     x = torch.randn(4, 20, dtype=torch.float64)
     A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight
     torch.testing.assert_close(layer(x), x @ (layer.weight + 3.0 * B @ A).T + layer.bias)

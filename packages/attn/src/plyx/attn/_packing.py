@@ -25,7 +25,7 @@ __all__ = ["pack_linears_", "packed_for_inference", "packed_linear", "weight_rea
 @torch.no_grad()
 def pack_linears_(linears: Sequence[nn.Linear]) -> None:
     """Stack the weights (and biases, when all have one) of ``linears`` in one buffer each, in order."""
-    if packed_linear(linears) is not None:
+    if _stacked_params(linears) is not None:
         return  # already packed
     for attr in ("weight", "bias"):
         params = [getattr(lin, attr) for lin in linears]
@@ -62,6 +62,11 @@ def packed_linear(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Ten
     """
     if not all(weight_reads_exact(lin) for lin in linears):
         return None
+    return _stacked_params(linears)
+
+
+def _stacked_params(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight, bias)`` stacked views when the linears' parameters lie packed, whatever the linears compute."""
     weight = _stacked([lin.weight for lin in linears])
     if weight is None:
         return None

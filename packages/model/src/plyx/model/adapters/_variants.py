@@ -156,7 +156,7 @@ class DoraVariant(AdapterVariant):
     def unmerge(self, layer: LoraLinear, name: str) -> None:
         w = layer.weight
         dtype = torch.promote_types(w.dtype, torch.float32)
-        factor = layer.merge_cache.pop(name)
+        factor = layer.merge_cache.pop(name).to(w.device)  # the model may have moved since the merge
         w.copy_((w.to(dtype) / factor[:, None] - self.delta_weight(layer, name)).to(w.dtype))
 
 
