@@ -460,10 +460,11 @@ def preference(config: PreferenceConfig, *, model: nn.Module | None = None, toke
         print_fn(f"reference log-probs cached for {n} examples (+{n} mismatched pairs for the KL estimate)")
 
         def step_fn(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
-            batch = completion_rows([prompts[i] for i in idx] + [kl_prompts[i] for i in idx],
-                                    [comps[i] for i in idx] * 2, pad).to(device)
-            logps, _count = sequence_logps(model, batch)
-            pol, pol_kl = logps[: len(idx)], logps[len(idx):].detach()
+            batch = completion_rows([prompts[i] for i in idx], [comps[i] for i in idx], pad).to(device)
+            pol = sequence_logps(model, batch)[0]
+            with torch.no_grad():  # z is detached in the loss: its forward needs no graph (as in TRL)
+                kl_batch = completion_rows([kl_prompts[i] for i in idx], [comps[i] for i in idx], pad).to(device)
+                pol_kl = sequence_logps(model, kl_batch)[0]
             out = kto_loss(pol, ref[idx], labels[idx], pol_kl, ref_kl[idx], beta=beta,
                            desirable_weight=config.desirable_weight, undesirable_weight=config.undesirable_weight)
             sel = labels[idx]
