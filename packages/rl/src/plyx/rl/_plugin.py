@@ -1,5 +1,19 @@
-"""The built-in plugin of plyx-rl, registered under the `plyx` entry-point group."""
+"""The built-in plugin of plyx-rl, registered under the `plyx` entry-point group.
+
+Provides the ``plyx rl sft|dpo|orpo|simpo|kto`` command (``plyx_cli_commands``).
+"""
 
 from __future__ import annotations
 
-plyx_contracts = {"hooks": "1.0"}
+from typing import Any
+
+from plyx.specs import CliCommand, hookimpl
+
+plyx_contracts = {"hooks": "1.0", "batch": "1.0"}
+
+
+@hookimpl
+def plyx_cli_commands() -> list[Any]:
+    from plyx.rl import _cli
+
+    return [CliCommand("rl", "post-train a model: sft, dpo, orpo, simpo, kto", _cli.configure_rl, _cli.run_rl)]

@@ -1,0 +1,106 @@
+"""``plyx rl sft|dpo|orpo|simpo|kto CONFIG``, contributed through ``plyx_cli_commands``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from plyx.specs import ConfigError, PlyxError, load_config
+
+__all__ = ["configure_rl", "run_rl"]
+
+_METHODS = ("sft", "dpo", "orpo", "simpo", "kto")
+
+
+def configure_rl(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="rl_command", metavar="METHOD", required=True)
+    helps = {"sft": "supervised fine-tuning (conversations, prompt/completion, text)",
+             "dpo": "direct preference optimisation (loss_type sigmoid | ipo | hinge | robust; reference_free)",
+             "orpo": "odds-ratio preference optimisation (no reference model)",
+             "simpo": "simple preference optimisation (length-normalised, no reference model)",
+             "kto": "Kahneman-Tversky optimisation on unpaired desirable/undesirable examples"}
+    for name in _METHODS:
+        p = sub.add_parser(name, help=helps[name])
+        p.add_argument("config", help=f"{'SFTConfig' if name == 'sft' else 'PreferenceConfig'} file "
+                       "(TOML, JSON or YAML)")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field, dotted for nested ones: --set steps=200 --set adapter.r=16")
+        p.add_argument("--out-dir", help="shortcut for --set out_dir=DIR")
+        p.add_argument("--strict", action="store_true", help="raise on the first record that would be skipped")
+        p.add_argument("--overwrite", action="store_true", help="replace the results of a previous run in out_dir")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+        p.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from plyx.rl._config import PreferenceConfig, SFTConfig
+
+    cls = SFTConfig if args.rl_command == "sft" else PreferenceConfig
+    config = load_config(cls, args.config)
+    doc = config.to_dict()
+    overrides = list(args.overrides)
+    if args.out_dir:
+        overrides.append(f"out_dir={json.dumps(args.out_dir)}")
+    if args.strict:
+        overrides.append("strict=true")
+    if cls is PreferenceConfig:
+        if doc.get("method") not in (None, args.rl_command) and not any(o.startswith("method=") for o in overrides):
+            print(f"note: method {doc['method']!r} of {args.config} -> {args.rl_command!r} (the command)",
+                  file=sys.stderr)
+        overrides.append(f"method={json.dumps(args.rl_command)}")
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError("--set", "expected KEY=VALUE", value=item, fix="write e.g. --set steps=200")
+        try:
+            value: Any = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        node = doc
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                raise ConfigError(f"$.{key}", f"`{part}` is not a table", value=item)
+            node = node[part]
+        node[parts[-1]] = value
+    return cls.from_dict(doc, source="--set")
+
+
+def run_rl(args: argparse.Namespace) -> int:
+    from plyx.rl._chat import ChatTemplateError
+    from plyx.rl._data import DataError
+    from plyx.rl._run import preference, sft
+
+    try:
+        config = _load(args)
+    except (ConfigError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(config.to_dict(), indent=2))
+        return 0
+    run = sft if args.rl_command == "sft" else preference
+    try:
+        result = run(config, overwrite=args.overwrite, progress=not args.no_progress)
+    except (DataError, ChatTemplateError, FileExistsError, FileNotFoundError, LookupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (PlyxError, FloatingPointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    last = result.metrics
+    shown = {k: v for k, v in last.items() if k in ("loss", "rewards/accuracies", "rewards/margins", "kl")}
+    print(f"step {result.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+    if result.model_dir:
+        print(f"model: {result.model_dir}")
+    if result.adapter_dir:
+        print(f"adapter: {result.adapter_dir}")
+    print(f"metrics: {result.out_dir / 'metrics.jsonl'}")
+    if result.stopped:
+        print(f"stopped by {result.stopped}; the model trained so far was saved")
+        return 130 if result.stopped == "SIGINT" else 143
+    return 0
