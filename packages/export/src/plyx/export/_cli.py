@@ -28,6 +28,14 @@ def _configure(parser: argparse.ArgumentParser) -> None:
                       help="compare onnxruntime with torch on two random [B, T] shapes (default: on)")
     onnx.add_argument("--atol", type=float, help="absolute tolerance of --verify (default: 1e-4 for float32)")
     onnx.add_argument("--rtol", type=float, help="tolerance relative to max|logits| (default: 1e-4 for float32)")
+    onnx.add_argument("--with-kv-cache", action="store_true", default=None,
+                      help="export the decoding graph: past_key_values.N.key/value in, present.N.key/value out, "
+                           "attention_mask, position_ids (Optimum / onnxruntime-genai names)")
+    onnx.add_argument("--greedy-tokens", type=int,
+                      help="tokens of the greedy decode compared with plyx's (--with-kv-cache; default 64)")
+    onnx.add_argument("--quantize", choices=["int8-dynamic", "int8-static"],
+                      help="int8 graph through onnxruntime.quantization (per-channel weights)")
+    onnx.add_argument("--calibration", help="text file for int8-static, tokenised with the checkpoint's tokenizer")
     parser.add_argument("--no-hooks", dest="hooks", action="store_false",
                         help="do not fire plyx_on_export_written (no governance records)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -35,7 +43,8 @@ def _configure(parser: argparse.ArgumentParser) -> None:
 
 def _options(args: argparse.Namespace) -> dict[str, object]:
     """Format options: only those given, so a third-party exporter is not handed flags it does not take."""
-    options: dict[str, object] = {k: getattr(args, k) for k in ("seq_len", "opset", "dtype", "atol", "rtol")
+    options: dict[str, object] = {k: getattr(args, k) for k in ("seq_len", "opset", "dtype", "atol", "rtol", "with_kv_cache",
+                                                           "greedy_tokens", "quantize", "calibration")
                                   if getattr(args, k) is not None}
     if not args.verify:
         options["verify"] = False
