@@ -57,7 +57,7 @@ MIN_OPSET = 18  # lower opsets go through onnx's version converter, which fails 
 MODEL_FILE = "model.onnx"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "plyx_export.json"
-MANIFEST_SCHEMA = "plyx-export/onnx"
+MANIFEST_SCHEMA = "plyx-export/onnx"  # the schema name predates other formats; "export.format" tells them apart
 MANIFEST_VERSION = 1
 #: the KV graph's attention_mask / present sequence axis, as Optimum names it
 TOTAL_AXIS = "past_sequence_length + sequence_length"
@@ -401,7 +401,10 @@ def _copy_tokenizer(source: Path | None, out: Path) -> list[Path]:
     return copied
 
 
-def _manifest(config: Any, settings: dict[str, Any], source: Path | None, report: Any) -> dict[str, Any]:
+def _manifest(config: Any, settings: dict[str, Any], source: Path | None, report: Any, *,
+              exporter: str = "torch.onnx.export(dynamo=True)", packages: tuple[str, ...] = ("onnx", "onnxscript",
+                                                                                            "onnxruntime")
+              ) -> dict[str, Any]:
     planes = ("plyx-specs", "plyx-kernel", "plyx-attn", "plyx-model", "plyx-export")
     return {
         "schema": MANIFEST_SCHEMA,
@@ -409,8 +412,7 @@ def _manifest(config: Any, settings: dict[str, Any], source: Path | None, report
         "export": settings,
         "model": config.to_dict(),
         "source": None if source is None else {"path": str(source.resolve()), "card": _card_of(source)},
-        "exporter": {"name": "torch.onnx.export(dynamo=True)",
-                     **{d: version_of(d) for d in ("torch", "onnx", "onnxscript", "onnxruntime")}},
+        "exporter": {"name": exporter, **{d: version_of(d) for d in ("torch", *packages)}},
         "producers": {d: version_of(d) for d in planes},
         "verification": None if report is None else report.to_dict(),
     }
