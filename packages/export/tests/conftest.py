@@ -120,3 +120,9 @@ def checkpoint_with_tokenizer(tmp_path_factory: pytest.TempPathFactory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def corpus_text() -> str:
+    """The text the test tokenizers are trained on (also the int8-static calibration text)."""
+    return CORPUS

@@ -408,9 +408,11 @@ def verify_gguf(path: str | os.PathLike[str], model: nn.Module, written: dict[st
             fix="the export was not kept; report the model config to plyx")
     worst = next((q for q in quant if not q["passed"]), None)
     if worst is not None:
+        fix = ("the export was not kept; use --outtype f16, or raise --atol/--rtol if this loss is acceptable"
+               if outtype == "q8_0" else "the export was not kept; report the model config to plyx")
         raise ExportVerificationError(
-            f"{outtype} moved the logits too far from the original model at input_ids [{worst['batch']}, "
-            f"{worst['seq_len']}]: max abs error {worst['max_abs_error']:.3g} > tolerance {worst['tolerance']:.3g} "
-            f"(atol {q_atol:g} + rtol {q_rtol:g} * max|logits|), seed {seed}", report=report,
-            fix="the export was not kept; use --outtype f16, or raise --atol/--rtol if this loss is acceptable")
+            f"the file's weights, read as llama.cpp reads them ({outtype}), give logits far from the original "
+            f"model's at input_ids [{worst['batch']}, {worst['seq_len']}]: max abs error {worst['max_abs_error']:.3g} "
+            f"> tolerance {worst['tolerance']:.3g} (atol {q_atol:g} + rtol {q_rtol:g} * max|logits|; quantisation "
+            f"loss or a tensor layout error), seed {seed}", report=report, fix=fix)
     return report, {"checks": quant, "atol": q_atol, "rtol": q_rtol}
