@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import secrets
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +103,7 @@ def write_hf(
     weights = out / "model.safetensors"
     index = out / "model.safetensors.index.json"
     settings = {"format": "hf", "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-                "special_tokens": attrs_dict(special), "files": "config.json, generation_config.json, "
+                "special_tokens": _special_summary(special), "files": "config.json, generation_config.json, "
                 "model.safetensors (or shards + index), tokenizer files"}
     manifest = out / MANIFEST_FILE
     manifest.write_text(json.dumps(_manifest(model.config, settings, source_dir, report, exporter="plyx.model.save_hf",
@@ -115,7 +115,7 @@ def write_hf(
                         verification=report, settings=settings)
 
 
-def attrs_dict(special: SpecialTokens) -> dict[str, Any]:
+def _special_summary(special: SpecialTokens) -> dict[str, Any]:
     return {"bos": special.bos, "eos": special.eos, "pad": special.pad, **special.ids()}
 
 

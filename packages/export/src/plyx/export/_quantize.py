@@ -8,8 +8,10 @@
   the source checkpoint, read with ``tokenizers``), fed through the graph's real
   inputs (an empty past for the KV graph).
 
-Only ``MatMul``/``Gemm`` are quantised: the projections hold the weights, while
-quantising softmax, norms and RoPE costs accuracy and saves nothing.
+Only ``MatMul``/``Gemm`` nodes with a weight (an initializer input) are quantised:
+the projections hold the weights. Attention's activation-by-activation products
+(q·kᵀ, softmax·v), softmax, norms and RoPE stay float: quantising them costs
+accuracy (int8 attention scores flip greedy tokens) and saves no bytes.
 """
 
 from __future__ import annotations
@@ -88,6 +90,16 @@ def calibration_batches(text_file: str | os.PathLike[str], tokenizer_file: str |
     return [np.asarray(ids[s:s + tokens], dtype=np.int64)[None, :] for s in sorted(set(starts.tolist()))]
 
 
+def _activation_products(graph: Path) -> list[str]:
+    """Names of the MatMul/Gemm nodes with no initializer input (attention's q·kᵀ and softmax·v)."""
+    import onnx
+
+    proto = onnx.load(str(graph), load_external_data=False)
+    weights = {i.name for i in proto.graph.initializer}
+    weights |= {o for n in proto.graph.node if n.op_type == "Constant" for o in n.output}
+    return [n.name for n in proto.graph.node if n.op_type in _OPS and not any(i in weights for i in n.input)]
+
+
 def feeds_for(session: Any, ids: np.ndarray) -> dict[str, np.ndarray]:
     """The graph's inputs for a prefill of ``ids [B, T]``: the KV graph gets a full mask, positions and an empty past."""
     B, T = ids.shape
@@ -131,7 +143,8 @@ def quantize_graph(graph: Path, out: Path, mode: str, *, calibration: str | os.P
     """
     ort = require("onnxruntime")
     quant = require("onnxruntime.quantization")
-    common = {"per_channel": True, "weight_type": quant.QuantType.QInt8, "op_types_to_quantize": _OPS}
+    common = {"per_channel": True, "weight_type": quant.QuantType.QInt8, "op_types_to_quantize": _OPS,
+              "nodes_to_exclude": _activation_products(graph)}
     try:
         if mode == "int8-dynamic":
             quant.quantize_dynamic(str(graph), str(out), **common)
