@@ -24,10 +24,12 @@ def _configure(parser: argparse.ArgumentParser) -> None:
     onnx.add_argument("--seq-len", type=int, help="fix the sequence axis (default: dynamic batch and sequence)")
     onnx.add_argument("--opset", type=int, help="ONNX opset (default: 18)")
     onnx.add_argument("--dtype", choices=["float32", "float16"], help="weight dtype of the graph (default: float32)")
-    onnx.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                      help="compare onnxruntime with torch on two random [B, T] shapes (default: on)")
-    onnx.add_argument("--atol", type=float, help="absolute tolerance of --verify (default: 1e-4 for float32)")
-    onnx.add_argument("--rtol", type=float, help="tolerance relative to max|logits| (default: 1e-4 for float32)")
+    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                        help="check the export with its consumer (onnxruntime, transformers, gguf + transformers) "
+                             "against plyx on random [B, T] shapes (default: on)")
+    parser.add_argument("--atol", type=float, help="absolute tolerance of --verify (default: 1e-4 for float32; "
+                                                   "gguf: the outtype's quantisation tolerance)")
+    parser.add_argument("--rtol", type=float, help="tolerance relative to max|logits| (default: as --atol)")
     onnx.add_argument("--with-kv-cache", action="store_true", default=None,
                       help="export the decoding graph: past_key_values.N.key/value in, present.N.key/value out, "
                            "attention_mask, position_ids (Optimum / onnxruntime-genai names)")
