@@ -150,7 +150,7 @@ def test_int8_graphs_are_quantised_and_measured(mode: str, tiny_config, checkpoi
     if mode == "int8-dynamic":
         assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops
     else:
-        assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+        assert {"QuantizeLinear", "QLinearMatMul", "DequantizeLinear"} <= ops
         calib = result.settings["quantization"]["calibration"]
         assert calib["windows"] >= 1 and calib["tokens_per_window"] > 1
     quality = result.settings["quantization"]["quality"]

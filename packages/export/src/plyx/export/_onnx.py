@@ -1,4 +1,5 @@
-"""ONNX export of a plyx ``TransformerLM``: the prefill graph ``input_ids [B, T] -> logits [B, T, V]``.
+"""ONNX export of a plyx ``TransformerLM``: the prefill graph ``input_ids [B, T] -> logits [B, T, V]``,
+or (``with_kv_cache``) the decoding graph of ``_kv.py``, optionally quantised to int8 (``_quantize.py``).
 
 The graph is traced with ``torch.onnx.export(..., dynamo=True)`` (``torch.export``
 then onnxscript). The TorchScript exporter cannot be used: it has no ONNX
@@ -6,7 +7,8 @@ symbolic for the in-place boolean ``&=`` the reference attention builds its
 causal mask with (``aten::__iand_``), while the dynamo exporter functionalises
 it. Batch and sequence are dynamic axes (``batch``, ``sequence``) unless
 ``seq_len`` fixes T. Positions are ``0..T-1`` in every row: no padding mask and
-no KV cache (a prefill / scoring graph).
+no KV cache (a prefill / scoring graph). The decoding graph has Optimum's
+inputs and axes instead (see ``_kv.py``) and is checked by ``verify_kv``.
 
 Files written into the (temporary) export directory:
 
