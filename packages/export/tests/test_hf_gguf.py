@@ -156,3 +156,15 @@ def test_cli_gguf_and_hf(llama_checkpoint, tmp_path: Path, capsys, only_export_p
     assert "does not take --with-kv-cache" in err and not (tmp_path / "h").exists()
     assert main(["export", str(source), "--format", "hf", "--outtype", "q8_0", "--out", str(tmp_path / "h")]) == 1
     assert "does not take --outtype" in capsys.readouterr().err
+
+
+def test_gguf_refuses_a_tokenizer_it_cannot_hold(tiny_config, random_model, tmp_path: Path) -> None:
+    from plyx.model import save_checkpoint
+
+    model = random_model(tiny_config())
+    source = save_checkpoint(model, tmp_path / "ckpt", card_fields={"tokenizer": "tokenizer.json"})
+    (source / "tokenizer.json").write_text(
+        '{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}', encoding="utf-8")
+    with pytest.raises(ExportError, match="writes byte-level BPE tokenizers") as info:
+        export(model, tmp_path / "out", format="gguf", source=source, hooks=False)
+    assert "WordLevel" in str(info.value) and not (tmp_path / "out").exists()

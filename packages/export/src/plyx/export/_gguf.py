@@ -124,6 +124,7 @@ def write_gguf(
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"model-{outtype}.gguf"
     tokenizer_json = None if source_dir is None else source_dir / "tokenizer.json"
+    read_bpe(tokenizer_json, model.config.vocab_size)  # a tokenizer GGUF cannot hold fails before any work
     written = _write(gguf, model, path, arch, outtype, tokenizer_json, _card_name(source_dir, model.config))
     report, quality = (verify_gguf(path, model, written, atol=atol, rtol=rtol) if verify else (None, None))
     settings = {"format": "gguf", "outtype": outtype, "architecture": arch, "file": path.name,
@@ -235,12 +236,12 @@ def _tensor_type(gguf: Any, data: np.ndarray, outtype: str) -> Any:
     return q.F16
 
 
-def _add_tokenizer(gguf: Any, writer: Any, tokenizer_json: Path | None, vocab_size: int
-                   ) -> tuple[dict[str, Any] | None, dict[str, int | None]]:
-    """Tokens, merges and types of a byte-level BPE ``tokenizer.json`` (llama.cpp's ``gpt2`` model)."""
-    special = special_tokens(tokenizer_json)
+def read_bpe(tokenizer_json: Path | None, vocab_size: int
+             ) -> tuple[dict[str, Any], dict[str, int], dict[str, int], set[str]] | None:
+    """``(model, vocab with added tokens, added tokens, special tokens)`` of a byte-level BPE ``tokenizer.json``;
+    None without one; ``ExportError`` for another kind of tokenizer or ids beyond ``vocab_size``."""
     if tokenizer_json is None or not tokenizer_json.is_file():
-        return None, special.ids()
+        return None
     data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
     bpe = data.get("model") or {}
     pre = json.dumps(data.get("pre_tokenizer") or {})
@@ -255,6 +256,17 @@ def _add_tokenizer(gguf: Any, writer: Any, tokenizer_json: Path | None, vocab_si
     if max(vocab.values(), default=-1) >= vocab_size:
         raise ExportError("format", f"the tokenizer has ids up to {max(vocab.values())}, beyond the model's "
                           f"vocab_size {vocab_size}", value="gguf", fix="export the checkpoint the tokenizer belongs to")
+    return bpe, vocab, added, specials
+
+
+def _add_tokenizer(gguf: Any, writer: Any, tokenizer_json: Path | None, vocab_size: int
+                   ) -> tuple[dict[str, Any] | None, dict[str, int | None]]:
+    """Tokens, merges and types of a byte-level BPE ``tokenizer.json`` (llama.cpp's ``gpt2`` model)."""
+    special = special_tokens(tokenizer_json)
+    read = read_bpe(tokenizer_json, vocab_size)
+    if read is None:
+        return None, special.ids()
+    bpe, vocab, added, specials = read
     by_id = {i: t for t, i in vocab.items()}
     tokens, types = [], []
     for i in range(vocab_size):  # llama.cpp wants one entry per embedding row; the rest are unused padding
