@@ -151,6 +151,8 @@ def test_int8_graphs_are_quantised_and_measured(mode: str, tiny_config, checkpoi
         assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops
     else:
         assert {"QuantizeLinear", "QLinearMatMul", "DequantizeLinear"} <= ops
+        # each layer's down_proj and the LM head stay float (outlier activations; _outlier_inputs)
+        assert len(result.settings["quantization"]["kept_float"]) == model.config.n_layers + 1
         calib = result.settings["quantization"]["calibration"]
         assert calib["windows"] >= 1 and calib["tokens_per_window"] > 1
     quality = result.settings["quantization"]["quality"]

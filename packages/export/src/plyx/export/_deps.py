@@ -17,6 +17,7 @@ _WHY = {
     "tokenizers": "to tokenise calibration and sample text with the model's tokenizer",
     "transformers": "to load the export back and compare its logits with plyx's",
     "gguf": "llama.cpp's own GGUF writer and reader",
+    "accelerate": "transformers' GGUF loader needs it to read the file back",
 }
 
 

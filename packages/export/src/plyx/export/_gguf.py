@@ -119,6 +119,7 @@ def write_gguf(
     gguf = require("gguf", extra="gguf")
     if verify:
         require("transformers", extra="gguf")
+        require("accelerate", extra="gguf")  # transformers' GGUF loader needs it
     source_dir = _check_source(source)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
