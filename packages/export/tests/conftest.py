@@ -82,3 +82,47 @@ def hook_recorder(only_export_plugins: None) -> Iterator[HookRecorder]:
         yield recorder
     finally:
         plugins.unregister_plugin("export-test-recorder")
+
+
+CORPUS = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and "
+          "arrows of outrageous fortune, or to take arms against a sea of troubles and by opposing end them. ") * 8
+
+
+def _bpe_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE with one special token (id 0), built as plyx-train builds its tokenizers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def checkpoint_with_tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    """``checkpoint_with_tokenizer(config, seed=0) -> (dir, model)``: a saved plyx checkpoint whose directory
+    holds a byte-level BPE ``tokenizer.json`` of ``config.vocab_size - 20`` ids (the model's rows beyond are unused)."""
+    from plyx.model import save_checkpoint
+
+    made: dict[tuple[Any, int], Any] = {}
+
+    def make(config: ModelConfig, seed: int = 0) -> tuple[Any, TransformerLM]:
+        key = (config, seed)
+        if key not in made:
+            model = _random_model(config, seed)
+            path = tmp_path_factory.mktemp("ckpt") / "tiny"
+            save_checkpoint(model, path, card_fields={"name": "tiny-export-test", "tokenizer": "tokenizer.json"})
+            _bpe_tokenizer(config.vocab_size - 20).save(str(path / "tokenizer.json"))
+            made[key] = (path, model)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def corpus_text() -> str:
+    """The text the test tokenizers are trained on (also the int8-static calibration text)."""
+    return CORPUS

@@ -61,7 +61,7 @@ def test_unknown_format_lists_the_available_ones(only_export_plugins: None) -> N
     with pytest.raises(ExportError) as info:
         exporter("onxx")
     assert info.value.field == "format"
-    assert "'onxx' not found" in str(info.value) and "available formats: onnx" in str(info.value)
+    assert "'onxx' not found" in str(info.value) and "available formats: gguf, hf, onnx" in str(info.value)
 
 
 def test_export_is_written_in_a_temporary_sibling_then_renamed(exporters: _Exporters, tmp_path: Path,

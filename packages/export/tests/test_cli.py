@@ -70,7 +70,7 @@ def test_cli_exports_verifies_and_fires_the_hook(checkpoint: Path, tmp_path: Pat
 def test_unknown_format_names_the_available_ones(checkpoint: Path, tmp_path: Path, capsys, only_export_plugins) -> None:
     assert main(["export", str(checkpoint), "--format", "tflite", "--out", str(tmp_path / "x")]) == 1
     err = capsys.readouterr().err
-    assert "'tflite' not found" in err and "available formats: onnx" in err
+    assert "'tflite' not found" in err and "available formats: gguf, hf, onnx" in err
     assert not (tmp_path / "x").exists()
 
 

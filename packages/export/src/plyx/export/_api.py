@@ -19,6 +19,7 @@ from plyx.export._atomic import atomic_directory
 from plyx.export._errors import ExportError, ExportHookError
 from plyx.export._onnx import DEFAULT_OPSET, write_onnx
 from plyx.export._result import ExportResult
+from plyx.export._verify_kv import DEFAULT_GREEDY_TOKENS
 from plyx.specs import Component, plugins
 
 __all__ = ["available_formats", "export", "export_onnx", "exporter"]
@@ -89,8 +90,12 @@ def export_onnx(
     name: str | None = None,
     force: bool = False,
     hooks: bool = True,
+    with_kv_cache: bool = False,
+    greedy_tokens: int = DEFAULT_GREEDY_TOKENS,
+    quantize: str | None = None,
+    calibration: str | os.PathLike[str] | None = None,
 ) -> ExportResult:
-    """Export a ``TransformerLM`` to ONNX (prefill logits graph), verify it in onnxruntime, fire the hook.
+    """Export a ``TransformerLM`` to ONNX, verify it in onnxruntime, fire the hook.
 
     Args:
         model: the model; it is not modified (a copy is made when ``dtype`` differs).
@@ -108,6 +113,15 @@ def export_onnx(
         name: release name given to the hook.
         force: replace ``out_dir`` when it exists and is not empty.
         hooks: fire ``plyx_on_export_written`` after writing.
+        with_kv_cache: export the decoding graph (``past_key_values.N.key/value`` in,
+            ``present.N.key/value`` out, ``attention_mask``, ``position_ids``; Optimum's names)
+            instead of the prefill graph. Verification then checks logits through prefill and
+            cached decode steps, and a greedy decode of ``greedy_tokens`` equal to plyx's.
+        greedy_tokens: length of that greedy comparison (default 64; capped by ``max_seq_len``).
+        quantize: ``int8-dynamic`` or ``int8-static`` (``onnxruntime.quantization``, per-channel
+            int8 weights): ``model.onnx`` is then the int8 graph, made from the verified float one,
+            and its distance from the float model is recorded (``settings["quantization"]``).
+        calibration: text file for ``int8-static``, tokenised with the source checkpoint's tokenizer.
 
     Returns:
         an ``ExportResult`` (``.model`` is the ``model.onnx`` path, ``.verification`` the figures).
@@ -121,7 +135,9 @@ def export_onnx(
         result = export_onnx(model, "exports/tiny", source="runs/step-100")
         print(result.verification.summary())
     """
-    options = {"seq_len": seq_len, "opset": opset, "dtype": dtype, "verify": verify, "atol": atol, "rtol": rtol}
+    options = {"seq_len": seq_len, "opset": opset, "dtype": dtype, "verify": verify, "atol": atol, "rtol": rtol,
+               "with_kv_cache": with_kv_cache, "greedy_tokens": greedy_tokens, "quantize": quantize,
+               "calibration": calibration}
     return _export(write_onnx, "onnx", model, out_dir, source=source, name=name, force=force, hooks=hooks,
                    options=options)
 

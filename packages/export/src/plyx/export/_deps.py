@@ -1,4 +1,4 @@
-"""The ``onnx`` extra: onnx, onnxscript (torch's dynamo exporter) and onnxruntime (verification)."""
+"""Optional packages of the exporters, each in an extra: ``onnx``, ``hf``, ``gguf``."""
 
 from __future__ import annotations
 
@@ -13,18 +13,23 @@ _WHY = {
     "onnx": "to check and save the graph",
     "onnxscript": "torch.onnx's dynamo exporter translates the graph with it",
     "onnxruntime": "to verify the exported graph against the torch model",
+    "onnxruntime.quantization": "to quantise the graph to int8",
+    "tokenizers": "to tokenise calibration and sample text with the model's tokenizer",
+    "transformers": "to load the export back and compare its logits with plyx's",
+    "gguf": "llama.cpp's own GGUF writer and reader",
+    "accelerate": "transformers' GGUF loader needs it to read the file back",
 }
 
 
-def require(module: str) -> ModuleType:
-    """Import ``module`` or raise an ``ExportError`` that says how to install it."""
+def require(module: str, *, extra: str = "onnx") -> ModuleType:
+    """Import ``module`` or raise an ``ExportError`` that says which extra installs it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         raise ExportError(
-            "format", f"ONNX export needs the {module!r} package ({_WHY.get(module, 'ONNX support')}), "
-            f"which cannot be imported: {exc}", value="onnx",
-            fix="install the extra: pip install 'plyx-export[onnx]'",
+            "format", f"{extra} export needs the {module!r} package ({_WHY.get(module, 'export support')}), "
+            f"which cannot be imported: {exc}", value=extra,
+            fix=f"install the extra: pip install 'plyx-export[{extra}]'",
         ) from exc
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-__all__ = ["ExportResult", "ShapeCheck", "VerificationReport"]
+__all__ = ["ExportResult", "GreedyCheck", "ShapeCheck", "VerificationReport"]
 
 
 @attrs.frozen
@@ -42,6 +42,46 @@ class ShapeCheck:
 
 
 @attrs.frozen
+class GreedyCheck:
+    """A greedy decode through the exported graph against plyx's own.
+
+    Attributes:
+        prompt: the prompt's token ids.
+        tokens: new tokens decoded.
+        onnx, torch: the ids each side chose.
+        first_mismatch: index of the first differing new token; None when all are equal.
+        min_margin: the smallest gap between the best and second-best torch logit over the
+            steps (how close the decode came to a tie that rounding could flip).
+    """
+
+    prompt: tuple[int, ...] = attrs.field(converter=tuple)
+    tokens: int
+    onnx: tuple[int, ...] = attrs.field(converter=tuple)
+    torch: tuple[int, ...] = attrs.field(converter=tuple)
+    first_mismatch: int | None
+    min_margin: float
+
+    @property
+    def passed(self) -> bool:
+        return self.first_mismatch is None and len(self.onnx) == len(self.torch) == self.tokens
+
+    @property
+    def agreement(self) -> float:
+        """Fraction of new tokens equal up to the first mismatch (1.0 when all match)."""
+        n = self.tokens if self.first_mismatch is None else self.first_mismatch
+        return n / self.tokens if self.tokens else 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**attrs.asdict(self), "passed": self.passed, "agreement": self.agreement}
+
+    def summary(self) -> str:
+        if self.passed:
+            return (f"greedy decode of {self.tokens} tokens: equal to plyx's "
+                    f"(smallest top-2 logit margin {self.min_margin:.3g}) ok")
+        return f"greedy decode of {self.tokens} tokens: differs from plyx's at token {self.first_mismatch} FAIL"
+
+
+@attrs.frozen
 class VerificationReport:
     """The exported graph run in onnxruntime against the torch model.
 
@@ -51,6 +91,8 @@ class VerificationReport:
         atol, rtol: the tolerance: a shape passes when ``max_abs_error <= atol + rtol * max|logits|``.
         seed: seed of the random token ids (rerun with it to reproduce).
         checks: one ``ShapeCheck`` per ``[B, T]``.
+        greedy: the greedy-decode comparison (KV-cache graphs), else None.
+        graph: ``prefill`` or ``kv-cache``.
     """
 
     runtime: str
@@ -59,10 +101,12 @@ class VerificationReport:
     rtol: float
     seed: int
     checks: tuple[ShapeCheck, ...] = attrs.field(converter=tuple)
+    greedy: GreedyCheck | None = None
+    graph: str = "prefill"
 
     @property
     def ok(self) -> bool:
-        return all(c.passed for c in self.checks)
+        return all(c.passed for c in self.checks) and (self.greedy is None or self.greedy.passed)
 
     @property
     def max_abs_error(self) -> float:
@@ -75,12 +119,15 @@ class VerificationReport:
     def to_dict(self) -> dict[str, Any]:
         return {"runtime": self.runtime, "dtype": self.dtype, "atol": self.atol, "rtol": self.rtol,
                 "seed": self.seed, "ok": self.ok, "max_abs_error": self.max_abs_error,
-                "max_rel_error": self.max_rel_error, "checks": [c.to_dict() for c in self.checks]}
+                "max_rel_error": self.max_rel_error, "checks": [c.to_dict() for c in self.checks],
+                "graph": self.graph, "greedy": None if self.greedy is None else self.greedy.to_dict()}
 
     def summary(self) -> str:
         lines = [f"verified in {self.runtime} against torch ({self.dtype}, seed {self.seed}, "
                  f"atol {self.atol:g}, rtol {self.rtol:g}):"]
         lines += [f"  input_ids {c.summary()}" for c in self.checks]
+        if self.greedy is not None:
+            lines.append(f"  {self.greedy.summary()}")
         return "\n".join(lines)
 
 
