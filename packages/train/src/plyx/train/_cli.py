@@ -31,6 +31,8 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
                         help="every N steps, log each layer's MLP/attention spectral-norm ratio (warn outside 0.5-2)")
     parser.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU on CPUs and unknown GPUs")
     parser.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
+    parser.add_argument("--nproc", type=int, metavar="N", help="train on N processes of this machine through "
+                        "torch.distributed.run; the config's [dist] table picks DDP, FSDP or FSDP+TP (needs plyx-dist)")
 
 
 def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
@@ -75,8 +77,12 @@ def _load(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from plyx.train._launch import quiet_other_ranks, spawn
     from plyx.train._trainer import Trainer, TrainOptions
 
+    if getattr(args, "nproc", None) and not args.print_config:
+        return spawn(args)  # this process launches the ranks; each runs this command without --nproc
+    quiet_other_ranks()
     try:
         config = _load(args)
     except (ConfigError, FileNotFoundError) as exc:

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 from plyx.specs.config._base import ConfigBase
+from plyx.specs.config.dist import DistConfig
 from plyx.specs.config.model import ModelConfig
 from plyx.specs.errors import ConfigError
 
@@ -102,6 +103,9 @@ class TrainConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
     """Steps between checkpoints (0: only at the end and on interrupt)."""
     sample_tokens: NonNeg = 200
     """Tokens generated for the sample printed at evaluation and at the end."""
+    dist: DistConfig = msgspec.field(default_factory=DistConfig)
+    """How a distributed run (``plyx train --nproc N``, ``torchrun``) is parallelised; batch_size
+    stays per data-parallel rank, so the global batch is batch_size x grad_accum x data ranks."""
 
     def check(self) -> None:
         if self.data.seq_len > self.model.max_seq_len:
