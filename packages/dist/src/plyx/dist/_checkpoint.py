@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,8 @@ from safetensors.torch import load_file, save_file
 __all__ = ["save_sharded", "load_into", "consolidate", "SHARDED_FORMAT", "FAULT_ENV"]
 
 SHARDED_FORMAT = "dcp"
-#: fault injection for tests: ``STEP:MARKER`` makes every rank stop inside the save of STEP, after its shards
-#: are written and before the commit, touch ``MARKER.rank<r>`` and wait to be killed
+#: fault injection for tests: ``STEP:RANK:MARKER`` makes rank RANK stop inside the save of STEP, after its
+#: shards are written and before the commit, write its pid to MARKER and wait there to be killed
 FAULT_ENV = "PLYX_DIST_FAULT_IN_SAVE"
 
 
@@ -66,9 +67,11 @@ def _rng_files(root: Path, rank: int) -> tuple[Path, Path]:
 
 def _fault(step: int, rank: int) -> None:
     spec = os.environ.get(FAULT_ENV, "")
-    at, _, marker = spec.partition(":")
-    if at and int(at) == step:
-        Path(f"{marker}.rank{rank}").write_text(str(os.getpid()))
+    if not spec:
+        return
+    at, who, marker = spec.split(":", 2)
+    if int(at) == step and int(who) == rank:
+        Path(marker).write_text(str(os.getpid()))
         while True:  # the test SIGKILLs the run here, mid-checkpoint
             time.sleep(0.5)
 
@@ -213,7 +216,9 @@ def consolidate(checkpoint: Any, out: Any) -> Path:
     optimizer = build_optimizer(model, config.optimizer)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, checkpoint_id=str(src / "dcp"), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(sd, checkpoint_id=str(src / "dcp"), no_dist=True)
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     dp = int(doc["data"].get("world_size", 1))
     data = dict(doc["data"], rank=0, world_size=1, batch_size=int(doc["data"]["batch_size"]) * dp)

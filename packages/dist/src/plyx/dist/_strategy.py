@@ -13,6 +13,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -85,6 +87,7 @@ class DistStrategy:
         self._in_loss_parallel = False
         self._pending: Any = None  # an async checkpoint being written: (future, commit)
         self.module: nn.Module | None = None
+        self._comm = _CommClock()
 
     # -- model -------------------------------------------------------------------------
     def build_model(self, build: Callable[[str], nn.Module], seed: int) -> nn.Module:
@@ -115,7 +118,15 @@ class DistStrategy:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [self.local_rank] if self.plan.backend == "nccl" else None
-        return DDP(module, device_ids=ids, process_group=self.mesh.get_group())
+        ddp = DDP(module, device_ids=ids, process_group=self.mesh.get_group())
+        self._comm.group = self.mesh.get_group()
+        ddp.register_comm_hook(self._comm, _timed_allreduce)
+        return ddp
+
+    def comm_share(self) -> float:
+        """Fraction of the wall time since the last call during which a gradient all-reduce was in flight
+        (DDP: measured by its communication hook, overlap with the backward included); 0 for FSDP."""
+        return self._comm.share()
 
     # -- the step ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -238,3 +249,44 @@ def _loss_parallel() -> Iterator[None]:
 
     with loss_parallel():
         yield
+
+
+class _CommClock:
+    """Union of the intervals during which a DDP bucket's all-reduce was in flight, per measuring window."""
+
+    def __init__(self) -> None:
+        self.group: Any = None  # the data-parallel process group (set by ``wrap``)
+        self.window_start = time.perf_counter()
+        self.intervals: list[tuple[float, float]] = []
+        self.lock = threading.Lock()
+
+    def add(self, start: float, end: float) -> None:
+        with self.lock:
+            self.intervals.append((start, end))
+
+    def share(self) -> float:
+        now = time.perf_counter()
+        with self.lock:
+            spans, self.intervals = sorted(self.intervals), []
+        busy, cursor = 0.0, self.window_start
+        for start, end in spans:
+            start = max(start, cursor)
+            if end > start:
+                busy += end - start
+                cursor = end
+        wall, self.window_start = now - self.window_start, now
+        return busy / wall if wall > 0 else 0.0
+
+
+def _timed_allreduce(clock, bucket):  # type: ignore[no-untyped-def]  # DDP rejects non-GradBucket annotations
+    """torch's default DDP hook (``allreduce_hook``), timed from launch to completion."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    start = time.perf_counter()
+    future = allreduce_hook(clock.group, bucket)
+
+    def done(fut: Any) -> Any:
+        clock.add(start, time.perf_counter())
+        return fut.value()
+
+    return future.then(done)

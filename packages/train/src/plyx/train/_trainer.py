@@ -688,6 +688,10 @@ class Trainer:
         if not self.is_main:
             return None
         extra = [f"grad_norm/{k}" for k in self.groups]
+        world = self.strategy.world_size
+        if world > 1:  # per-rank throughput and memory, and the DDP all-reduce share (_rank_metrics)
+            extra += [f"{k}/rank{r}" for k in ("tokens_per_s", "peak_mem_mb") for r in range(world)]
+            extra.append("allreduce_share")
         if self.options.spectral_probe_every:
             extra += [f"spectral_ratio/{k}" for k in self.groups if k.split(".")[-1].isdigit()]
         return MetricsWriter(self.out_dir, extra, resume_step=self.step if self.step else None,
