@@ -116,26 +116,9 @@ def save_sharded(strategy: Any, manager: CheckpointManager, step: int, module: t
             manager.commit(tmp, step)
         strategy._collective(lambda: dist.barrier(), "barrier after the checkpoint commit")
 
-    if strategy.config.dist.async_save:
-        # staged to CPU memory now, written by a background thread; committed by the next save, the
-        # end of the run or close() (strategy.finish_pending)
-        future = dcp.async_save(sd, checkpoint_id=str(tmp / "dcp"), process_group=_async_group(strategy))
-        strategy._pending = (future, commit)
-    else:
-        dcp.save(sd, checkpoint_id=str(tmp / "dcp"))
-        commit()
+    dcp.save(sd, checkpoint_id=str(tmp / "dcp"))
+    commit()
     return final
-
-
-_ASYNC_GROUPS: dict[int, Any] = {}
-
-
-def _async_group(strategy: Any) -> Any:
-    """A gloo group for the background writer's collectives (kept apart from the training collectives)."""
-    key = id(strategy)
-    if key not in _ASYNC_GROUPS:
-        _ASYNC_GROUPS[key] = dist.new_group(backend="gloo")
-    return _ASYNC_GROUPS[key]
 
 
 def _read_doc(path: Path) -> dict[str, Any]:

@@ -85,7 +85,6 @@ class DistStrategy:
             self.data_rank = self.rank
         self.data_world_size = self.plan.dp
         self._in_loss_parallel = False
-        self._pending: Any = None  # an async checkpoint being written: (future, commit)
         self.module: nn.Module | None = None
         self._comm = _CommClock()
 
@@ -211,7 +210,6 @@ class DistStrategy:
         return [float(o) for o in out]
 
     def barrier(self) -> None:
-        self.finish_pending()
         self._collective(lambda: dist.barrier(), "barrier")
 
     # -- checkpoints -------------------------------------------------------------------
@@ -219,17 +217,8 @@ class DistStrategy:
                         state: dict[str, Any], card_fields: dict[str, Any], tokenizer_file: Any) -> Any:
         from plyx.dist._checkpoint import save_sharded
 
-        self.finish_pending()
         return save_sharded(self, manager, step, module, optimizer, scheduler, state=state,
                             card_fields=card_fields, tokenizer_file=tokenizer_file)
-
-    def finish_pending(self) -> None:
-        """Wait for an async checkpoint write and commit it (every rank)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            future, commit = pending
-            future.result()
-            commit()
 
     def load_checkpoint(self, path: Any, module: nn.Module, optimizer: Any) -> tuple[Any, Any] | None:
         from plyx.dist._checkpoint import load_into
@@ -237,8 +226,11 @@ class DistStrategy:
         return load_into(self, path, module, optimizer)
 
     def close(self) -> None:
-        self.finish_pending()
         if self._owns_group and dist.is_initialized():
+            try:  # leave together: a rank tearing down its gloo pairs while a peer still talks aborts the peer
+                dist.barrier()
+            except (RuntimeError, dist.DistBackendError):
+                pass  # a peer is already gone (the launcher reports it)
             dist.destroy_process_group()
             self._owns_group = False
 

@@ -58,8 +58,8 @@ class DistConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     timeout_s: Pos = 300
     """Process-group timeout: a collective that waits longer (a dead or stuck rank) fails the run."""
     async_save: bool = False
-    """Write checkpoints with ``torch.distributed.checkpoint.async_save`` (training continues while
-    the files are written; the checkpoint is committed before the next one starts)."""
+    """Reserved: write checkpoints with ``torch.distributed.checkpoint.async_save`` (plyx-dist 1.1
+    refuses true with a ConfigError; checkpoints are written synchronously)."""
 
     def check(self) -> None:
         if self.strategy != "fsdp+tp" and self.tp_size != 1:
