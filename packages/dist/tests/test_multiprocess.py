@@ -58,9 +58,17 @@ def _close(got: dict[int, float], want: dict[int, float], steps: range) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """One process, batch 4: the losses every 4-row global batch run must reproduce."""
-    return _single(prepared, tmp_path_factory.mktemp("single"), batch_size=4)[1]
+def reference_run(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One process, batch 4: plain checkpoints at steps 2, 4 and 6."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    _single(prepared, out, batch_size=4)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: Path) -> dict[int, float]:
+    """The losses every 4-row global batch run must reproduce."""
+    return T.losses(reference_run)
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +120,22 @@ def test_consolidate_gives_the_single_process_weights(fsdp_run, prepared, tmp_pa
         consolidate(fsdp_run, out)
 
 
-def test_dcp_reshards_to_one_process(fsdp_run, prepared, tmp_path, monkeypatch, reference):
-    """2 -> 1: loaded in this process (gloo, world 1): identical parameters, then the same losses."""
+@pytest.mark.parametrize("source", ["sharded", "plain"])
+def test_dcp_reshards_to_one_process(source, fsdp_run, reference_run, prepared, tmp_path, monkeypatch, reference):
+    """2 -> 1: loaded in this process (gloo, world 1): identical parameters, then the same losses.
+
+    ``plain``: a single-process plyx-train checkpoint loads into the FSDP shards the same way.
+    """
     from plyx.dist import consolidate
     from plyx.model import load_checkpoint
     from plyx.train import Trainer, TrainOptions
 
-    ckpt = fsdp_run / "checkpoints" / "step-000004"
-    plain = load_checkpoint(consolidate(ckpt, tmp_path / "plain4")).state_dict()
+    if source == "sharded":
+        ckpt = fsdp_run / "checkpoints" / "step-000004"
+        plain = load_checkpoint(consolidate(ckpt, tmp_path / "plain4")).state_dict()
+    else:
+        ckpt = reference_run / "checkpoints" / "step-000004"
+        plain = load_checkpoint(ckpt).state_dict()
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(T.free_port())}.items():
         monkeypatch.setenv(key, value)

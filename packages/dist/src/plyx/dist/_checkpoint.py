@@ -150,27 +150,27 @@ def load_into(strategy: Any, path: Any, module: torch.nn.Module, optimizer: Any)
     loaded = load_checkpoint(path, device="cpu")
     full = loaded.state_dict() if isinstance(loaded, torch.nn.Module) else loaded.load_state_dict("cpu")
     tensors = load_file(str(path / STATE_TENSORS))
-    optim_full = _optimizer_by_name(module, optimizer_from_flat(doc["optimizer"], tensors))
+    optim_full = _optimizer_by_name(module, optimizer, optimizer_from_flat(doc["optimizer"], tensors))
     set_state_dict(module, optimizer, model_state_dict=full, optim_state_dict=optim_full,
                    options=StateDictOptions(full_state_dict=True))
     return None
 
 
-def _optimizer_by_name(module: torch.nn.Module, optim: dict[str, Any]) -> dict[str, Any]:
-    """``optimizer.state_dict()`` (states keyed by index) -> the FQN-keyed form ``set_state_dict`` takes."""
-    names = [n for n, p in module.named_parameters() if p.requires_grad]
-    index_to_name: dict[int, str] = {}
-    i = 0
-    groups = []
-    for group in optim["param_groups"]:
-        group = dict(group)
-        fqns = []
-        for idx in group["params"]:
-            index_to_name[idx] = names[i] if i < len(names) else str(idx)
-            fqns.append(index_to_name[idx])
-            i += 1
-        group["params"] = fqns
-        groups.append(group)
+def _optimizer_by_name(module: torch.nn.Module, optimizer: Any, optim: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (states keyed by index) -> the FQN-keyed form ``set_state_dict`` takes.
+
+    Indices count the parameters group by group in the saving optimizer's order, which
+    ``build_optimizer`` reproduces: index i is the i-th parameter of this optimizer's groups.
+    """
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    ordered = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = [i for group in optim["param_groups"] for i in group["params"]]
+    if len(saved) != len(ordered):
+        from plyx.train import ResumeError
+
+        raise ResumeError(f"the checkpoint's optimizer holds {len(saved)} parameters, this model {len(ordered)}")
+    index_to_name = dict(zip(saved, ordered))
+    groups = [dict(group, params=[index_to_name[i] for i in group["params"]]) for group in optim["param_groups"]]
     state = {index_to_name[int(k)]: v for k, v in optim["state"].items()}
     return {"state": state, "param_groups": groups}
 

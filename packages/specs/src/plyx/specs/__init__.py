@@ -41,8 +41,8 @@ from plyx.specs.kernels import (
     KernelUnavailableError,
 )
 from plyx.specs.kvcache import BlockTable, CacheFullError, CacheLayout, CacheUsage, KVCache
-from plyx.specs.strategy import TrainStrategy
 from plyx.specs.plugins import components, get_plugin_manager, plugin_report, register_plugin
+from plyx.specs.strategy import TrainStrategy
 from plyx.specs.tensorspec import TensorSpec, bind, dtype_name
 
 __all__ = [

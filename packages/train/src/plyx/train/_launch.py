@@ -62,4 +62,4 @@ def spawn(args: argparse.Namespace) -> int:
 def quiet_other_ranks() -> None:
     """In a worker of a distributed run, only rank 0 prints to stdout (errors still reach stderr)."""
     if os.environ.get("RANK", "0") != "0":
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the worker process's stdout for its lifetime
+        sys.stdout = open(os.devnull, "w")  # the worker process keeps it for its lifetime
