@@ -2,8 +2,9 @@
 
 What is checked, and against what:
 
-- DDP (2 ranks, 2 micro-batches each: ``no_sync`` accumulation), FSDP2 (2 ranks, meta-device
-  init) and FSDP + TP (2 ranks on a 1 x 2 mesh) give the loss of every step of a single
+- DDP (2 ranks, 2 micro-batches each: ``no_sync`` accumulation; every other block recomputed),
+  FSDP2 (2 ranks, meta-device init) and FSDP + TP (2 ranks on a 1 x 2 mesh, every block
+  recomputed) give the loss of every step of a single
   process at the same global batch (the data slices are disjoint and their union is the
   single process's batch).
 - DCP: the FSDP checkpoint of step 4 written by 2 ranks loads in 1 process (parameters
@@ -84,7 +85,8 @@ def fsdp_run(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_ddp_with_accumulation_matches_one_process(prepared, tmp_path):
     want = _single(prepared, tmp_path / "single", batch_size=2, grad_accum=2)[1]
     config = T.write_config(T.tiny_config(prepared, tmp_path / "run", batch_size=1, grad_accum=2,
-                                      dist={"strategy": "ddp"}), tmp_path / "config.json")
+                                      dist={"strategy": "ddp", "activation_checkpointing": "every_2nd"}),
+                            tmp_path / "config.json")
     proc = T.plyx_train(config, nproc=2, torchrun=True)  # torchrun ... -m plyx.specs train CONFIG
     _close(T.losses(tmp_path / "run"), want, range(1, 7))
     assert proc.stdout.count("plyx train:") == 1  # only rank 0 prints
@@ -101,8 +103,9 @@ def test_fsdp_matches_one_process(fsdp_run, reference):
 
 def test_fsdp_tp_matches_one_process(prepared, tmp_path, reference):
     config = T.write_config(T.tiny_config(prepared, tmp_path / "run", batch_size=4,
-                                      dist={"strategy": "fsdp+tp", "tp_size": 2}), tmp_path / "config.json")
-    T.plyx_train(config, nproc=2)  # mesh (dp 1, tp 2): both ranks read the same 4 rows
+                                      dist={"strategy": "fsdp+tp", "tp_size": 2, "activation_checkpointing": "full"}),
+                            tmp_path / "config.json")
+    T.plyx_train(config, nproc=2)  # mesh (dp 1, tp 2): both ranks read the same 4 rows; every block recomputed
     _close(T.losses(tmp_path / "run"), reference, range(1, 7))
 
 

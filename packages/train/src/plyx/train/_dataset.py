@@ -207,6 +207,7 @@ class DataStream(Iterator[Batch]):
                 raise ValueError(
                     f"the checkpoint's data stream had {key}={state[key]!r} but this run has "
                     f"{key}={getattr(d, key)!r}; resuming would not continue the same data. Resume with the "
-                    f"checkpoint's config or start a fresh run"
+                    f"checkpoint's config (at another world size: the same global batch, batch_size x world_size = "
+                    f"{saved_global}) or start a fresh run"
                 )
         self.position = int(state["position"])
