@@ -300,6 +300,7 @@ class Trainer:
         self.flops_per_token = float(getattr(self.module, "flops_per_token", lambda t: 0.0)(d.seq_len))
         self.peak_flops = peak_flops(self.device, opts.peak_flops)
         self._stop: str | None = None
+        self._signal: str | None = None  # received here; in a distributed run it stops every rank at one step
 
     # -- setup helpers ------------------------------------------------------------------
     def _resume_path(self) -> Path | None:
@@ -488,7 +489,10 @@ class Trainer:
                     step_losses = torch.stack(micro)
                     loss_value = float(step_losses.mean())  # a CPU-GPU sync point, once per step
                     rank_loss = loss_value
-                    loss_value = st.reduce_mean([loss_value])[0]  # the global batch's loss, on every rank
+                    # the global batch's loss, and whether any rank got a signal: all ranks stop after the same step
+                    loss_value, signalled = st.reduce_mean([loss_value, 1.0 if self._signal else 0.0])
+                    if signalled and self._stop is None:
+                        self._stop = self._signal or "SIGTERM"
                     if not math.isfinite(loss_value):
                         bad = int((~torch.isfinite(step_losses)).nonzero()[0, 0]) if not math.isfinite(rank_loss) else 0
                         raise NonFiniteLossError(self.step + 1, "loss", loss_value, metas[bad], self.last_checkpoint)
@@ -727,9 +731,11 @@ class Trainer:
             return
 
         def handler(signum: int, frame: Any) -> None:
-            if self._stop is not None and signum == signal.SIGINT:
+            if self._signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            self._stop = signal.Signals(signum).name
+            self._signal = signal.Signals(signum).name
+            if isinstance(self.strategy, LocalStrategy):
+                self._stop = self._signal  # alone: stop at the next step boundary
 
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
