@@ -56,3 +56,22 @@ def test_every_loaded_plugin_conforms():
     assert {"kernel", "attn", "model", "train", "serve"} <= set(loaded)
     for name in loaded:
         check_plugin(pm.get_plugin(name))
+
+
+@pytest.mark.parametrize("name", sorted(components("plyx_adapter_variants")))
+def test_every_adapter_variant_merges_and_unmerges_exactly(name):
+    """Whatever a variant computes, folding it into the weight gives the same output, and unfolding restores it."""
+    from plyx.model.adapters import LoraConfig, add_adapter, merge_adapter, unmerge_adapter
+
+    torch.manual_seed(0)
+    holder = torch.nn.ModuleDict({"proj": torch.nn.Linear(24, 10, dtype=torch.float64)})
+    weight = holder["proj"].weight.detach().clone()
+    add_adapter(holder, LoraConfig(r=3, target_modules=("proj",), variant=name, init_lora_weights=False))
+    x = torch.randn(5, 24, dtype=torch.float64)
+    with torch.no_grad():
+        adapted = holder["proj"](x)
+        assert (adapted - x @ weight.T - holder["proj"].bias).abs().max() > 1e-6  # the adapter does something
+        merge_adapter(holder)
+        torch.testing.assert_close(holder["proj"](x), adapted)
+        unmerge_adapter(holder)
+    torch.testing.assert_close(holder["proj"].weight, weight)

@@ -59,3 +59,36 @@ def test_adjacent_but_separate_tensors_are_not_a_stack():
     assert packed_linear(lins) is None
     lins[1].weight.data = block[4:]
     assert packed_linear(lins) is not None
+
+
+class _Wrapped(nn.Linear):
+    """A linear whose output is not its weight's alone unless it says so (an adapter, a quantized base...)."""
+
+    exact = False
+
+    @property
+    def weight_is_effective(self) -> bool:
+        return self.exact
+
+    def forward(self, x):
+        return super().forward(x) if self.exact else super().forward(x) + 1.0
+
+
+def test_linears_whose_output_is_not_their_weight_are_not_read_packed():
+    from plyx.attn import weight_reads_exact
+
+    lins = _linears(bias=False)
+    lins[1].__class__ = _Wrapped
+    assert weight_reads_exact(lins[0]) and not weight_reads_exact(lins[1])
+    assert not weight_reads_exact(nn.Identity())  # no weight_is_effective: not exact
+    pack_linears_(lins)
+    assert packed_linear(lins) is None  # packed, but a packed GEMV would skip the wrapper's +1
+    ptr = lins[0].weight.data_ptr()
+    pack_linears_(lins)  # already packed: nothing is restacked
+    assert lins[0].weight.data_ptr() == ptr
+    _Wrapped.exact = True
+    try:
+        weight, _ = packed_linear(lins)
+        torch.testing.assert_close(weight, torch.cat([lin.weight for lin in lins]), rtol=0, atol=0)
+    finally:
+        _Wrapped.exact = False

@@ -36,6 +36,10 @@ GRADCHECKS = {
     "cross_entropy none": lambda: (reference.cross_entropy, (_rand(5, 9), _targets(5, 9)), {"reduction": "none"}),
     "linear_cross_entropy": lambda: (reference.linear_cross_entropy, (_rand(5, 4), _rand(9, 4), _targets(5, 9)),
                                      {"bias": _rand(9), "label_smoothing": 0.1, "z_loss": 1e-2, "chunk_size": 2}),
+    "moe_permute": lambda: (reference.moe_permute, (_rand(5, 3), torch.tensor([[0, 2], [1, 0], [2, 1], [2, 0], [1, 2]])),
+                            {"num_experts": 3}),
+    "moe_unpermute": lambda: (reference.moe_unpermute, (_rand(8, 3), torch.randperm(8).view(4, 2), _rand(4, 2)), {}),
+    "grouped_gemm": lambda: (reference.grouped_gemm, (_rand(6, 4), _rand(3, 5, 4), torch.tensor([0, 2, 2, 6])), {}),
     "linear_cross_entropy none": lambda: (reference.linear_cross_entropy, (_rand(5, 4), _rand(9, 4), _targets(5, 9)),
                                           {"reduction": "none", "chunk_size": 3}),
 }
@@ -67,7 +71,8 @@ def test_every_builtin_conforms_on_cpu():
     """The kit's oracles (in plyx-specs) agree with every built-in; Triton ones through the interpreter."""
     triton_too = INTERPRETING and HAVE_TRITON
     reports = check_registry(_builtins(), device="cpu", dtypes=("float32", "bfloat16"), ignore_predicates=triton_too)
-    assert {r.name for r in reports} == {"matmul", "rmsnorm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy"}
+    assert {r.name for r in reports} == {"matmul", "rmsnorm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy",
+                                         "moe_permute", "moe_unpermute", "grouped_gemm"}
     assert all(r.checked >= 4 for r in reports)
     assert [f for r in reports for f in r.failures] == []
     assert {r.impl for r in reports} == ({"reference", "triton"} if triton_too else {"reference"})

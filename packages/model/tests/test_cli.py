@@ -49,3 +49,12 @@ def test_plyx_command_has_model_subcommand(tmp_path, tiny, random_model) -> None
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "parameters" in done.stdout
+
+
+def test_inspect_shows_the_experts(tmp_path, tiny, random_model, capsys) -> None:
+    from plyx.specs.config import MoEConfig
+
+    model = random_model(tiny(arch="qwen2", qkv_bias=True, moe=MoEConfig(num_experts=4, top_k=2, d_expert=16,
+                                                                          norm_topk_prob=False, shared_expert_d_ff=8)))
+    assert run("inspect", str(save_hf(model, tmp_path / "h"))) == 0
+    assert "experts      4 of width 16, top-2 (raw softmax weights), shared expert of width 8" in capsys.readouterr().out

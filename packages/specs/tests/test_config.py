@@ -162,3 +162,21 @@ def test_unknown_field_inside_a_list_of_structs_lists_the_known_fields():
         _Doc.from_dict({"items": [{"name": "a"}, {"nmae": "b"}]})
     assert info.value.path == "$.items[1].nmae"
     assert "did you mean `name`" in info.value.fix
+
+
+def test_moe_fields_round_trip_and_top_k_is_bounded_by_the_experts(tmp_path):
+    doc = {"arch": "qwen2", "qkv_bias": True, "d_ff": 96,
+           "moe": {"num_experts": 6, "top_k": 2, "shared_expert_d_ff": 64, "norm_topk_prob": False}}
+    cfg = ModelConfig.from_dict(doc)
+    assert cfg.d_expert == 96 and cfg.moe.aux_loss_coef == 0.01 and cfg.moe.z_loss_coef == 0.0
+    assert ModelConfig(d_ff=96).d_expert == 96 and ModelConfig.from_dict({"moe": {"d_expert": 32}}).d_expert == 32
+    path = tmp_path / "moe.toml"
+    dump_config(cfg, path)
+    assert load_config(ModelConfig, path) == cfg
+    with pytest.raises(ConfigError) as info:
+        TrainConfig.from_dict({"model": {"moe": {"num_experts": 4, "top_k": 5}}})
+    assert info.value.path == "$.model.moe.top_k" and "at most 4 experts" in info.value.fix
+    with pytest.raises(ConfigError, match=r"unknown field - at .\$.moe.num_expert.; did you mean .num_experts."):
+        ModelConfig.from_dict({"moe": {"num_expert": 4}})
+    with pytest.raises(ConfigError, match="qk_norm_scope"):
+        ModelConfig.from_dict({"qk_norm_scope": "layer"})

@@ -25,8 +25,17 @@ def make_corpus(path: Path, docs: int = 120, seed: int = 0) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PLYX_DATA_DIR", str(tmp_path_factory.mktemp("plyx-data-cache")))
+def _hermetic(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads or writes the cwd or the user's cache: both point into tmp dirs.
+
+    The cwd matters because ``plyx train`` defaults to ``runs/<name>`` under it, and README command 1
+    leaves a real run there; the cache because the bundled corpus is prepared into it.
+    """
+    cache = tmp_path_factory.mktemp("plyx-cache")
+    monkeypatch.setenv("PLYX_CACHE_DIR", str(cache))
+    monkeypatch.delenv("PLYX_DATA_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache / "xdg"))
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
 @pytest.fixture(scope="session")

@@ -54,7 +54,9 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "n_heads" in capsys.readouterr().err
     assert main(["train", "--set", "modle.d_model=3"]) == 2
     assert "did you mean `model`" in capsys.readouterr().err
-    assert main(["train", "--set", "data.path=" + str(tmp_path / "nowhere"), "--no-progress"]) == 2
+    # an explicit out_dir: the default (runs/shakespeare under the cwd) may hold README command 1's run
+    assert main(["train", "--set", "data.path=" + str(tmp_path / "nowhere"), "--out-dir", str(tmp_path / "run"),
+                 "--no-progress"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 

@@ -9,7 +9,7 @@ from plyx.attn._contiguous import ContiguousKVCache
 from plyx.attn._decode import STATIC_MAX_QUERY, StaticDecode, supports_static_decode
 from plyx.attn._factory import cache_kinds, cache_layout, make_cache
 from plyx.attn._norm import RMSNorm
-from plyx.attn._packing import pack_linears_, packed_for_inference, packed_linear
+from plyx.attn._packing import pack_linears_, packed_for_inference, packed_linear, weight_reads_exact
 from plyx.attn._paged import PagedKVCache
 from plyx.attn._step import PAGED_MAX_QUERY, KVStep, begin_step
 
@@ -30,4 +30,5 @@ __all__ = [
     "packed_for_inference",
     "packed_linear",
     "supports_static_decode",
+    "weight_reads_exact",
 ]

@@ -19,13 +19,13 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["pack_linears_", "packed_for_inference", "packed_linear"]
+__all__ = ["pack_linears_", "packed_for_inference", "packed_linear", "weight_reads_exact"]
 
 
 @torch.no_grad()
 def pack_linears_(linears: Sequence[nn.Linear]) -> None:
     """Stack the weights (and biases, when all have one) of ``linears`` in one buffer each, in order."""
-    if packed_linear(linears) is not None:
+    if _stacked_params(linears) is not None:
         return  # already packed
     for attr in ("weight", "bias"):
         params = [getattr(lin, attr) for lin in linears]
@@ -58,7 +58,15 @@ def packed_linear(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Ten
     """``(weight, bias)`` stacked views of linears packed by ``pack_linears_`` (None: not packed now).
 
     The views carry no autograd history: use them where no gradient is needed (decode steps).
+    None too when a linear's output is not its weight's alone (``weight_reads_exact``: e.g. an unmerged adapter).
     """
+    if not all(weight_reads_exact(lin) for lin in linears):
+        return None
+    return _stacked_params(linears)
+
+
+def _stacked_params(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight, bias)`` stacked views when the linears' parameters lie packed, whatever the linears compute."""
     weight = _stacked([lin.weight for lin in linears])
     if weight is None:
         return None
@@ -69,6 +77,17 @@ def packed_linear(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Ten
         return None
     bias = _stacked(biases)  # type: ignore[arg-type]
     return (weight, bias) if bias is not None else None
+
+
+def weight_reads_exact(linear: nn.Module) -> bool:
+    """Whether ``F.linear(x, linear.weight, linear.bias)`` is ``linear(x)``, so fused paths may read the weight.
+
+    A plain ``nn.Linear`` is; a subclass says so through ``weight_is_effective`` (plyx-model's ``LoraLinear``:
+    True when no adapter is active or it is merged); any other module is taken not to be.
+    """
+    if type(linear) is nn.Linear:
+        return True
+    return bool(getattr(linear, "weight_is_effective", False))
 
 
 def packed_for_inference(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -6,7 +6,7 @@ Public surface:
   returns the implementation chosen for their device, dtype and sizes.
 - ``configure(KernelConfig)``, ``reset_registry()``, ``Registry`` (a private registry).
 - one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``,
-  ``rope_store_kv``, ``rmsnorm_linear``, ``swiglu_linear``, ``gemv``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
+  ``rope_store_kv``, ``rmsnorm_linear``, ``swiglu_linear``, ``gemv``, ``moe_permute``, ``moe_unpermute``, ``grouped_gemm``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
   is the callable subpackage ``plyx.kernel.attention``) and ``rope_tables``.
 - ``plyx.kernel.reference``: the pure-PyTorch definitions.
 """
@@ -16,8 +16,11 @@ from plyx.kernel._default import configure, registry, reset_registry
 from plyx.kernel._dispatch import (
     cross_entropy,
     gemv,
+    grouped_gemm,
     linear_cross_entropy,
     matmul,
+    moe_permute,
+    moe_unpermute,
     paged_attention,
     rmsnorm,
     rmsnorm_linear,
@@ -39,9 +42,12 @@ __all__ = [
     "configure",
     "cross_entropy",
     "gemv",
+    "grouped_gemm",
     "inv_frequencies",
     "linear_cross_entropy",
     "matmul",
+    "moe_permute",
+    "moe_unpermute",
     "paged_attention",
     "query_for",
     "registry",

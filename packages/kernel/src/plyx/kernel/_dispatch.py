@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from plyx.kernel._default import registry
 
-__all__ = ["matmul", "rmsnorm", "rmsnorm_linear", "swiglu", "swiglu_linear", "gemv", "rope", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
+__all__ = ["grouped_gemm", "moe_permute", "moe_unpermute", "matmul", "rmsnorm", "rmsnorm_linear", "swiglu", "swiglu_linear", "gemv", "rope", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -95,3 +95,18 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """
     fn = registry().get("paged_attention", q, k_pool, v_pool)
     return fn(q, k_pool, v_pool, block_tables, context_lens, **options)
+
+
+def moe_permute(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int) -> Any:
+    """``(xs [T*k, D], positions [T, k], offsets [E + 1])``: copies of x's rows grouped by expert (dropless)."""
+    return registry().get("moe_permute", x, hidden=int(x.shape[-1]))(x, expert_ids, num_experts=num_experts)
+
+
+def moe_unpermute(ys: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * ys[positions[t, j]]``."""
+    return registry().get("moe_unpermute", ys, hidden=int(ys.shape[-1]))(ys, positions, weights)  # type: ignore[no-any-return]
+
+
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``y[offsets[e]:offsets[e+1]] = x[offsets[e]:offsets[e+1]] @ weight[e].T`` for every expert e."""
+    return registry().get("grouped_gemm", x, weight)(x, weight, offsets)  # type: ignore[no-any-return]

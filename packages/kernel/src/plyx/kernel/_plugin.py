@@ -25,6 +25,9 @@ _REFERENCES = {
     "gemv": "torch.nn.functional.linear (cuBLAS on CUDA), any number of rows",
     "cross_entropy": "PyTorch cross-entropy with label smoothing, z-loss and argmax",
     "linear_cross_entropy": "PyTorch chunked lm-head + cross-entropy (never holds [N, V] logits)",
+    "moe_permute": "PyTorch stable sort by expert + index_select (dropless token permutation)",
+    "moe_unpermute": "PyTorch gather of each token's expert rows, weighted sum in float32",
+    "grouped_gemm": "per-expert loop of F.linear over each expert's rows (reads offsets on the host)",
 }
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from plyx.model._errors import CheckpointError, CheckpointIntegrityError, CheckpointMismatchError
 from plyx.model._hf_config import IGNORED_HF_TENSORS, config_from_hf, config_to_hf, hf_name, plyx_name
+from plyx.model._hf_moe import MOE_ARCHITECTURES, Composite, fold_experts, unfold_experts
 from plyx.model._model import TransformerLM, torch_dtype
 from plyx.model._safetensors_io import atomic_directory, canonical_dtype, check_complete, read_header, sha256_file
 from plyx.specs.checkpoint import CARD_FILE, INDEX_FILE, ModelCard, TensorEntry
@@ -54,11 +55,13 @@ class CheckpointDir:
     Tensor names are always plyx's (``layers.0.mlp.up_proj.weight``), whatever the layout on disk.
     """
 
-    def __init__(self, path: Path, card: ModelCard, weight_map: dict[str, str], disk_names: dict[str, str]) -> None:
+    def __init__(self, path: Path, card: ModelCard, weight_map: dict[str, str], disk_names: dict[str, str],
+                 composites: dict[str, Composite] | None = None) -> None:
         self._path = path
         self._card = card
         self._weight_map = weight_map  # plyx name -> shard file
         self._disk = disk_names  # plyx name -> name inside the shard
+        self._composites = composites or {}  # plyx name -> the checkpoint tensors it is stacked from (HF experts)
         self._verified = False
 
     @property
@@ -77,13 +80,18 @@ class CheckpointDir:
         return list(self._weight_map)
 
     def shards(self) -> list[str]:
-        return sorted(set(self._weight_map.values()))
+        return sorted(set(self._weight_map.values()).union(*(c.shards() for c in self._composites.values())))
 
     def load_tensor(self, name: str, device: str = "cpu") -> torch.Tensor:
         return self.load_tensors([name], device=device)[name]
 
     def load_tensors(self, names: Iterable[str], device: str = "cpu") -> dict[str, torch.Tensor]:
         """Read ``names``, opening each shard once and closing it after (memory maps are released)."""
+        names = list(names)
+        composite = [n for n in names if n in self._composites]
+        if composite:
+            return {**self.load_tensors([n for n in names if n not in self._composites], device=device),
+                    **self._load_composites(composite, device)}
         by_shard: dict[str, list[str]] = {}
         for name in names:
             if name not in self._weight_map:
@@ -100,6 +108,25 @@ class CheckpointDir:
             except Exception as exc:  # safetensors raises its own error types
                 check_complete(self._path / shard)
                 raise CheckpointIntegrityError(shard, f"cannot be read: {exc}") from None
+        return out
+
+    def _load_composites(self, names: list[str], device: str) -> dict[str, torch.Tensor]:
+        """Stacked expert tensors, each read from its per-expert parts (one shard open per shard)."""
+        by_shard: dict[str, set[str]] = {}
+        for name in names:
+            for group in self._composites[name].parts:
+                for shard, disk in group:
+                    by_shard.setdefault(shard, set()).add(disk)
+        out: dict[str, torch.Tensor] = {}
+        for name in names:  # one layer's parts at a time: the per-expert copies never all live at once
+            parts = {disk for group in self._composites[name].parts for _, disk in group}
+            read: dict[str, torch.Tensor] = {}
+            for shard, disks in by_shard.items():
+                wanted = disks & parts
+                if wanted:
+                    with safe_open(str(self._path / shard), framework="pt", device=str(device)) as f:
+                        read.update({d: f.get_tensor(d) for d in wanted})
+            out[name] = self._composites[name].build(read)
         return out
 
     def load_state_dict(self, device: str = "cpu") -> Mapping[str, torch.Tensor]:
@@ -194,6 +221,10 @@ def _open_hf(p: Path) -> CheckpointDir:
             if shard_of and shard_of.get(name) not in (None, shard):
                 continue
             tensors[name] = TensorEntry(shard=shard, shape=list(meta["shape"]), dtype=canonical_dtype(meta["dtype"]))
+    composites: dict[str, Composite] = {}
+    renamed: dict[str, str] = {}
+    if hf.get("model_type") in MOE_ARCHITECTURES:  # per-expert tensors on disk, stacked in plyx
+        tensors, composites, renamed = fold_experts(config, hf["model_type"], tensors, source=str(p))
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)  # some exporters store the tied copy too
     dtypes = {e.dtype for e in tensors.values()}
@@ -205,9 +236,9 @@ def _open_hf(p: Path) -> CheckpointDir:
         tensors=tensors,
         num_params=sum(_numel(e.shape) for e in tensors.values()),
     )
-    names = {plyx_name(n): n for n in tensors}
+    names = {plyx_name(n): renamed.get(n, n) for n in tensors}
     wmap = {plyx_name(n): e.shard for n, e in tensors.items()}
-    return CheckpointDir(p, card, wmap, names)
+    return CheckpointDir(p, card, wmap, names, {plyx_name(n): c for n, c in composites.items()})
 
 
 def _numel(shape: list[int]) -> int:
@@ -379,8 +410,17 @@ def save_hf(model: TransformerLM, path: str | os.PathLike[str], *, max_shard_byt
     ``config.json`` + ``model.safetensors`` (or shards + ``model.safetensors.index.json``),
     Hugging Face tensor names; a tied LM head is not stored twice.
     """
+    from plyx.model.adapters import adapter_layers
+
+    if adapter_layers(model):  # transformers would drop the adapter tensors and load the bare base
+        raise CheckpointError(
+            "save_hf: the model carries adapters; merge_and_unload(model) first for a merged checkpoint, or "
+            "save_hf a model without them and save_peft(model, dir) for the adapter alone"
+        )
     hf_config = config_to_hf(model.config)
     state = {hf_name(n): t for n, t in model.state_dict().items()}
+    if model.config.moe is not None:
+        state = unfold_experts(model.config, state)  # one tensor per expert and projection, as transformers writes
     dest = Path(path)
     with atomic_directory(dest) as tmp:
         weight_map = _write_shards(tmp, state, max_shard_bytes, "model")

@@ -52,6 +52,12 @@ def _run(args: argparse.Namespace) -> int:
           f"(head_dim {c.dim_per_head}), d_ff {c.d_ff}, vocab {c.vocab_size}")
     print(f"features     tie_embeddings={c.tie_embeddings} qkv_bias={c.qkv_bias} qk_norm={c.qk_norm} "
           f"sliding_window={c.sliding_window} rope_theta={c.rope_theta:g} rope_scaling={c.rope_scaling}")
+    if c.moe is not None:
+        m = c.moe
+        print(f"experts      {m.num_experts} of width {c.d_expert}, top-{m.top_k} "
+              f"({'renormalised' if m.norm_topk_prob else 'raw softmax'} weights)"
+              + (f", shared expert of width {m.shared_expert_d_ff}" if m.shared_expert_d_ff else "")
+              + (", QK-norm over whole projections" if c.qk_norm_scope == "projection" else ""))
     print(f"parameters   {card.num_params:,} ({_human(card.num_params)})")
     print(f"dtype        {card.dtype} (" + ", ".join(f"{d}: {n} tensors" for d, n in dtypes.most_common()) + ")")
     print(f"tensors      {len(card.tensors)} in {len(sizes)} shard(s), {_human(sum(sizes.values()))}B")

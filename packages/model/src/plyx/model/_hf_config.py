@@ -1,4 +1,4 @@
-"""Hugging Face ``config.json`` <-> ``ModelConfig``, and tensor names between the two layouts.
+"""Hugging Face ``config.json`` <-> ``ModelConfig`` (the MoE families: ``plyx.model._hf_moe``), and tensor names between the two layouts.
 
 plyx's parameter names are Hugging Face's without the ``model.`` prefix
 (``layers.3.self_attn.q_proj.weight`` vs ``model.layers.3.self_attn.q_proj.weight``);
@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from plyx.model._errors import CheckpointError, UnsupportedArchitectureError
+from plyx.model._hf_moe import MOE_ARCHITECTURES, moe_config_from_hf, moe_config_to_hf
 from plyx.specs.config.model import ModelConfig, RopeScaling
 
 __all__ = ["ARCHITECTURES", "config_from_hf", "config_to_hf", "hf_name", "plyx_name"]
@@ -21,6 +22,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    **{model_type: cls for model_type, (_, cls) in MOE_ARCHITECTURES.items()},
 }
 
 # tensors some HF checkpoints carry that plyx recomputes
@@ -51,6 +53,8 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
             per-layer sliding windows, an unknown rope type).
     """
     arch = hf.get("model_type")
+    if arch in MOE_ARCHITECTURES:
+        return moe_config_from_hf(hf, source=source, dense=config_from_hf)
     if arch not in ARCHITECTURES:
         archs = hf.get("architectures") or []
         raise UnsupportedArchitectureError(
@@ -120,6 +124,8 @@ def config_from_hf(hf: dict[str, Any], *, source: str = "config.json") -> ModelC
 def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     """A ``config.json`` dict that ``transformers.AutoConfig`` reads back into the same architecture."""
     c = config
+    if c.moe is not None or c.qk_norm_scope != "head":
+        return moe_config_to_hf(c, dense=config_to_hf)
     if c.arch == "qwen2" and not c.qkv_bias:
         raise CheckpointError("a qwen2 model without q/k/v biases cannot be saved as Qwen2; use arch='llama'")
     if c.arch != "qwen2" and c.qkv_bias:

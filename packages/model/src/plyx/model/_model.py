@@ -5,7 +5,8 @@ One residual stream of width D through ``n_layers`` pre-norm blocks::
     h = embed(ids)                                   # (B, T, D)
     for block in layers:
         h = h + attn(rmsnorm(h))                     # RoPE, GQA, QK-norm (qwen3), window (mistral)
-        h = h + down(swiglu(gate(rmsnorm(h)), up(rmsnorm(h))))
+        h = h + down(swiglu(gate(rmsnorm(h)), up(rmsnorm(h))))   # or a mixture of experts (ModelConfig.moe,
+                                                     # plyx.model._moe.SparseMoE)
     logits = rmsnorm(h) @ lm_head.T                  # (B, T, V), float32
 
 Every op with a kernel (``rmsnorm``, ``swiglu``, ``rope``, ``attention``,
@@ -23,7 +24,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from plyx.attn import Attention, KVStep, RMSNorm, begin_step, pack_linears_, packed_for_inference
+from plyx.attn import (
+    Attention,
+    KVStep,
+    RMSNorm,
+    begin_step,
+    pack_linears_,
+    packed_for_inference,
+    weight_reads_exact,
+)
 from plyx.specs.config.model import ModelConfig
 from plyx.specs.kvcache import KVCache
 from torch import nn
@@ -93,7 +102,10 @@ class DecoderLayer(nn.Module):
         super().__init__()
         c = config
         self.input_layernorm = RMSNorm(c.d_model, c.norm_eps, device=device, dtype=dtype)
-        self.self_attn = Attention(
+        attention = Attention
+        if c.qk_norm and c.qk_norm_scope == "projection":
+            from plyx.model._qk_norm import ProjectionQKNormAttention as attention  # OLMoE
+        self.self_attn = attention(
             d_model=c.d_model,
             n_heads=c.n_heads,
             n_kv_heads=c.kv_heads,
@@ -107,7 +119,13 @@ class DecoderLayer(nn.Module):
             dtype=dtype,
         )
         self.post_attention_layernorm = RMSNorm(c.d_model, c.norm_eps, device=device, dtype=dtype)
-        self.mlp = MLP(c.d_model, c.d_ff, device=device, dtype=dtype)
+        self.mlp: nn.Module
+        if c.moe is not None:
+            from plyx.model._moe import SparseMoE
+
+            self.mlp = SparseMoE(c, device=device, dtype=dtype)
+        else:
+            self.mlp = MLP(c.d_model, c.d_ff, device=device, dtype=dtype)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **attn: Any) -> torch.Tensor:
         a = self.self_attn(self.input_layernorm(h), cos, sin, **attn)  # (B, T, D)
@@ -167,9 +185,11 @@ class DecoderLayer(nn.Module):
             return None  # nothing was written yet: rope_store_kv is the first cache write
         x, residual = self.post_attention_layernorm(a.to(residual.dtype), residual=residual)
         mlp = self.mlp
+        if not isinstance(mlp, MLP):  # a mixture of experts: its own grouped kernels
+            return mlp(x, packed=True), residual
         gate_up = packed_for_inference((mlp.gate_proj, mlp.up_proj))
         down = _optional_kernel("swiglu_linear", x, mlp.down_proj.weight, rows=B * T, hidden=mlp.down_proj.in_features)
-        if gate_up is None or down is None:
+        if gate_up is None or down is None or not weight_reads_exact(mlp.down_proj):  # e.g. an unmerged adapter
             return mlp(x, packed=True), residual
         # the SwiGLU inside the down projection's GEMV (one launch for cuBLAS's split-K GEMV, its reduce and swiglu)
         return down(F.linear(x, *gate_up), mlp.down_proj.weight, bias=mlp.down_proj.bias), residual
@@ -222,7 +242,7 @@ class TransformerLM(nn.Module):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
-            elif name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 p.normal_(0.0, out_std)
             else:
                 p.normal_(0.0, std)
@@ -261,7 +281,23 @@ class TransformerLM(nn.Module):
         plus the attention scores and values, not halved for causality.
         """
         c = self.config
-        return 6.0 * self.num_params(non_embedding=True) + 12.0 * c.n_layers * c.n_heads * c.dim_per_head * seq_len
+        from plyx.model._moe import inactive_expert_params  # a token runs through k of the E experts
+
+        active = self.num_params(non_embedding=True) - inactive_expert_params(c)
+        return 6.0 * active + 12.0 * c.n_layers * c.n_heads * c.dim_per_head * seq_len
+
+    def router_aux_loss(self) -> torch.Tensor | None:
+        """The MoE router losses of the last training forward, weighted by ``config.moe`` (None: dense or none
+        recorded); the trainer adds it to the loss. See ``plyx.model._moe.router_aux_loss``."""
+        from plyx.model._moe import router_aux_loss
+
+        return router_aux_loss(self)
+
+    def router_metrics(self) -> dict[str, float]:
+        """Router statistics (``moe/...``: losses, tokens per expert, imbalance, drops) for training metrics."""
+        from plyx.model._moe import router_metrics
+
+        return router_metrics(self)
 
     # -- forward ---------------------------------------------------------------------
     def forward(

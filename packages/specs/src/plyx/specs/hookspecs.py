@@ -106,6 +106,16 @@ def plyx_redteam_probes() -> list[Any]:
 
 
 @hookspec
+def plyx_adapter_variants() -> list[Any]:
+    """Adapter variants of the LoRA family (plyx-model ships ``lora``, ``rslora`` and ``dora``).
+
+    :return: a list of ``Component``; ``factory()`` returns a ``plyx.model.adapters.AdapterVariant``
+        (its scaling, forward, merge/unmerge and PEFT config flags). ``LoraConfig(variant=name)``
+        selects it by the Component's name.
+    """
+
+
+@hookspec
 def plyx_cli_commands() -> list[Any]:
     """Subcommands of the ``plyx`` command.
 

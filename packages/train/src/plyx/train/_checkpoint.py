@@ -5,6 +5,7 @@ One directory per saved step::
     checkpoints/step-000100/
         model_card.json, *.safetensors   plyx.model.save_checkpoint: loadable by plyx-serve as is
         tokenizer.json                   the run's tokenizer, so the directory is self-contained
+        tokenizer_config.json            its EOS token and default chat template (plyx serve reads it)
         trainer_state.safetensors        optimizer tensors, torch/CUDA RNG states
         trainer_state.json               step, data position, scheduler, python/numpy RNG, config, metrics
     checkpoints/latest -> step-000100
@@ -151,12 +152,14 @@ class CheckpointManager:
         state: dict[str, Any],
         card_fields: dict[str, Any] | None = None,
         tokenizer_file: Path | None = None,
+        extra_files: Mapping[str, Any] | None = None,
     ) -> Path:
         """Write the checkpoint of ``step`` atomically and return its directory.
 
         Args:
             state: JSON-able trainer state (step, data position, config, metrics...);
                 RNG, optimizer and scheduler states are added here.
+            extra_files: file name -> JSON document written into the checkpoint (``tokenizer_config.json``).
         """
         from plyx.model import save_checkpoint  # the model's own format, loadable by serve/export
 
@@ -168,6 +171,8 @@ class CheckpointManager:
         save_checkpoint(model, tmp, card_fields=card_fields)
         if tokenizer_file is not None and tokenizer_file.is_file():
             shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+        for name, doc in (extra_files or {}).items():
+            (tmp / name).write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         rng_json, rng_tensors = capture_rng()
         optim_json, optim_tensors = optimizer_to_flat(optimizer.state_dict())
         save_file({**optim_tensors, **rng_tensors}, str(tmp / STATE_TENSORS))

@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import shlex
 import sys
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from plyx.specs import ConfigError, PlyxError, TrainConfig, load_config
 
-__all__ = ["configure_train", "run_train", "configure_data", "run_data", "apply_overrides"]
+__all__ = ["configure_train", "run_train", "configure_data", "run_data", "apply_overrides", "shipped_configs",
+           "next_commands"]
+
+
+def shipped_configs() -> dict[str, Path]:
+    """Configs shipped with plyx-train, by name (``shakespeare-char``: nanoGPT's char-level recipe)."""
+    root = resources.files("plyx.train").joinpath("configs")
+    return {Path(str(f)).stem: Path(str(f)) for f in root.iterdir() if str(f).endswith(".toml")}
 
 
 # -- plyx train -------------------------------------------------------------------------
 def configure_train(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="TrainConfig file (TOML, JSON or YAML); default: the embedded "
-                        "small-model-on-Tiny-Shakespeare run (`--print-config` shows it)")
+    parser.add_argument("config", nargs="?", help="TrainConfig file (TOML, JSON or YAML) or a shipped config's name "
+                        f"({', '.join(sorted(shipped_configs()))}); default: the embedded small-model-on-Tiny-"
+                        "Shakespeare run (`--print-config` shows it)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a field, dotted for nested ones: --set steps=200 --set model.d_model=256 "
                              "(values are read as JSON when they parse, else as strings)")
@@ -25,12 +37,16 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", nargs="?", const="auto", metavar="CHECKPOINT",
                         help="continue a run: the out_dir's latest checkpoint, or the one given")
     parser.add_argument("--overwrite", action="store_true", help="start fresh even if out_dir has checkpoints")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar: a line every log_every steps (also what a pipe or a file gets)")
     parser.add_argument("--no-tensorboard", action="store_true", help="write metrics.csv only")
     parser.add_argument("--spectral-probe", type=int, default=0, metavar="N",
                         help="every N steps, log each layer's MLP/attention spectral-norm ratio (warn outside 0.5-2)")
     parser.add_argument("--peak-flops", type=float, help="the device's peak FLOP/s, for MFU on CPUs and unknown GPUs")
     parser.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
+    parser.add_argument("--name", help="the model card's name (default: the out_dir's name; plyx serve's model id)")
+    parser.add_argument("--license", help="the model card's SPDX licence id (default: NOASSERTION)")
+    parser.add_argument("--description", help="the model card's description (default: model, data, steps, losses)")
     parser.add_argument("--nproc", type=int, metavar="N", help="train on N processes of this machine through "
                         "torch.distributed.run; the config's [dist] table picks DDP, FSDP or FSDP+TP (needs plyx-dist)")
 
@@ -61,7 +77,10 @@ def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
 def _load(args: argparse.Namespace) -> TrainConfig:
     from plyx.train._defaults import default_config
 
-    config = load_config(TrainConfig, args.config) if args.config else default_config()
+    source = args.config
+    if source and not Path(source).exists() and source in shipped_configs():
+        source = str(shipped_configs()[source])
+    config = load_config(TrainConfig, source) if source else default_config()
     overrides = list(args.overrides)
     for flag, key in (("steps", "steps"), ("out_dir", "out_dir"), ("device", "device")):
         value = getattr(args, flag)
@@ -91,6 +110,15 @@ def run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
+    if args.resume == "auto":
+        from plyx.train._checkpoint import CheckpointManager
+
+        if not CheckpointManager(Path(config.out_dir) / "checkpoints").steps():
+            print(f"error: --resume: {config.out_dir} holds no checkpoint to resume (no "
+                  f"{Path(config.out_dir) / 'checkpoints'}/step-*); drop --resume to start a fresh run there, or "
+                  f"pass --resume CHECKPOINT_OR_RUN_DIR", file=sys.stderr)
+            return 2
+    say = functools.partial(print, flush=True)  # a pipe sees each line as it is printed
     options = TrainOptions(
         resume=args.resume,
         overwrite=args.overwrite,
@@ -98,7 +126,10 @@ def run_train(args: argparse.Namespace) -> int:
         tensorboard=not args.no_tensorboard,
         spectral_probe_every=args.spectral_probe,
         peak_flops=args.peak_flops,
-        print_fn=print,
+        print_fn=say,
+        name=args.name,
+        license=args.license,
+        description=args.description,
     )
     try:
         trainer = Trainer(config, options=options)
@@ -106,13 +137,13 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     m = trainer.module
-    print(
+    say(
         f"plyx train: {m.num_params():,} parameters on {trainer.device}, data {trainer.data_dir} "
         f"({trainer.shards.tokens('train'):,} train tokens), {config.steps} steps of "
         f"{config.batch_size}x{config.data.seq_len} tokens -> {trainer.out_dir}"
     )
     if trainer.step:
-        print(f"resuming at step {trainer.step} from {trainer.last_checkpoint}")
+        say(f"resuming at step {trainer.step} from {trainer.last_checkpoint}")
     try:
         result = trainer.fit()
     except PlyxError as exc:
@@ -130,7 +161,34 @@ def run_train(args: argparse.Namespace) -> int:
         return 130 if result.stopped == "SIGINT" else 143
     if result.sample:
         print("sample:\n" + result.sample)
+    if result.checkpoint is not None:
+        print("next:\n" + next_commands(Path(result.checkpoint)))
     return 0
+
+
+def next_commands(checkpoint: Path) -> str:
+    """The commands a user runs after training, with this run's real paths (indented, one per line).
+
+    Args:
+        checkpoint: the checkpoint just written (``<out_dir>/checkpoints/step-N``).
+
+    Returns:
+        the lines.
+    """
+    run = checkpoint.parent.parent
+    latest = checkpoint.parent / "latest"
+    served = latest if latest.is_symlink() else checkpoint
+    try:  # relative to the cwd when inside it: shorter to copy
+        served, checkpoint = served.relative_to(Path.cwd()), checkpoint.relative_to(Path.cwd())
+    except ValueError:
+        pass
+    q = shlex.quote
+    return "\n".join([
+        f"  plyx model inspect {q(str(checkpoint))}",
+        f"  plyx serve {q(str(served))} --port 8000        # OpenAI API; model id {q(run.name)}",
+        f"  plyx export {q(str(served))} --format onnx --out {q(str(Path('exports') / run.name))}",
+        f"  plyx governance verify {q(str(Path('exports') / run.name))}",
+    ])
 
 
 # -- plyx data ----------------------------------------------------------------------------
@@ -140,12 +198,16 @@ def configure_data(parser: argparse.ArgumentParser) -> None:
     p.add_argument("corpus", nargs="?", help="a text file, a .jsonl file (`text` field) or a directory; "
                    "default: the bundled Tiny Shakespeare")
     p.add_argument("--out", required=True, help="the prepared data directory")
-    p.add_argument("--tokenizer", help="an existing tokenizer.json (default: train a byte-level BPE)")
+    p.add_argument("--tokenizer", help="an existing tokenizer.json, or `char` for one id per character (nanoGPT's "
+                   "shakespeare_char); default: train a byte-level BPE")
     p.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary to train (default 4096)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="held-out fraction (default 0.1)")
     p.add_argument("--separator", help="split text files into documents on this string (e.g. '\\n\\n'; "
                    "escapes are decoded)")
     p.add_argument("--no-hooks", action="store_true", help="skip plyx_document_filters plugins")
+    p.add_argument("--encoding", default="utf-8", help="the corpus files' text encoding (default utf-8; e.g. latin-1)")
+    p.add_argument("--errors", default="strict", choices=["strict", "replace", "ignore"],
+                   help="undecodable bytes: stop naming file and offset (strict), U+FFFD (replace), drop (ignore)")
     p = sub.add_parser("inspect", help="check a prepared directory (sizes and sha256) and summarise it")
     p.add_argument("path", help="the prepared data directory")
 
@@ -172,7 +234,8 @@ def run_data(args: argparse.Namespace) -> int:
         corpus, separator = bundled_corpus(), separator or BUNDLED_SEPARATOR
     try:
         report = prepare_corpus(corpus, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
-                                val_fraction=args.val_fraction, separator=separator, use_hooks=not args.no_hooks)
+                                val_fraction=args.val_fraction, separator=separator, use_hooks=not args.no_hooks,
+                                encoding=args.encoding, errors=args.errors)
     except (ValueError, FileNotFoundError, TypeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

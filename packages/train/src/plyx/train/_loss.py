@@ -30,7 +30,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
 def lm_loss(
     model: nn.Module, batch: Batch, *, label_smoothing: float = 0.0, z_loss: float = 0.0
 ) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``batch`` over its targets that are not -100 (a 0-dim tensor)."""
+    """Mean next-token cross-entropy of ``batch`` over its targets that are not -100 (a 0-dim tensor), plus an
+    MoE model's router losses of this forward (``model.router_aux_loss()``, weighted by ``ModelConfig.moe``)."""
     hidden = model(
         batch.input_ids,
         position_ids=batch.position_ids,
@@ -42,8 +43,11 @@ def lm_loss(
     flat = hidden.reshape(-1, hidden.shape[-1])  # (B T, D)
     if flat.dtype != weight.dtype:  # under autocast the hidden states may be bf16 while weights stay fp32
         flat = flat.to(weight.dtype)
-    return linear_cross_entropy(flat, weight, batch.targets.reshape(-1), ignore_index=-100,
+    loss = linear_cross_entropy(flat, weight, batch.targets.reshape(-1), ignore_index=-100,
                                 label_smoothing=label_smoothing, z_loss=z_loss, reduction="mean")
+    router = getattr(_unwrap(model), "router_aux_loss", None)  # MoE models: load-balancing + router z-loss
+    aux = router() if router is not None else None
+    return loss if aux is None else loss + aux
 
 
 def _unwrap(model: nn.Module) -> Any:

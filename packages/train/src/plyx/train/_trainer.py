@@ -39,8 +39,10 @@ import attrs
 import numpy as np
 import torch
 from plyx.specs import ConfigError, PlyxError, TrainConfig, get_plugin_manager
+from plyx.train._card import card_fields, tokenizer_config
 from plyx.train._checkpoint import CheckpointManager, ResumeError, optimizer_from_flat, restore_rng
 from plyx.train._dataset import TokenDataset
+from plyx.train._datasource import resolve_data_dir
 from plyx.train._distributed import LocalStrategy, resolve_strategy
 from plyx.train._generate import generate_ids
 from plyx.train._loss import lm_loss
@@ -54,10 +56,11 @@ from plyx.train._metrics import (
     spectral_ratios,
 )
 from plyx.train._optim import build_optimizer
-from plyx.train._prepare import prepare_bundled, prepare_corpus
+from plyx.train._progress import StepTimer, format_log_line, format_speed, progress_bar, use_bar
+from plyx.train._recovery import Recovery, mark_hooked, recover, rerun_saved_hooks
 from plyx.train._schedule import build_scheduler
 from plyx.train._shards import MANIFEST, ShardSet
-from plyx.train._tokenizer import Tokenizer, load_tokenizer
+from plyx.train._tokenizer import CHAR, Tokenizer, load_tokenizer
 from torch import nn
 
 __all__ = ["Trainer", "TrainOptions", "TrainResult", "NonFiniteLossError", "resolve_device", "estimate_memory"]
@@ -93,7 +96,8 @@ class TrainOptions:
             if any), or None (a fresh run; refuses an out_dir that already has checkpoints).
         overwrite: allow a fresh run in an out_dir that has checkpoints (they are replaced).
         keep_checkpoints: how many of the newest checkpoints to keep.
-        progress: show a rich progress bar.
+        progress: show a rich progress bar on a terminal (elsewhere, and when False, ``print_fn`` gets a
+            line every ``log_every`` steps).
         tensorboard: also write TensorBoard event files (needs the ``tensorboard`` package).
         peak_flops: the device's peak FLOP/s for MFU (default: known GPUs, ``$PLYX_PEAK_FLOPS``).
         spectral_probe_every: steps between MLP/attention spectral-norm ratio probes (0: off).
@@ -105,8 +109,11 @@ class TrainOptions:
         handle_signals: checkpoint and stop cleanly on SIGINT/SIGTERM.
         verify_data: recompute the shards' sha256 before training.
         memory_bytes: memory to check the estimate against (default: the device's total).
-        data_cache: where the bundled corpus is prepared (default: ``$PLYX_DATA_DIR`` or ~/.cache/plyx).
+        data_cache: where the bundled corpus is prepared (default: ``$PLYX_DATA_DIR``, else
+            ``$PLYX_CACHE_DIR/data``, else ~/.cache/plyx/data).
         print_fn: where progress lines go when the bar is off (None: silent).
+        name / license / description: the model card's fields (default: the run directory's name,
+            ``NOASSERTION``, a summary of model, data, steps and losses).
     """
 
     resume: str | None = None
@@ -129,6 +136,9 @@ class TrainOptions:
     memory_bytes: int | None = None
     data_cache: str | None = None
     print_fn: Callable[[str], None] | None = None
+    name: str | None = None
+    license: str | None = None
+    description: str | None = None
 
 
 @attrs.frozen
@@ -244,6 +254,9 @@ class Trainer:
         self.is_main = self.strategy.is_main
         data_rank, data_world = self.strategy.data_rank, self.strategy.data_world_size
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints", keep=opts.keep_checkpoints)
+        self.recovery: Recovery | None = None
+        if opts.resume and self.is_main:  # a crash may have left half-written saves; clean before choosing
+            self.recovery = recover(self.checkpoints.root, self.checkpoints.steps(), self.checkpoints.path_for)
         resume_from = self._resume_path()
 
         # -- data, tokenizer, vocabulary ------------------------------------------------
@@ -276,6 +289,10 @@ class Trainer:
             # the strategy builds (meta device and shards, under plyx-dist) and initialises from the seed alone
             model = self.strategy.build_model(lambda device: TransformerLM(config.model, device=device), config.seed)
         self.module = model.to(self.device) if not self.strategy.sharded else model
+        if config.neftune_alpha is not None:  # noisy embeddings in train mode only (plyx.model.adapters.neftune)
+            from plyx.model.adapters import neftune
+
+            self.neftune = neftune(self.module, config.neftune_alpha)
         if not self.strategy.sharded:
             self._check_memory()
         own_ckpt = config.activation_checkpointing and dist is None  # a strategy checkpoints before sharding
@@ -318,27 +335,13 @@ class Trainer:
         return None
 
     def _data_dir(self) -> Path:
-        d = self.config.data
-        if not d.path:
-            cache = self.options.data_cache
-            return prepare_bundled(
-                Path(cache) / f"tinyshakespeare-bpe{d.vocab_size}" if cache else None,
-                vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-            )
-        path = Path(d.path)
-        if (path / MANIFEST).is_file() or not path.exists() or (path.is_dir() and not any(path.iterdir())):
-            return path  # a prepared directory (ShardSet.open explains a missing one)
-        # a raw corpus: prepare it once into the run directory
-        out = self.out_dir / "data"
-        if not (out / MANIFEST).is_file():
-            prepare_corpus(path, out, tokenizer=d.tokenizer or None, vocab_size=d.vocab_size,
-                           val_fraction=d.val_fraction)
-        return out
+        return resolve_data_dir(self.config.data, self.out_dir, cache=self.options.data_cache,
+                                say=lambda text: self._say(None, text))
 
     def _tokenizer(self) -> Tokenizer | None:
         d = self.config.data
         recorded = self.shards.manifest.get("tokenizer_sha256") or ""
-        if d.tokenizer:
+        if d.tokenizer and d.tokenizer != CHAR:  # "char" was built with the data: its tokenizer.json is the one
             tok = load_tokenizer(d.tokenizer)
             if recorded and tok.sha256() != recorded:
                 raise ConfigError(
@@ -466,8 +469,10 @@ class Trainer:
         hook = get_plugin_manager().hook
         start_step = self.step
         window_t, window_steps = time.perf_counter(), 0
+        timer = StepTimer()
+        self._rerun_missed_hooks()
         self.model.train()
-        with self._signals(), self._progress(start_step) as bar:
+        with self._signals(), self._progress(start_step, timer) as bar:
             try:
                 while self.step < c.steps and self._stop is None:
                     t0 = time.perf_counter()
@@ -507,6 +512,7 @@ class Trainer:
                     self.step += 1
                     self.data_position = stream.position
                     dt = time.perf_counter() - t0
+                    timer.update(dt)
                     losses.append(loss_value)
                     window_steps += 1
                     metrics: dict[str, float] = {
@@ -527,6 +533,10 @@ class Trainer:
                             metrics.update(self._rank_metrics(elapsed, window_steps, metrics["peak_mem_mb"]))
                         metrics.update(detail)
                         window_t, window_steps = time.perf_counter(), 0
+                        if bar is None:
+                            self._say(None, format_log_line(self.step, metrics, timer.eta(c.steps - self.step)))
+                        else:
+                            bar.update(bar.task_ids[0], speed=format_speed(metrics))
                     if c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps):
                         t_eval = time.perf_counter()
                         metrics.update(self.evaluate())
@@ -581,6 +591,8 @@ class Trainer:
         next_step = self.step + 1
         if next_step % c.log_every == 0 or next_step == c.steps:
             out.update({f"grad_norm/{k}": v for k, v in grad_norms_by_group(self.groups).items()})
+            router = getattr(self.module, "router_metrics", None)  # MoE: tokens per expert, imbalance, drops
+            out.update(router() if router is not None else {})
         if opts.spectral_probe_every and next_step % opts.spectral_probe_every == 0:
             for key, ratio in spectral_ratios(self.groups).items():
                 out[f"spectral_ratio/{key}"] = ratio
@@ -649,15 +661,19 @@ class Trainer:
             "training": {"steps": self.step, "tokens": metrics.get("tokens"), "loss": metrics.get("loss"),
                          "val_loss": metrics.get("val_loss"), "run_id": self.run_id},
         }
+        card.update(self._card(metrics))
+        extra_files: dict[str, Any] = {}
         if self.tokenizer is not None:
             card["tokenizer"] = "tokenizer.json"
+            extra_files["tokenizer_config.json"] = tokenizer_config(
+                eos_token=self.tokenizer.eos_token, max_len=self.config.model.max_seq_len)
         tokenizer_file = self.tokenizer.path if self.tokenizer else None
         if local:
             path = self.checkpoints.save(
                 self.step, self.module, optimizer=self.optimizer, scheduler=self.scheduler, state=state,
-                card_fields=card, tokenizer_file=tokenizer_file,
+                card_fields=card, tokenizer_file=tokenizer_file, extra_files=extra_files,
             )
-        else:
+        else:  # every rank writes its shards; the strategy commits (tokenizer_config.json comes with consolidate)
             path = self.strategy.save_checkpoint(self.checkpoints, self.step, self.module, self.optimizer,
                                                  self.scheduler, state=state, card_fields=card,
                                                  tokenizer_file=tokenizer_file)
@@ -668,7 +684,29 @@ class Trainer:
         meta = self._metadata(metrics)
         meta["outputs"] = {"checkpoint": str(path), **meta["outputs"]}
         get_plugin_manager().hook.plyx_on_checkpoint_saved(path=str(path), step=self.step, metadata=meta)
+        mark_hooked(path)  # a kill before this line gets the hook re-run on resume (_recovery)
         return path
+
+    def _card(self, metrics: dict[str, float]) -> dict[str, Any]:
+        o = self.options
+        return card_fields(
+            run_name=self.out_dir.resolve().name, config=self.config, num_params=self.module_params(),
+            step=self.step, metrics=metrics, data_dir=self.data_dir, source=self.shards.manifest.get("source", {}),
+            name=o.name, license=o.license, description=o.description,
+        )
+
+    def module_params(self) -> int:
+        """Parameters of the model being trained (each tensor once)."""
+        return sum(p.numel() for p in self.module.parameters())
+
+    def _rerun_missed_hooks(self) -> None:
+        """Fire ``plyx_on_checkpoint_saved`` for complete checkpoints a crash left without it (see _recovery)."""
+        if self.recovery is None or not self.is_main:
+            return
+        rerun_saved_hooks(self.recovery.unhooked, get_plugin_manager().hook, data_dir=self.data_dir,
+                          out_dir=self.out_dir, seed=self.config.seed)
+        if self.recovery.summary():
+            self._say(None, f"resume: {self.recovery.summary()}")
 
     def _metadata(self, metrics: dict[str, float]) -> dict[str, Any]:
         inputs = {"data": str(self.data_dir), "manifest": str(self.data_dir / MANIFEST)}
@@ -698,21 +736,20 @@ class Trainer:
             extra.append("allreduce_share")
         if self.options.spectral_probe_every:
             extra += [f"spectral_ratio/{k}" for k in self.groups if k.split(".")[-1].isdigit()]
+        if getattr(self.config.model, "moe", None) is not None:  # router statistics columns (plyx-model >= 1.3)
+            import plyx.model
+
+            extra += list(getattr(plyx.model, "ROUTER_METRICS", ()))
         return MetricsWriter(self.out_dir, extra, resume_step=self.step if self.step else None,
                              tensorboard=self.options.tensorboard)
 
     @contextlib.contextmanager
-    def _progress(self, start: int) -> Iterator[Any]:
-        if not (self.options.progress and self.is_main):
+    def _progress(self, start: int, timer: StepTimer) -> Iterator[Any]:
+        """The bar on a terminal when progress is on; None (log lines through ``print_fn``) otherwise."""
+        if not (self.is_main and use_bar(self.options.progress)):
             yield None
             return
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        with Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-            TimeRemainingColumn(),
-        ) as progress:
-            progress.add_task("train", total=self.config.steps, completed=start, loss="-")
+        with progress_bar(self.config.steps, start, timer) as progress:
             yield progress
 
     def _say(self, bar: Any, text: str) -> None:

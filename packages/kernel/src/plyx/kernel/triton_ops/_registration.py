@@ -58,6 +58,9 @@ _OPS: dict[str, tuple[int, dict[str, Any], str]] = {
     "linear_cross_entropy": (10, {}, "chunked cuBLAS lm-head + Triton cross-entropy, gradients in the forward pass"),
     # below the cuBLAS reference: measured slower at the benchmark shapes (bench/results); force it to use it
     "matmul": (-10, {}, "Triton tiled GEMM (forward and backward through the same kernel)"),
+    "moe_permute": (10, {}, "device routing sort + Triton row copies, forward and backward (no atomics)"),
+    "moe_unpermute": (10, {}, "Triton weighted gather-sum of expert rows, forward and backward (no atomics)"),
+    "grouped_gemm": (10, {}, "Triton grouped GEMM over experts' row blocks, device tile schedule (no host sync)"),
 }
 
 

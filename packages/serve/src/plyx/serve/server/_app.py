@@ -46,7 +46,10 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     """What the HTTP layer enforces (the engine's own limits live in ``EngineConfig``)."""
 
     model_name: str = "plyx"
-    """Name served by /v1/models; requests must name it."""
+    """Name served by /v1/models; requests must name it (or one of ``model_aliases``)."""
+    model_aliases: tuple[str, ...] = ()
+    """Other names requests may use (``plyx serve`` adds the checkpoint's directory name, e.g. ``step-001000``);
+    /v1/models lists them after ``model_name``, each with ``parent`` = ``model_name``."""
     api_key: str = ""
     """Bearer token required on /v1/*, /tokenize and /detokenize; empty disables auth."""
     max_request_bytes: int = 1_048_576
@@ -139,7 +142,8 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
     async def models() -> Response:
         card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "plyx",
                 "root": model_dir or settings.model_name, "max_model_len": engine.max_model_len}
-        return _json({"object": "list", "data": [card]})
+        aliases = [{**card, "id": alias, "parent": settings.model_name} for alias in settings.model_aliases]
+        return _json({"object": "list", "data": [card, *aliases]})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -270,8 +274,9 @@ async def _read(request: Request, kind: type, settings: ServerSettings) -> Any:
 def _check_model(name: str | None, settings: ServerSettings, *, required: bool = True) -> None:
     if name is None and not required:
         return
-    if name != settings.model_name:
-        raise APIError(404, f"The model `{name}` does not exist. This server serves `{settings.model_name}` "
+    if name != settings.model_name and name not in settings.model_aliases:
+        also = f" (also as {', '.join(f'`{a}`' for a in settings.model_aliases)})" if settings.model_aliases else ""
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{settings.model_name}`{also} "
                        "(see GET /v1/models)", param="model", code="model_not_found")
 
 

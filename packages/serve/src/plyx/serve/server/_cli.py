@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 from typing import Any
 
 from plyx.specs.components import CliCommand
@@ -23,7 +22,10 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=os.environ.get("PLYX_API_KEY", ""),
                    help="bearer token required on /v1/* (default: $PLYX_API_KEY; empty disables auth)")
-    p.add_argument("--served-name", default="", help="model name of /v1/models (default: the directory name)")
+    p.add_argument("--served-model-name", "--served-name", dest="served_name", default="",
+                   help="the model id of /v1/models and requests (default: the checkpoint card's name, which "
+                        "`plyx train` sets to the run's name; else the directory name); the directory's own name "
+                        "(e.g. step-001000) is also accepted")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
@@ -47,10 +49,11 @@ def _configure(p: argparse.ArgumentParser) -> None:
 
 def serve_config_from_args(args: argparse.Namespace) -> Any:
     """A validated ``plyx.specs.ServeConfig`` of the command line (errors name the option and the fix)."""
+    from plyx.serve.server._paths import served_names
     from plyx.specs.config.serve import ServeConfig
 
     return ServeConfig(
-        model=str(args.path), served_name=args.served_name or Path(args.path).resolve().name, host=args.host,
+        model=str(args.path), served_name=served_names(args.path, args.served_name)[0], host=args.host,
         port=args.port, api_key=args.api_key, device=args.device, dtype=args.dtype, block_size=args.block_size,
         num_blocks=args.num_blocks, memory_fraction=args.memory_fraction, max_batch_size=args.max_batch_size,
         max_batch_tokens=args.max_batch_tokens, max_model_len=args.max_model_len,
@@ -78,6 +81,7 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
     from plyx.serve.engine import Engine, EngineConfig
     from plyx.serve.server._app import ServerSettings, create_app
     from plyx.serve.server._loading import eos_ids, load_model, load_tokenizer
+    from plyx.serve.server._paths import served_names
 
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(cfg.model, device=device, dtype=cfg.dtype)
@@ -93,18 +97,30 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
             mixed_chunk=(16 if torch.device(device).type == "cuda" else 0) if mixed_chunk < 0 else mixed_chunk,
         ),
     )
-    settings = ServerSettings(model_name=cfg.served_name or Path(cfg.model).resolve().name, api_key=cfg.api_key,
+    model_name, aliases = served_names(cfg.model, cfg.served_name)
+    settings = ServerSettings(model_name=model_name, model_aliases=aliases, api_key=cfg.api_key,
                               max_request_bytes=cfg.max_request_bytes, max_concurrent=max_concurrent,
                               drain_timeout=drain_timeout, guardrail_policy=cfg.guardrail_policy)
     return create_app(engine, settings=settings, chat_template=chat_template, model_dir=cfg.model)
 
 
 def _run(args: argparse.Namespace) -> int:
+    import sys
+
+    from plyx.serve.server._paths import PathError, check_model_path
+    from plyx.specs.errors import PlyxError
+
+    # what cannot be served is one line naming the fix, like `plyx model inspect`, not a traceback
+    try:
+        check_model_path(args.path)
+        cfg = serve_config_from_args(args)
+        app = build_server(cfg, chat_template=args.chat_template, max_concurrent=args.max_concurrent,
+                           drain_timeout=args.drain_timeout, mixed_chunk=args.mixed_chunk)
+    except (PathError, PlyxError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     import uvicorn
 
-    cfg = serve_config_from_args(args)
-    app = build_server(cfg, chat_template=args.chat_template, max_concurrent=args.max_concurrent,
-                       drain_timeout=args.drain_timeout, mixed_chunk=args.mixed_chunk)
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(args.drain_timeout) or None)
     uvicorn.Server(config).run()

@@ -10,7 +10,7 @@ from plyx.specs.config._base import (
 )
 from plyx.specs.config.dist import DistConfig
 from plyx.specs.config.kernel import KernelConfig
-from plyx.specs.config.model import ModelConfig, RopeScaling
+from plyx.specs.config.model import ModelConfig, MoEConfig, RopeScaling
 from plyx.specs.config.serve import ServeConfig
 from plyx.specs.config.train import DataConfig, OptimizerConfig, ScheduleConfig, TrainConfig
 
@@ -20,6 +20,7 @@ __all__ = [
     "DataConfig",
     "DistConfig",
     "KernelConfig",
+    "MoEConfig",
     "ModelConfig",
     "OptimizerConfig",
     "RopeScaling",

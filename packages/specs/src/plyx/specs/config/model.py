@@ -1,4 +1,4 @@
-"""``ModelConfig``: the shape of a decoder-only transformer (Llama, Qwen2/3, Mistral)."""
+"""``ModelConfig``: the shape of a decoder-only transformer (Llama, Qwen2/3, Mistral; Mixtral, Qwen-MoE, OLMoE)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import msgspec
 from plyx.specs.config._base import ConfigBase, migration
 from plyx.specs.errors import ConfigError
 
-__all__ = ["ModelConfig", "RopeScaling"]
+__all__ = ["MoEConfig", "ModelConfig", "RopeScaling"]
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class RopeScaling(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -29,6 +30,33 @@ class RopeScaling(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """(llama3) context length the model was pre-trained on."""
 
 
+class MoEConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A sparse mixture-of-experts MLP: a linear router, top-k softmax gating, dropless routing.
+
+    Each token's router logits ``x @ W_r.T`` (E of them) go through a softmax; the token runs
+    through its ``top_k`` most probable experts (SwiGLU MLPs of width ``d_expert``) and their
+    outputs are summed, weighted by those probabilities (renormalised to sum 1 or not). Every
+    token reaches all its experts: no capacity factor, nothing dropped.
+    """
+
+    num_experts: Pos = 8
+    """Routed experts per layer (E; HF ``num_local_experts`` / ``num_experts``)."""
+    top_k: Pos = 2
+    """Experts each token runs through (HF ``num_experts_per_tok``); at most ``num_experts``."""
+    d_expert: Pos | None = None
+    """Hidden width of each expert's SwiGLU (HF ``moe_intermediate_size``); None means ``d_ff``."""
+    norm_topk_prob: bool = True
+    """True: the top-k probabilities are renormalised to sum 1 (Mixtral; Qwen3-MoE checkpoints); False: the
+    raw softmax probabilities weight the experts (OLMoE, Qwen2-MoE)."""
+    shared_expert_d_ff: Pos | None = None
+    """Width of an always-on shared expert whose output is scaled by ``sigmoid(x @ w_g)`` (Qwen2-MoE); None: none."""
+    aux_loss_coef: NonNegFloat = 0.01
+    """Weight of the load-balancing loss ``E * sum_e f_e * P_e`` (Switch Transformer eq. 4, top-k counts as
+    Mixtral's), averaged over layers and added to the training loss; 0 turns it off."""
+    z_loss_coef: NonNegFloat = 0.0
+    """Weight of the router z-loss ``mean_t logsumexp(router_logits_t)^2`` (ST-MoE eq. 5); 0 turns it off."""
+
+
 class ModelConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Hyper-parameters of a ``TransformerLM``.
 
@@ -41,7 +69,9 @@ class ModelConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
     VERSION = 2
 
     arch: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
-    """Decoder family: llama | qwen2 (q/k/v biases) | qwen3 (QK-norm) | mistral (sliding window)."""
+    """Decoder family: llama | qwen2 (q/k/v biases) | qwen3 (QK-norm) | mistral (sliding window). With ``moe``
+    they are Hugging Face's Mixtral (mistral), Qwen2-MoE (qwen2), Qwen3-MoE (qwen3) and OLMoE (llama with
+    ``qk_norm_scope="projection"``)."""
     vocab_size: Pos = 32000
     """Number of token ids."""
     d_model: Pos = 512
@@ -78,6 +108,11 @@ class ModelConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
     """Standard deviation of the normal weight initialisation."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype."""
+    moe: MoEConfig | None = None
+    """Mixture-of-experts MLPs in every layer; None: dense SwiGLU MLPs."""
+    qk_norm_scope: Literal["head", "projection"] = "head"
+    """With ``qk_norm``: ``head`` normalises each head's Dh values (Qwen3); ``projection`` normalises the whole
+    q projection ``[H*Dh]`` and the whole k projection ``[KV*Dh]`` before they are split into heads (OLMoE)."""
 
     @property
     def kv_heads(self) -> int:
@@ -87,7 +122,13 @@ class ModelConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
     def dim_per_head(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
 
+    @property
+    def d_expert(self) -> int:
+        """Hidden width of each expert (``moe.d_expert``, else ``d_ff``); ``d_ff`` for a dense model."""
+        return (self.moe.d_expert if self.moe is not None else None) or self.d_ff
+
     def check(self) -> None:
+        self._check_moe()
         if self.head_dim is None and self.d_model % self.n_heads:
             divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0][:8]
             raise ConfigError(
@@ -110,6 +151,15 @@ class ModelConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
                 value=self.dim_per_head,
                 fix="pick d_model and n_heads so that d_model // n_heads is even",
             )
+
+
+    def _check_moe(self) -> None:
+        moe = self.moe
+        if moe is None:
+            return
+        if moe.top_k > moe.num_experts:
+            raise ConfigError("moe.top_k", f"`top_k` ({moe.top_k}) exceeds `num_experts` ({moe.num_experts})",
+                              value=moe.top_k, fix=f"route to at most {moe.num_experts} experts per token")
 
 
 @migration("model", 1)

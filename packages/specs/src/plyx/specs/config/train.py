@@ -103,6 +103,9 @@ class TrainConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
     """Steps between checkpoints (0: only at the end and on interrupt)."""
     sample_tokens: NonNeg = 200
     """Tokens generated for the sample printed at evaluation and at the end."""
+    neftune_alpha: PosFloat | None = None
+    """NEFTune: uniform noise of scale alpha / sqrt(seq_len * d_model) on the input embeddings while
+    training (Jain et al. 2023; 5 to 15 is usual); None: off."""
     dist: DistConfig = msgspec.field(default_factory=DistConfig)
     """How a distributed run (``plyx train --nproc N``, ``torchrun``) is parallelised; batch_size
     stays per data-parallel rank, so the global batch is batch_size x grad_accum x data ranks."""

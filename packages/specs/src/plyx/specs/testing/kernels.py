@@ -29,6 +29,9 @@ The kernel signatures (positional tensors first, options keyword-only)::
                   reduction="mean", return_argmax=False) -> loss | (loss, argmax [N])
     linear_cross_entropy(hidden [N, D], weight [V, D], targets [N], *, bias=None, ignore_index=-100,
                          label_smoothing=0.0, z_loss=0.0, reduction="mean") -> loss
+    moe_permute(x [T, D], expert_ids [T, k], *, num_experts) -> (xs [T*k, D], positions [T, k], offsets [E+1])
+    moe_unpermute(ys [T*k, D], positions [T, k], weights [T, k]) -> out [T, D]
+    grouped_gemm(x [M, K], weight [E, N, K], offsets [E+1]) -> y [M, N]
 
 torch is imported inside the functions: importing this module costs nothing.
 """
@@ -160,6 +163,28 @@ def _oracle_linear_cross_entropy(h: Any, w: Any, t: Any, *, bias: Any = None, ig
     return _reduce(rows, valid, reduction)
 
 
+def _oracle_moe_permute(x: Any, expert_ids: Any, *, num_experts: int) -> Any:
+    # a stable sort by expert: expert 0's rows first, token order within each expert
+    torch = _torch()
+    flat = expert_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    positions = torch.empty_like(order)
+    positions[order] = torch.arange(flat.numel(), device=flat.device)
+    counts = torch.stack([(flat == e).sum() for e in range(num_experts)])
+    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0)))
+    return x[order // expert_ids.shape[1]], positions.view(expert_ids.shape), offsets
+
+
+def _oracle_moe_unpermute(ys: Any, positions: Any, weights: Any) -> Any:
+    return (ys[positions.long()] * weights[..., None]).sum(1)
+
+
+def _oracle_grouped_gemm(x: Any, weight: Any, offsets: Any) -> Any:
+    torch = _torch()
+    bounds = offsets.tolist()
+    return torch.cat([x[a:b] @ weight[e].T for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+
+
 # ---------------------------------------------------------------------------
 # cases
 # ---------------------------------------------------------------------------
@@ -221,7 +246,40 @@ def _cases() -> dict[str, tuple[KernelCase, ...]]:
             return [h, w, _targets(torch, gen, n, v, dev, ignored)], kw, grads
         return make
 
+    def routed(t: int, d: int, e: int, k: int) -> Callable[..., Any]:
+        def make(torch: Any, gen: Any, dt: Any, dev: str) -> Any:
+            ids = torch.rand(t, e, generator=gen).argsort(-1)[:, :k].to(dev)  # k distinct experts per token
+            return [_rand(torch, gen, (t, d), dt, dev), ids], {"num_experts": e}, (0,)
+        return make
+
+    def combine(t: int, d: int, k: int) -> Callable[..., Any]:
+        def make(torch: Any, gen: Any, dt: Any, dev: str) -> Any:
+            positions = torch.randperm(t * k, generator=gen).view(t, k).to(dev)
+            weights = torch.rand(t, k, generator=gen, dtype=torch.float64).to(device=dev, dtype=dt)
+            return [_rand(torch, gen, (t * k, d), dt, dev), positions, weights], {}, (0, 2)
+        return make
+
+    def grouped(counts: Sequence[int], n: int, k: int) -> Callable[..., Any]:
+        def make(torch: Any, gen: Any, dt: Any, dev: str) -> Any:
+            offsets = torch.tensor([0, *counts]).cumsum(0).to(dev)
+            w = _rand(torch, gen, (len(counts), n, k), dt, dev, k ** -0.5)
+            return [_rand(torch, gen, (sum(counts), k), dt, dev), w, offsets], {}, (0, 1)
+        return make
+
     return {
+        "moe_permute": (
+            KernelCase("moe_permute [13, 24] top-2 of 5", routed(13, 24, 5, 2), _oracle_moe_permute),
+            KernelCase("moe_permute [7, 40] top-3 of 3", routed(7, 40, 3, 3), _oracle_moe_permute),
+        ),
+        "moe_unpermute": (
+            KernelCase("moe_unpermute [11 x 2, 24]", combine(11, 24, 2), _oracle_moe_unpermute),
+            KernelCase("moe_unpermute [5 x 4, 70]", combine(5, 70, 4), _oracle_moe_unpermute),
+        ),
+        "grouped_gemm": (
+            KernelCase("grouped_gemm rows (5, 0, 17, 3) [25, 24] x [4, 40, 24]", grouped((5, 0, 17, 3), 40, 24),
+                       _oracle_grouped_gemm),
+            KernelCase("grouped_gemm rows (1, 33) [34, 48] x [2, 20, 48]", grouped((1, 33), 20, 48), _oracle_grouped_gemm),
+        ),
         "matmul": (
             KernelCase("matmul [3, 17, 40] @ [40, 33]", mm((3, 17, 40), (40, 33)), _oracle_matmul),
             KernelCase("matmul [70, 64] @ [64, 96]", mm((70, 64), (64, 96)), _oracle_matmul),

@@ -28,6 +28,7 @@ LIST_HOOKS: dict[str, type] = {
     "plyx_exporters": Component,
     "plyx_guardrails": Component,
     "plyx_redteam_probes": Component,
+    "plyx_adapter_variants": Component,
     "plyx_cli_commands": CliCommand,
 }
 

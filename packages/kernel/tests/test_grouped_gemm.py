@@ -1,0 +1,78 @@
+"""Triton grouped GEMM against the float64 per-expert loop: forward, input and weight gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plyx.kernel import KernelInputError
+from plyx.kernel.reference import grouped_gemm as reference
+from plyx.kernel.triton_ops.grouped_gemm import grouped_gemm
+
+from .conftest import GPU, TRITON_DEVICE
+
+# (rows per expert, N, K): the interpreter's tiles are 16 x 32 x 32, so 17, 33 and 40 straddle them;
+# empty experts (0 rows) first, in the middle and last; one expert with everything; more row tiles than GROUP_M
+CASES = [((3, 0, 17, 5), 40, 24), ((0, 33, 1), 20, 48), ((9,), 33, 16), ((2, 2, 2, 2, 2, 0), 8, 8),
+         ((17,) * 9 + (0, 3, 33), 8, 16)]  # 26 row tiles: several swizzle groups of 8, the last one partial
+if GPU:
+    CASES += [((700, 3, 0, 1300, 64), 1024, 2048), ((1,) * 64, 2048, 1024)]
+
+
+def _inputs(make, counts, n, k, dtype):
+    offsets = torch.tensor([0, *counts]).cumsum(0).to(TRITON_DEVICE)
+    return make(sum(counts), k, dtype=dtype), make(len(counts), n, k, dtype=dtype, scale=k ** -0.5), offsets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_the_per_expert_loop(parity, make, case, dtype):
+    counts, n, k = case
+    parity(grouped_gemm, reference, _inputs(make, counts, n, k, dtype), grad=(0, 1), dtype=dtype,
+           label=f"grouped_gemm rows {counts} N={n} K={k}")
+
+
+def test_strided_operands_and_explicit_blocks(parity, make):
+    counts = (4, 0, 9)
+    x = make(24, sum(counts)).T  # (13, 24) with strides (1, 13)
+    w = make(3, 24, 40).transpose(1, 2)  # (3, 40, 24) strided
+    offsets = torch.tensor([0, *counts]).cumsum(0).to(TRITON_DEVICE)
+    parity(lambda *a: grouped_gemm(*a, blocks=(16, 16, 16, 4, 1)), reference, [x, w, offsets], grad=(0, 1),
+           label="strided")
+
+
+def test_bad_inputs_name_kernel_and_argument():
+    x = torch.randn(5, 8, device=TRITON_DEVICE)
+    w = torch.randn(2, 4, 8, device=TRITON_DEVICE)
+    with pytest.raises(KernelInputError, match=r"grouped_gemm:triton.*`weight`.*\[E, N, K=8\]"):
+        grouped_gemm(x, w[:, :, :7], torch.tensor([0, 2, 5], device=TRITON_DEVICE))
+    with pytest.raises(KernelInputError, match=r"`offsets`.*\[E \+ 1 = 3\]"):
+        grouped_gemm(x, w, torch.tensor([0, 5], device=TRITON_DEVICE))
+    with pytest.raises(KernelInputError, match=r"grouped_gemm:reference.*`offsets`.*rise from 0 to M=5"):
+        reference(x, w, torch.tensor([0, 4, 3], device=TRITON_DEVICE))
+
+
+def _moe_mlp(permute, gemm, unpermute):
+    """The experts' SwiGLU MLP as SparseMoE composes it, from the given implementations of the three kernels."""
+    def run(x, gate_up, down, ids, weights):
+        xs, positions, offsets = permute(x, ids, num_experts=gate_up.shape[0])
+        h = gemm(xs, gate_up, offsets)
+        f = down.shape[2]
+        a = torch.nn.functional.silu(h[:, :f]) * h[:, f:]  # strided halves, as in the model
+        return unpermute(gemm(a, down, offsets), positions, weights)
+    return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_three_kernels_composed_as_an_moe_mlp(parity, make, dtype):
+    """permute -> grouped GEMM -> SwiGLU -> grouped GEMM -> weighted unpermute, gradients of all five inputs."""
+    from plyx.kernel.reference import moe_permute as ref_permute
+    from plyx.kernel.reference import moe_unpermute as ref_unpermute
+    from plyx.kernel.triton_ops.moe_permute import moe_permute
+    from plyx.kernel.triton_ops.moe_unpermute import moe_unpermute
+
+    t, d, f, e, k = 19, 24, 40, 5, 2
+    ids = torch.rand(t, e).argsort(-1)[:, :k].to(TRITON_DEVICE)
+    args = [make(t, d, dtype=dtype), make(e, 2 * f, d, dtype=dtype, scale=d ** -0.5),
+            make(e, d, f, dtype=dtype, scale=f ** -0.5), ids, torch.rand(t, k).to(TRITON_DEVICE, dtype)]
+    parity(_moe_mlp(moe_permute, grouped_gemm, moe_unpermute), _moe_mlp(ref_permute, reference, ref_unpermute), args,
+           grad=(0, 1, 2, 4), dtype=dtype, label="moe mlp")
