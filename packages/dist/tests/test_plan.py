@@ -10,7 +10,7 @@ from plyx.specs import ConfigError, DistConfig, ModelConfig, TrainConfig
 def _config(dist: dict, **model: object) -> TrainConfig:
     base = {"vocab_size": 320, "d_model": 48, "n_layers": 2, "n_heads": 6, "n_kv_heads": 2, "d_ff": 96,
             "tie_embeddings": False, **model}
-    return TrainConfig(model=ModelConfig(**base), device="cpu", dist=DistConfig(**dist))
+    return TrainConfig(model=ModelConfig.from_dict(base), device="cpu", dist=DistConfig(**dist))
 
 
 def test_valid_plans_give_their_mesh():
@@ -30,6 +30,8 @@ def test_valid_plans_give_their_mesh():
     ({"strategy": "hsdp", "dp_shard": 3}, {}, 4, "$.dist.dp_shard", "must divide the world size 4"),
     ({"strategy": "hsdp", "dp_shard": 2, "dp_replicate": 3}, {}, 4, "$.dist.dp_replicate", "3 x 2"),
     ({"strategy": "fsdp", "dp_shard": 3}, {}, 4, "$.dist.dp_shard", "fsdp shards over all 4 ranks"),
+    ({"strategy": "fsdp+tp", "tp_size": 2}, {"moe": {"num_experts": 4, "top_k": 2}}, 4, "$.dist.strategy",
+     "mixtures of experts"),
     ({"strategy": "ddp", "backend": "nccl"}, {}, 2, "$.dist.backend", "needs CUDA"),
     ({"strategy": "fsdp", "async_save": True}, {}, 2, "$.dist.async_save", "not available"),
 ])

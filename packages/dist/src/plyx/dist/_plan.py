@@ -106,6 +106,10 @@ def plan(config: TrainConfig, world_size: int, local_world_size: int, *, cuda: b
             raise ConfigError("$.dist.tp_size",
                               f"tensor parallelism splits model.{name} = {value} over {tp} ranks, and {tp} does not "
                               f"divide it", value=tp, fix=f"choose a tp_size that divides model.{name}")
+    if getattr(m, "moe", None) is not None:
+        raise ConfigError("$.dist.strategy", "the tensor-parallel plan covers dense SwiGLU blocks; this model's blocks "
+                          "are mixtures of experts (model.moe)", value=d.strategy,
+                          fix="use strategy = 'fsdp' (or 'hsdp', 'ddp') for MoE models")
     if m.tie_embeddings:
         raise ConfigError("$.dist.tp_size",
                           "tensor parallelism shards the LM head over the vocabulary (loss parallel), which a head "
