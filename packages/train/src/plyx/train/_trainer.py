@@ -283,6 +283,12 @@ class Trainer:
 
         # -- model, memory, optimizer ----------------------------------------------------
         _seed_everything(config.seed)
+        if model is not None and self.strategy.sharded:
+            raise ConfigError(
+                "$.dist.strategy", "a model passed to Trainer(model=...) cannot be sharded afterwards (FSDP builds "
+                "and shards the model itself)", value=config.dist.strategy,
+                fix="let the Trainer build config.model, or use strategy = 'ddp' for a model of your own",
+            )
         if model is None:
             from plyx.model import TransformerLM
 
