@@ -123,11 +123,12 @@ def test_consolidate_gives_the_single_process_weights(fsdp_run, prepared, tmp_pa
         consolidate(fsdp_run, out)
 
 
-@pytest.mark.parametrize("source", ["sharded", "plain"])
-def test_dcp_reshards_to_one_process(source, fsdp_run, reference_run, prepared, tmp_path, monkeypatch, reference):
+@pytest.mark.parametrize(("source", "strategy"), [("sharded", "fsdp"), ("plain", "fsdp"), ("sharded", "hsdp")])
+def test_dcp_reshards_to_one_process(source, strategy, fsdp_run, reference_run, prepared, tmp_path, monkeypatch, reference):
     """2 -> 1: loaded in this process (gloo, world 1): identical parameters, then the same losses.
 
-    ``plain``: a single-process plyx-train checkpoint loads into the FSDP shards the same way.
+    ``plain``: a single-process plyx-train checkpoint loads into the FSDP shards the same way;
+    ``hsdp``: the FSDP checkpoint loads into HSDP (``fully_shard`` on a 2-D replicate x shard mesh).
     """
     from plyx.dist import consolidate
     from plyx.model import load_checkpoint
@@ -142,11 +143,11 @@ def test_dcp_reshards_to_one_process(source, fsdp_run, reference_run, prepared, 
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(T.free_port())}.items():
         monkeypatch.setenv(key, value)
-    config = T.tiny_config(prepared, tmp_path / "run", batch_size=4, dist={"strategy": "fsdp"})
+    config = T.tiny_config(prepared, tmp_path / "run", batch_size=4, dist={"strategy": strategy})
     trainer = Trainer(config, options=TrainOptions(resume=str(ckpt), progress=False, tensorboard=False,
                                                    handle_signals=False))
     try:
-        assert trainer.strategy.name == "fsdp" and trainer.step == 4
+        assert trainer.strategy.name == strategy and trainer.step == 4
         for name, p in trainer.module.named_parameters():
             assert torch.equal(p.full_tensor().detach(), plain[name]), name
         result = trainer.fit()
