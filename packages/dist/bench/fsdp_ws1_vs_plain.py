@@ -37,8 +37,10 @@ PRESETS = {
 }
 
 
-def config(preset: str, out: Path, data: Path, *, fsdp: bool, cuda: bool) -> dict:
-    model, seq, batch, steps, log_every = PRESETS[preset]
+def config(preset: str, out: Path, data: Path, *, fsdp: bool, cuda: bool, batch: int | None = None,
+           steps: int | None = None) -> dict:
+    model, seq, preset_batch, preset_steps, log_every = PRESETS[preset]
+    batch, steps = batch or preset_batch, steps or preset_steps
     cfg = {
         "model": {**model, "tie_embeddings": False}, "data": {"path": str(data), "seq_len": seq},
         "steps": steps, "batch_size": batch, "precision": "bf16-autocast" if cuda else "float32",
@@ -57,6 +59,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if torch.cuda.is_available() else "tiny")
     p.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s (known GPUs are looked up)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's; lower on OOM)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default: the preset's)")
     p.add_argument("--out", default=str(_runs.RESULTS / "fsdp_ws1_vs_plain.jsonl"))
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -65,7 +69,7 @@ def main() -> None:
         data = _runs.prepare_data(work)
         rows = []
         for name, fsdp in (("plain", False), ("fsdp", True)):
-            cfg = config(args.preset, work / name, data, fsdp=fsdp, cuda=cuda)
+            cfg = config(args.preset, work / name, data, fsdp=fsdp, cuda=cuda, batch=args.batch, steps=args.steps)
             m = _runs.train(cfg, work / f"cfg-{name}", nproc=1 if fsdp else None, peak_flops=args.peak_flops)
             rows.append({"bench": "fsdp_ws1_vs_plain", "path": name, "preset": args.preset,
                          "tokens_per_s": m["tokens_per_s"], "mfu": m.get("mfu"), "peak_mem_mb": m.get("peak_mem_mb"),

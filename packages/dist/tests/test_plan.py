@@ -70,7 +70,7 @@ def test_the_launch_without_a_strategy_plugin_is_refused(monkeypatch):
     import plyx.train._distributed as mod
 
     class _Nobody:
-        class hook:  # noqa: N801 - mimics the plugin manager's attribute
+        class hook:
             @staticmethod
             def plyx_train_strategy(**_: object) -> None:
                 return None
