@@ -9,6 +9,7 @@ from plyx.specs.components import CliCommand, Component
 from plyx.specs.config import (
     ConfigBase,
     DataConfig,
+    DistConfig,
     KernelConfig,
     ModelConfig,
     OptimizerConfig,
@@ -41,6 +42,7 @@ from plyx.specs.kernels import (
 )
 from plyx.specs.kvcache import BlockTable, CacheFullError, CacheLayout, CacheUsage, KVCache
 from plyx.specs.plugins import components, get_plugin_manager, plugin_report, register_plugin
+from plyx.specs.strategy import TrainStrategy
 from plyx.specs.tensorspec import TensorSpec, bind, dtype_name
 
 __all__ = [
@@ -58,6 +60,7 @@ __all__ = [
     "ConfigError",
     "ContractError",
     "DataConfig",
+    "DistConfig",
     "IncompatiblePluginError",
     "KVCache",
     "KernelConfig",
@@ -79,6 +82,7 @@ __all__ = [
     "TensorSpec",
     "TensorSpecError",
     "TrainConfig",
+    "TrainStrategy",
     "bind",
     "components",
     "dtype_name",

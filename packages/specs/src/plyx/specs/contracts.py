@@ -38,8 +38,9 @@ def _objects() -> dict[str, dict[str, Any]]:
     def mod(name: str) -> Any:  # by module path: plyx.specs re-exports names that shadow modules
         return importlib.import_module(f"plyx.specs.{name}")
 
-    batch, checkpoint, components, config, hookspecs, kernels, kvcache, tensorspec = (
-        mod(n) for n in ("batch", "checkpoint", "components", "config", "hookspecs", "kernels", "kvcache", "tensorspec")
+    batch, checkpoint, components, config, hookspecs, kernels, kvcache, tensorspec, strategy = (
+        mod(n) for n in ("batch", "checkpoint", "components", "config", "hookspecs", "kernels", "kvcache", "tensorspec",
+                         "strategy")
     )
 
     payloads = mod("payloads")  # the typed metadata of the lifecycle hooks belongs to the hook contract
@@ -51,7 +52,7 @@ def _objects() -> dict[str, dict[str, Any]]:
             name: getattr(config, name)
             for name in (
                 "ConfigBase", "ModelConfig", "RopeScaling", "TrainConfig", "DataConfig", "OptimizerConfig",
-                "ScheduleConfig", "ServeConfig", "KernelConfig", "load_config", "dump_config", "migration",
+                "ScheduleConfig", "ServeConfig", "KernelConfig", "DistConfig", "load_config", "dump_config", "migration",
             )
         },
         "tensorspec": {"TensorSpec": tensorspec.TensorSpec, "bind": tensorspec.bind, "dtype_name": tensorspec.dtype_name},
@@ -60,6 +61,7 @@ def _objects() -> dict[str, dict[str, Any]]:
         "checkpoint": {n: getattr(checkpoint, n) for n in checkpoint.__all__ if n != "CONTRACT_VERSION"},
         "batch": {n: getattr(batch, n) for n in batch.__all__ if n != "CONTRACT_VERSION"},
         "hooks": {**hook_fns, "Component": components.Component, "CliCommand": components.CliCommand,
+                  "TrainStrategy": strategy.TrainStrategy,
                   **{n: getattr(payloads, n) for n in payloads.__all__ if n != "CONTRACT_VERSION"}},
     }
 

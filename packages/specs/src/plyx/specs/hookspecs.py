@@ -124,6 +124,19 @@ def plyx_cli_commands() -> list[Any]:
     """
 
 
+@hookspec(firstresult=True)
+def plyx_train_strategy(config: Any, environment: dict[str, str]) -> Any | None:
+    """The distributed-training strategy of a run (plyx-dist answers; plyx-train never imports it).
+
+    :param config: the run's ``TrainConfig``; its ``dist`` table names the strategy.
+    :param environment: the launcher's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+        ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), as torchrun sets them.
+    :return: an object satisfying ``plyx.specs.strategy.TrainStrategy`` (its process group is
+        initialised), or None when the plugin does not handle this run. firstresult. Asked once
+        per Trainer, in every rank, only when the run is distributed (``WORLD_SIZE`` is set).
+    """
+
+
 # ---------------------------------------------------------------------------
 # lifecycle events: where governance and safety attach
 # ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ Data: ``train_bpe``/``load_tokenizer`` -> ``prepare_corpus`` (shards + manifest)
 from plyx.train._checkpoint import CheckpointManager, ResumeError
 from plyx.train._dataset import IGNORE_INDEX, DataStream, TokenDataset
 from plyx.train._defaults import default_config
+from plyx.train._distributed import init_model
 from plyx.train._generate import generate_ids
 from plyx.train._loss import lm_loss
 from plyx.train._metrics import MetricsWriter, spectral_ratios
@@ -39,6 +40,7 @@ __all__ = [
     "default_config",
     "estimate_memory",
     "generate_ids",
+    "init_model",
     "lm_loss",
     "load_tokenizer",
     "lr_multiplier",

@@ -185,6 +185,16 @@ class CheckpointManager:
             "scheduler": scheduler.state_dict(),
         }
         (tmp / STATE_JSON).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        return self.commit(tmp, step)
+
+    def commit(self, tmp: Path, step: int) -> Path:
+        """Rename a complete temporary checkpoint directory into place as ``step``, point ``latest`` at it
+        and drop the checkpoints beyond ``keep``; returns the step's directory.
+
+        Writers other than ``save`` (plyx-dist's sharded checkpoints) call it once ``tmp`` holds
+        ``trainer_state.json``, which they write last.
+        """
+        final = self.path_for(step)
         self._commit(tmp, final)
         self._point_latest(final)
         self._rotate()

@@ -47,6 +47,8 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", help="the model card's name (default: the out_dir's name; plyx serve's model id)")
     parser.add_argument("--license", help="the model card's SPDX licence id (default: NOASSERTION)")
     parser.add_argument("--description", help="the model card's description (default: model, data, steps, losses)")
+    parser.add_argument("--nproc", type=int, metavar="N", help="train on N processes of this machine through "
+                        "torch.distributed.run; the config's [dist] table picks DDP, FSDP or FSDP+TP (needs plyx-dist)")
 
 
 def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
@@ -94,8 +96,12 @@ def _load(args: argparse.Namespace) -> TrainConfig:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from plyx.train._launch import quiet_other_ranks, spawn
     from plyx.train._trainer import Trainer, TrainOptions
 
+    if getattr(args, "nproc", None) and not args.print_config:
+        return spawn(args)  # this process launches the ranks; each runs this command without --nproc
+    quiet_other_ranks()
     try:
         config = _load(args)
     except (ConfigError, FileNotFoundError) as exc:

@@ -8,7 +8,10 @@ reader state has to be checkpointed beyond it.
 Two modes (``DataConfig.mode``):
 
 - ``windows``: each row is a random contiguous window of ``T + 1`` tokens
-  (nanoGPT's ``get_batch``); ranks draw from disjoint random streams.
+  (nanoGPT's ``get_batch``). The global batch of ``B x world_size`` rows is drawn
+  from one stream and rank ``r`` takes rows ``[r B, (r + 1) B)`` (DistributedSampler
+  semantics), so ranks never share a row of a batch and a run at world size W with
+  batch B reads exactly what one process with batch ``W B`` reads.
 - ``packed``: the stream is cut into consecutive rows of ``T + 1`` tokens
   (stride ``T``), visited in a seeded order per epoch, ranks taking disjoint
   rows. Documents are separated by the EOS id; each row carries document ids
@@ -109,8 +112,10 @@ class TokenDataset:
     def _rows_for(self, index: int) -> np.ndarray:
         B = self.batch_size
         if self.mode == "windows":
-            rng = np.random.default_rng([self.seed, _SPLIT_SALT.get(self.split, 3), self.rank, index])
-            return rng.integers(0, self.num_rows, size=B, dtype=np.int64)
+            # the global batch (rank 0's seed key: a single process reads what it always read), then our slice
+            rng = np.random.default_rng([self.seed, _SPLIT_SALT.get(self.split, 3), 0, index])
+            rows = rng.integers(0, self.num_rows, size=B * self.world_size, dtype=np.int64)
+            return rows[self.rank * B : (self.rank + 1) * B]
         # packed: the epoch's permutation, ranks interleaved batch by batch
         first = (index * self.world_size + self.rank) * B
         out = np.empty(B, dtype=np.int64)
@@ -193,11 +198,16 @@ class DataStream(Iterator[Batch]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         d = self.dataset
+        # a run resharded to another world size continues the same stream when the global batch is the same
+        saved_global = state.get("batch_size", d.batch_size) * state.get("world_size", d.world_size)
+        if saved_global == d.batch_size * d.world_size:
+            state = {k: v for k, v in state.items() if k not in ("batch_size", "world_size")}
         for key in ("seed", "mode", "seq_len", "batch_size", "world_size"):
             if key in state and state[key] != getattr(d, key):
                 raise ValueError(
                     f"the checkpoint's data stream had {key}={state[key]!r} but this run has "
                     f"{key}={getattr(d, key)!r}; resuming would not continue the same data. Resume with the "
-                    f"checkpoint's config or start a fresh run"
+                    f"checkpoint's config (at another world size: the same global batch, batch_size x world_size = "
+                    f"{saved_global}) or start a fresh run"
                 )
         self.position = int(state["position"])

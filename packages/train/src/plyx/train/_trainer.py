@@ -43,6 +43,7 @@ from plyx.train._card import card_fields, tokenizer_config
 from plyx.train._checkpoint import CheckpointManager, ResumeError, optimizer_from_flat, restore_rng
 from plyx.train._dataset import TokenDataset
 from plyx.train._datasource import resolve_data_dir
+from plyx.train._distributed import LocalStrategy, resolve_strategy
 from plyx.train._generate import generate_ids
 from plyx.train._loss import lm_loss
 from plyx.train._metrics import (
@@ -245,9 +246,13 @@ class Trainer:
     def __init__(self, config: TrainConfig, *, model: nn.Module | None = None, options: TrainOptions | None = None) -> None:
         self.config = config
         self.options = opts = options or TrainOptions()
-        self.device = resolve_device(config.device)
+        # distributed runs (a launcher set WORLD_SIZE): a plugin's strategy picks the device and data slice
+        dist = resolve_strategy(config)
+        self.device = torch.device(dist.device) if dist is not None else resolve_device(config.device)
+        self.strategy = dist or LocalStrategy(opts.rank, opts.world_size, str(self.device))
         self.out_dir = Path(config.out_dir)
-        self.is_main = opts.rank == 0
+        self.is_main = self.strategy.is_main
+        data_rank, data_world = self.strategy.data_rank, self.strategy.data_world_size
         self.checkpoints = CheckpointManager(self.out_dir / "checkpoints", keep=opts.keep_checkpoints)
         self.recovery: Recovery | None = None
         if opts.resume and self.is_main:  # a crash may have left half-written saves; clean before choosing
@@ -262,7 +267,7 @@ class Trainer:
         d = config.data
         self.train_data = TokenDataset(
             self.shards, "train", seq_len=d.seq_len, batch_size=config.batch_size, mode=d.mode,
-            seed=config.seed, rank=opts.rank, world_size=opts.world_size,
+            seed=config.seed, rank=data_rank, world_size=data_world,
         )
         self.val_data: TokenDataset | None = None
         if config.eval_every > 0:
@@ -273,22 +278,31 @@ class Trainer:
                 )
             self.val_data = TokenDataset(
                 self.shards, "val", seq_len=d.seq_len, batch_size=config.batch_size, mode=d.mode,
-                seed=config.seed, rank=opts.rank, world_size=opts.world_size,
+                seed=config.seed, rank=data_rank, world_size=data_world,
             )
 
         # -- model, memory, optimizer ----------------------------------------------------
         _seed_everything(config.seed)
+        if model is not None and self.strategy.sharded:
+            raise ConfigError(
+                "$.dist.strategy", "a model passed to Trainer(model=...) cannot be sharded afterwards (FSDP builds "
+                "and shards the model itself)", value=config.dist.strategy,
+                fix="let the Trainer build config.model, or use strategy = 'ddp' for a model of your own",
+            )
         if model is None:
             from plyx.model import TransformerLM
 
-            model = TransformerLM(config.model, device=self.device)
-        self.module = model.to(self.device)
+            # the strategy builds (meta device and shards, under plyx-dist) and initialises from the seed alone
+            model = self.strategy.build_model(lambda device: TransformerLM(config.model, device=device), config.seed)
+        self.module = model.to(self.device) if not self.strategy.sharded else model
         if config.neftune_alpha is not None:  # noisy embeddings in train mode only (plyx.model.adapters.neftune)
             from plyx.model.adapters import neftune
 
             self.neftune = neftune(self.module, config.neftune_alpha)
-        self._check_memory()
-        self.ckpt_layers = _checkpoint_layers(self.module) if config.activation_checkpointing else 0
+        if not self.strategy.sharded:
+            self._check_memory()
+        own_ckpt = config.activation_checkpointing and dist is None  # a strategy checkpoints before sharding
+        self.ckpt_layers = _checkpoint_layers(self.module) if own_ckpt else 0
         self.optimizer = build_optimizer(self.module, config.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.schedule, config.steps)
         self.step = 0
@@ -304,10 +318,12 @@ class Trainer:
             self.model = torch.compile(self.model)  # type: ignore[assignment]
         if opts.wrap_model is not None:
             self.model = opts.wrap_model(self.model)
+        self.model = self.strategy.wrap(self.model)
         self.groups = layer_groups(self.module)
         self.flops_per_token = float(getattr(self.module, "flops_per_token", lambda t: 0.0)(d.seq_len))
         self.peak_flops = peak_flops(self.device, opts.peak_flops)
         self._stop: str | None = None
+        self._signal: str | None = None  # received here; in a distributed run it stops every rank at one step
 
     # -- setup helpers ------------------------------------------------------------------
     def _resume_path(self) -> Path | None:
@@ -402,15 +418,11 @@ class Trainer:
             raise ResumeError(
                 f"checkpoint {path} is at step {doc['step']}, past this run's steps={self.config.steps}; raise steps"
             )
-        from plyx.model import load_checkpoint
-
-        loaded = load_checkpoint(path, device="cpu")
-        state = loaded.state_dict() if isinstance(loaded, nn.Module) else loaded.load_state_dict("cpu")
-        try:
-            self.module.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
-            raise ResumeError(f"checkpoint {path} does not fit this model: {exc}") from None
-        self.optimizer.load_state_dict(optimizer_from_flat(doc["optimizer"], tensors))
+        rng = (doc["rng"], tensors)
+        if isinstance(self.strategy, LocalStrategy):
+            self._load_local(path, doc, tensors)
+        else:  # sharded or plain, at any world size: the strategy reshards
+            rng = self.strategy.load_checkpoint(path, self.module, self.optimizer) or rng
         self.scheduler.load_state_dict(doc["scheduler"])
         data = doc["data"]
         probe = self.train_data.stream()
@@ -423,7 +435,24 @@ class Trainer:
         self.run_id = doc.get("run_id", self.run_id)
         self.last_checkpoint = path
         self._saved_step = self.step
-        self._restored_rng = (doc["rng"], tensors)
+        self._restored_rng = rng
+
+    def _load_local(self, path: Path, doc: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        if "sharded" in doc:
+            raise ResumeError(
+                f"checkpoint {path} is sharded ({doc['sharded'].get('format')}, written by "
+                f"{doc['sharded'].get('world_size')} ranks); resume it with plyx-dist (`plyx train CONFIG --nproc N`, "
+                f"any N) or make it a plain checkpoint first with `plyx dist consolidate {path} OUT`"
+            )
+        from plyx.model import load_checkpoint
+
+        loaded = load_checkpoint(path, device="cpu")
+        state = loaded.state_dict() if isinstance(loaded, nn.Module) else loaded.load_state_dict("cpu")
+        try:
+            self.module.load_state_dict(state, strict=True)
+        except RuntimeError as exc:
+            raise ResumeError(f"checkpoint {path} does not fit this model: {exc}") from None
+        self.optimizer.load_state_dict(optimizer_from_flat(doc["optimizer"], tensors))
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -438,7 +467,8 @@ class Trainer:
         losses: list[float] = []
         last: dict[str, float] = {}
         sample = ""
-        tokens_per_step = c.batch_size * c.data.seq_len * c.grad_accum * opts.world_size
+        st = self.strategy
+        tokens_per_step = c.batch_size * c.data.seq_len * c.grad_accum * st.data_world_size  # global
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.precision == "bf16-autocast")
         params = [p for p in self.module.parameters() if p.requires_grad]
         clip = c.optimizer.grad_clip if c.optimizer.grad_clip > 0 else math.inf
@@ -454,22 +484,33 @@ class Trainer:
                     t0 = time.perf_counter()
                     micro: list[torch.Tensor] = []
                     metas = []
-                    for _ in range(c.grad_accum):
+                    for i in range(c.grad_accum):
                         batch = next(stream).to(self.device, non_blocking=True)
-                        with autocast:
-                            loss = lm_loss(self.model, batch, label_smoothing=opts.label_smoothing, z_loss=opts.z_loss)
-                        (loss / c.grad_accum).backward()
+                        # gradients are synchronised across ranks after the last micro-batch only (no_sync)
+                        with st.micro_batch(self.model, last=i == c.grad_accum - 1):
+                            with autocast:
+                                loss = st.loss(self.model, batch, label_smoothing=opts.label_smoothing,
+                                               z_loss=opts.z_loss)
+                                if loss is None:
+                                    loss = lm_loss(self.model, batch, label_smoothing=opts.label_smoothing,
+                                                   z_loss=opts.z_loss)
+                            (loss / c.grad_accum).backward()
                         micro.append(loss.detach())
                         metas.append(batch.meta)
                     step_losses = torch.stack(micro)
                     loss_value = float(step_losses.mean())  # a CPU-GPU sync point, once per step
+                    rank_loss = loss_value
+                    # the global batch's loss, and whether any rank got a signal: all ranks stop after the same step
+                    loss_value, signalled = st.reduce_mean([loss_value, 1.0 if self._signal else 0.0])
+                    if signalled and self._stop is None:
+                        self._stop = self._signal or "SIGTERM"
                     if not math.isfinite(loss_value):
-                        bad = int((~torch.isfinite(step_losses)).nonzero()[0, 0])
+                        bad = int((~torch.isfinite(step_losses)).nonzero()[0, 0]) if not math.isfinite(rank_loss) else 0
                         raise NonFiniteLossError(self.step + 1, "loss", loss_value, metas[bad], self.last_checkpoint)
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+                    grad_norm = st.clip_grad_norm(params, clip)
                     if not math.isfinite(grad_norm):
                         raise NonFiniteLossError(self.step + 1, "grad_norm", grad_norm, metas[-1], self.last_checkpoint)
-                    detail = self._detail_metrics()
+                    detail = self._detail_metrics() if not st.sharded else {}
                     lr = self.scheduler.get_last_lr()[0]
                     self.optimizer.step()
                     self.scheduler.step()
@@ -491,8 +532,11 @@ class Trainer:
                         tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
                         metrics["tokens_per_s"] = tps
                         if self.peak_flops and self.flops_per_token:
-                            metrics["mfu"] = tps * self.flops_per_token / self.peak_flops
+                            # global FLOPs over the peak of every rank's device
+                            metrics["mfu"] = tps * self.flops_per_token / (self.peak_flops * st.world_size)
                         metrics["peak_mem_mb"] = peak_memory_mb(self.device)
+                        if st.world_size > 1:
+                            metrics.update(self._rank_metrics(elapsed, window_steps, metrics["peak_mem_mb"]))
                         metrics.update(detail)
                         window_t, window_steps = time.perf_counter(), 0
                         if bar is None:
@@ -525,12 +569,26 @@ class Trainer:
                     writer.close()
         if not sample and c.sample_tokens and self._stop is None:
             sample = self.sample()
+        st.barrier()  # no rank leaves while another still writes or reduces
         if self.is_main:
             hook.plyx_on_train_end(out_dir=str(self.out_dir), metrics=dict(last), metadata=self._metadata(last))
         return TrainResult(
             step=self.step, losses=losses, metrics=dict(last), checkpoint=self.last_checkpoint, sample=sample,
             stopped=self._stop, out_dir=self.out_dir,
         )
+
+    def _rank_metrics(self, elapsed: float, steps: int, peak_mb: float) -> dict[str, float]:
+        """Per-rank throughput and peak memory (rank 0 writes them): the slowest and largest rank bound the run."""
+        c, st = self.config, self.strategy
+        mine = c.batch_size * c.data.seq_len * c.grad_accum * steps / max(elapsed, 1e-9)
+        out: dict[str, float] = {}
+        for key, value in (("tokens_per_s", mine), ("peak_mem_mb", peak_mb)):
+            for rank, v in enumerate(st.gather(value)):
+                out[f"{key}/rank{rank}"] = v
+        comm = getattr(st, "comm_share", None)
+        if callable(comm):
+            out["allreduce_share"] = float(comm())
+        return out
 
     def _detail_metrics(self) -> dict[str, float]:
         """Per-layer gradient norms on logging steps; the spectral probe when due (before the update)."""
@@ -564,16 +622,17 @@ class Trainer:
             for i in range(c.eval_steps):
                 batch = self.val_data.batch(i).to(self.device)
                 with autocast:
-                    total += lm_loss(self.model, batch).double()
+                    loss = self.strategy.loss(self.model, batch)  # None: the plain loss
+                    total += (loss if loss is not None else lm_loss(self.model, batch)).double()
         finally:
             self.model.train(was)
-        val = float(total) / c.eval_steps
+        val = self.strategy.reduce_mean([float(total) / c.eval_steps])[0]
         return {"val_loss": val, "val_ppl": math.exp(min(val, 700.0))}
 
     def sample(self) -> str:
         """A sample of ``sample_tokens`` tokens, decoded with the run's tokenizer (ids when there is none)."""
         c, opts = self.config, self.options
-        if not c.sample_tokens:
+        if not c.sample_tokens or not self.strategy.can_sample:
             return ""
         gen = torch.Generator().manual_seed(c.seed + self.step)
         tok = self.tokenizer
@@ -590,8 +649,10 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------
     def save(self, metrics: dict[str, float] | None = None) -> Path | None:
-        """Checkpoint the current step atomically (rank 0 only) and fire ``plyx_on_checkpoint_saved``."""
-        if not self.is_main:
+        """Checkpoint the current step atomically (rank 0, or every rank with a strategy's sharded
+        checkpoint) and fire ``plyx_on_checkpoint_saved`` (rank 0)."""
+        local = isinstance(self.strategy, LocalStrategy)
+        if local and not self.is_main:
             return None
         metrics = dict(metrics or {})
         state = {
@@ -612,13 +673,20 @@ class Trainer:
             card["tokenizer"] = "tokenizer.json"
             extra_files["tokenizer_config.json"] = tokenizer_config(
                 eos_token=self.tokenizer.eos_token, max_len=self.config.model.max_seq_len)
-        path = self.checkpoints.save(
-            self.step, self.module, optimizer=self.optimizer, scheduler=self.scheduler, state=state,
-            card_fields=card, tokenizer_file=self.tokenizer.path if self.tokenizer else None,
-            extra_files=extra_files,
-        )
+        tokenizer_file = self.tokenizer.path if self.tokenizer else None
+        if local:
+            path = self.checkpoints.save(
+                self.step, self.module, optimizer=self.optimizer, scheduler=self.scheduler, state=state,
+                card_fields=card, tokenizer_file=tokenizer_file, extra_files=extra_files,
+            )
+        else:  # every rank writes its shards; the strategy commits (tokenizer_config.json comes with consolidate)
+            path = self.strategy.save_checkpoint(self.checkpoints, self.step, self.module, self.optimizer,
+                                                 self.scheduler, state=state, card_fields=card,
+                                                 tokenizer_file=tokenizer_file)
         self.last_checkpoint = path
         self._saved_step = self.step
+        if not self.is_main:
+            return path
         meta = self._metadata(metrics)
         meta["outputs"] = {"checkpoint": str(path), **meta["outputs"]}
         get_plugin_manager().hook.plyx_on_checkpoint_saved(path=str(path), step=self.step, metadata=meta)
@@ -668,6 +736,10 @@ class Trainer:
         if not self.is_main:
             return None
         extra = [f"grad_norm/{k}" for k in self.groups]
+        world = self.strategy.world_size
+        if world > 1:  # per-rank throughput and memory, and the DDP all-reduce share (_rank_metrics)
+            extra += [f"{k}/rank{r}" for k in ("tokens_per_s", "peak_mem_mb") for r in range(world)]
+            extra.append("allreduce_share")
         if self.options.spectral_probe_every:
             extra += [f"spectral_ratio/{k}" for k in self.groups if k.split(".")[-1].isdigit()]
         if getattr(self.config.model, "moe", None) is not None:  # router statistics columns (plyx-model >= 1.3)
@@ -702,9 +774,11 @@ class Trainer:
             return
 
         def handler(signum: int, frame: Any) -> None:
-            if self._stop is not None and signum == signal.SIGINT:
+            if self._signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            self._stop = signal.Signals(signum).name
+            self._signal = signal.Signals(signum).name
+            if isinstance(self.strategy, LocalStrategy):
+                self._stop = self._signal  # alone: stop at the next step boundary
 
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:

@@ -8,6 +8,7 @@ from plyx.specs.config._base import (
     migration,
     migrations_for,
 )
+from plyx.specs.config.dist import DistConfig
 from plyx.specs.config.kernel import KernelConfig
 from plyx.specs.config.model import ModelConfig, MoEConfig, RopeScaling
 from plyx.specs.config.serve import ServeConfig
@@ -17,6 +18,7 @@ __all__ = [
     "FORMATS",
     "ConfigBase",
     "DataConfig",
+    "DistConfig",
     "KernelConfig",
     "MoEConfig",
     "ModelConfig",

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 from plyx.specs.config._base import ConfigBase
+from plyx.specs.config.dist import DistConfig
 from plyx.specs.config.model import ModelConfig
 from plyx.specs.errors import ConfigError
 
@@ -105,6 +106,9 @@ class TrainConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
     neftune_alpha: PosFloat | None = None
     """NEFTune: uniform noise of scale alpha / sqrt(seq_len * d_model) on the input embeddings while
     training (Jain et al. 2023; 5 to 15 is usual); None: off."""
+    dist: DistConfig = msgspec.field(default_factory=DistConfig)
+    """How a distributed run (``plyx train --nproc N``, ``torchrun``) is parallelised; batch_size
+    stays per data-parallel rank, so the global batch is batch_size x grad_accum x data ranks."""
 
     def check(self) -> None:
         if self.data.seq_len > self.model.max_seq_len:

@@ -1,0 +1,63 @@
+"""Helpers of the dist benchmarks: write a TrainConfig, run ``plyx train`` (plain or ``--nproc N``), read metrics."""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} CPU ({os.cpu_count()} cores)"
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def prepare_data(root: Path) -> Path:
+    """The bundled Tiny Shakespeare, prepared once under ``root`` (a 1024-token BPE)."""
+    from plyx.train import prepare_bundled
+
+    return Path(prepare_bundled(root / "data", vocab_size=1024))
+
+
+def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: float | None,
+          timeout: float = 3600) -> dict[str, float]:
+    """Run ``plyx train`` on ``config`` (``--nproc`` when given) and return its last logged metrics row."""
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "config.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    cmd = [sys.executable, "-m", "plyx.specs", "train", str(path), "--no-progress", "--no-tensorboard", "--overwrite"]
+    if nproc:
+        cmd += ["--nproc", str(nproc)]
+    if peak_flops:
+        cmd += ["--peak-flops", str(peak_flops)]
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    with (Path(config["out_dir"]) / "metrics.csv").open(newline="") as fh:
+        rows = [r for r in csv.DictReader(fh) if r.get("tokens_per_s")]
+    return {k: float(v) for k, v in rows[-1].items() if v not in ("", None)}
+
+
+def append(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")

@@ -1,0 +1,284 @@
+"""``DistStrategy``: plyx-train's ``TrainStrategy`` on torch.distributed (DDP, FSDP2, HSDP, FSDP + TP).
+
+Created by the ``plyx_train_strategy`` hook in every rank. It checks the plan
+(``_plan``), initialises the process group with a timeout (a dead rank makes the
+others fail, not hang), builds the ``DeviceMesh`` and answers the Trainer's calls:
+model build and wrapping, gradient sync only on the last micro-batch, the
+loss-parallel loss under TP, a global gradient norm over every shard, metric
+reductions, and sharded checkpoints (``_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from plyx.specs import TrainConfig
+from plyx.train import init_model
+from torch import nn
+
+from plyx.dist._parallelize import apply_activation_checkpointing, apply_fsdp, apply_tp, materialize
+from plyx.dist._plan import Plan, plan
+
+__all__ = ["DistStrategy", "RankFailure"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RankFailure(RuntimeError):
+    """A collective failed: most often another rank died or stalled past ``dist.timeout_s``."""
+
+
+class DistStrategy:
+    """One rank of a distributed run (see the module docstring and ``plyx.specs.TrainStrategy``).
+
+    Args:
+        config: the run (its ``dist`` table).
+        environment: torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ...).
+    """
+
+    def __init__(self, config: TrainConfig, environment: dict[str, str]) -> None:
+        self.config = config
+        self.rank = int(environment.get("RANK", 0))
+        self.world_size = int(environment.get("WORLD_SIZE", 1))
+        self.local_rank = int(environment.get("LOCAL_RANK", 0))
+        local_world = int(environment.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.plan: Plan = plan(config, self.world_size, local_world, cuda=torch.cuda.is_available())
+        self.name = self.plan.strategy
+        self.is_main = self.rank == 0
+        if self.plan.backend == "nccl":
+            if self.local_rank >= torch.cuda.device_count():
+                from plyx.specs import ConfigError
+
+                raise ConfigError("LOCAL_RANK", f"this node has {torch.cuda.device_count()} CUDA devices",
+                                  value=self.local_rank, fix="launch at most one process per GPU")
+            self.device = f"cuda:{self.local_rank}"
+            torch.cuda.set_device(self.local_rank)
+        else:
+            self.device = "cpu"
+        self.sharded = self.name != "ddp"
+        self.can_sample = self.plan.tp == 1
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            dist.init_process_group(
+                backend=self.plan.backend, rank=self.rank, world_size=self.world_size,
+                timeout=timedelta(seconds=config.dist.timeout_s),
+                device_id=torch.device(self.device) if self.plan.backend == "nccl" else None,
+            )
+            atexit.register(self.close)  # the group is released even when the run ends in an error
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh("cuda" if self.plan.backend == "nccl" else "cpu", self.plan.mesh_shape,
+                                     mesh_dim_names=self.plan.mesh_names)
+        if self.plan.tp > 1:
+            self.data_rank = self.mesh["dp"].get_local_rank()
+        else:
+            self.data_rank = self.rank
+        self.data_world_size = self.plan.dp
+        self._in_loss_parallel = False
+        self.module: nn.Module | None = None
+        self._comm = _CommClock()
+
+    # -- model -------------------------------------------------------------------------
+    def build_model(self, build: Callable[[str], nn.Module], seed: int) -> nn.Module:
+        d = self.config.dist
+        device = torch.device(self.device)
+        ac = "full" if self.config.activation_checkpointing else d.activation_checkpointing
+        if self.name == "ddp":
+            module = init_model(build(self.device), seed)  # every rank builds the same values
+            apply_activation_checkpointing(module, ac)
+            self.module = module
+            return module
+        meta = d.meta_init
+        module = build("meta") if meta else init_model(build(self.device), seed)
+        if self.plan.tp > 1:
+            apply_tp(module, self.mesh["tp"])
+        apply_activation_checkpointing(module, ac)
+        dp_mesh = self.mesh if self.name == "hsdp" else self.mesh[self.plan.mesh_names[0]]
+        apply_fsdp(module, dp_mesh, param_dtype=_DTYPES[d.param_dtype], reduce_dtype=_DTYPES[d.reduce_dtype],
+                   reshard_after_forward=d.reshard_after_forward, shard_head=self.plan.tp > 1)
+        if meta:
+            materialize(module, device, seed)
+        self.module = module
+        return module
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        if self.name != "ddp":
+            return module  # fully_shard changed the module in place
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.local_rank] if self.plan.backend == "nccl" else None
+        ddp = DDP(module, device_ids=ids, process_group=self.mesh.get_group())
+        self._comm.group = self.mesh.get_group()
+        ddp.register_comm_hook(self._comm, _timed_allreduce)
+        return ddp
+
+    def comm_share(self) -> float:
+        """Fraction of the wall time since the last call during which a gradient all-reduce was in flight
+        (DDP: measured by its communication hook, overlap with the backward included); 0 for FSDP."""
+        return self._comm.share()
+
+    # -- the step ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def micro_batch(self, model: nn.Module, *, last: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.name == "ddp" and not last:
+                stack.enter_context(model.no_sync())  # type: ignore[operator]
+            elif self.name != "ddp":
+                model.set_requires_gradient_sync(last)  # type: ignore[operator]
+            if self.plan.tp > 1:
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                stack.enter_context(loss_parallel())  # the backward of the vocab-parallel loss too
+                self._in_loss_parallel = True
+                stack.callback(setattr, self, "_in_loss_parallel", False)
+            yield
+
+    def loss(self, model: nn.Module, batch: Any, *, label_smoothing: float = 0.0, z_loss: float = 0.0) -> Any:
+        """Under TP: cross-entropy over vocab-sharded logits (``loss_parallel``); otherwise the Trainer's."""
+        if self.plan.tp == 1:
+            return None
+        if z_loss:
+            raise ValueError("z_loss is not available with tensor parallelism (the vocab-parallel loss has no "
+                             "log-sum-exp term); set z_loss = 0 or use strategy = 'fsdp'")
+        hidden = model(batch.input_ids, position_ids=batch.position_ids, document_ids=batch.document_ids,
+                       attention_mask=batch.attention_mask, return_hidden=True)  # (B, T, D), replicated over tp
+        logits = model.lm_head(hidden)  # (B, T, V) DTensor, Shard(-1) over tp: the vocab split
+        flat = logits.flatten(0, 1).float()  # (B T, V)
+        with contextlib.nullcontext() if self._in_loss_parallel else _loss_parallel():
+            loss = F.cross_entropy(flat, batch.targets.reshape(-1).to(flat.device), ignore_index=-100,
+                                   label_smoothing=label_smoothing)
+        return loss.full_tensor()  # a replicated 0-dim DTensor -> a plain tensor (differentiable)
+
+    def clip_grad_norm(self, parameters: Sequence[torch.Tensor], max_norm: float) -> float:
+        """The L2 norm of all gradients (every shard, every mesh), then ``clip_grad_norm_``'s scaling.
+
+        Parameters of one run can live on different meshes (FSDP+TP: 2-D weights, 1-D norms);
+        ``torch.nn.utils.get_total_norm`` reduces each group and the groups' squares add up.
+        """
+        from torch.distributed.tensor import DTensor
+
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for p in parameters:
+            if p.grad is not None:
+                g = p.grad
+                key = (id(g.device_mesh), tuple(g.placements)) if isinstance(g, DTensor) else None
+                groups.setdefault(key, []).append(g)
+        total_sq = 0.0
+        for grads in groups.values():
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()  # sums the shards' squares across the mesh
+            total_sq += float(norm.double()) ** 2
+        total = math.sqrt(total_sq)
+        if math.isfinite(total) and max_norm < math.inf:
+            coef = min(max_norm / (total + 1e-6), 1.0)  # clip_grad_norm_'s clamped coefficient
+            for grads in groups.values():
+                torch._foreach_mul_(grads, coef)
+        return total
+
+    # -- metrics -----------------------------------------------------------------------
+    def _collective(self, fn: Callable[[], Any], what: str) -> Any:
+        try:
+            return fn()
+        except (RuntimeError, dist.DistBackendError) as exc:
+            raise RankFailure(
+                f"rank {self.rank}: {what} failed ({str(exc).splitlines()[0][:200]}); another rank probably "
+                f"died or stalled past dist.timeout_s={self.config.dist.timeout_s}s (the launcher's summary names "
+                f"it)"
+            ) from None
+
+    def reduce_mean(self, values: Sequence[float]) -> list[float]:
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        self._collective(lambda: dist.all_reduce(t), "all-reduce of the step metrics")
+        # ranks of one TP group hold the same values: the mean over the world is the mean over dp
+        return (t / self.world_size).tolist()
+
+    def gather(self, value: float) -> list[float]:
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        self._collective(lambda: dist.all_gather(out, t), "all-gather of the rank metrics")
+        return [float(o) for o in out]
+
+    def barrier(self) -> None:
+        self._collective(lambda: dist.barrier(), "barrier")
+
+    # -- checkpoints -------------------------------------------------------------------
+    def save_checkpoint(self, manager: Any, step: int, module: nn.Module, optimizer: Any, scheduler: Any, *,
+                        state: dict[str, Any], card_fields: dict[str, Any], tokenizer_file: Any) -> Any:
+        from plyx.dist._checkpoint import save_sharded
+
+        return save_sharded(self, manager, step, module, optimizer, scheduler, state=state,
+                            card_fields=card_fields, tokenizer_file=tokenizer_file)
+
+    def load_checkpoint(self, path: Any, module: nn.Module, optimizer: Any) -> tuple[Any, Any] | None:
+        from plyx.dist._checkpoint import load_into
+
+        return load_into(self, path, module, optimizer)
+
+    def close(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            try:  # leave together: a rank tearing down its gloo pairs while a peer still talks aborts the peer
+                dist.barrier()
+            except (RuntimeError, dist.DistBackendError):
+                pass  # a peer is already gone (the launcher reports it)
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+@contextlib.contextmanager
+def _loss_parallel() -> Iterator[None]:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        yield
+
+
+class _CommClock:
+    """Union of the intervals during which a DDP bucket's all-reduce was in flight, per measuring window."""
+
+    def __init__(self) -> None:
+        self.group: Any = None  # the data-parallel process group (set by ``wrap``)
+        self.window_start = time.perf_counter()
+        self.intervals: list[tuple[float, float]] = []
+        self.lock = threading.Lock()
+
+    def add(self, start: float, end: float) -> None:
+        with self.lock:
+            self.intervals.append((start, end))
+
+    def share(self) -> float:
+        now = time.perf_counter()
+        with self.lock:
+            spans, self.intervals = sorted(self.intervals), []
+        busy, cursor = 0.0, self.window_start
+        for start, end in spans:
+            start = max(start, cursor)
+            if end > start:
+                busy += end - start
+                cursor = end
+        wall, self.window_start = now - self.window_start, now
+        return busy / wall if wall > 0 else 0.0
+
+
+def _timed_allreduce(clock, bucket):  # type: ignore[no-untyped-def]  # DDP rejects non-GradBucket annotations
+    """torch's default DDP hook (``allreduce_hook``), timed from launch to completion."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    start = time.perf_counter()
+    future = allreduce_hook(clock.group, bucket)
+
+    def done(fut: Any) -> Any:
+        clock.add(start, time.perf_counter())
+        return fut.value()
+
+    return future.then(done)
