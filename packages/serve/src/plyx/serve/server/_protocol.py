@@ -38,6 +38,20 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
     json_schema: Union[JsonSchemaSpec, None] = None
 
 
+class FunctionSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+    description: Union[str, None] = None
+    parameters: Union[dict[str, Any], None] = None
+    strict: Union[bool, None] = None
+
+
+class ToolSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One entry of ``tools`` (OpenAI's chat tools: functions only); unset fields stay out of the template."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by both endpoints (OpenAI's, then vLLM's extras)."""
 
@@ -86,6 +100,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True)
     top_logprobs: Union[int, None] = None
     chat_template: Union[str, None] = None
     add_generation_prompt: bool = True
+    tools: Union[list[ToolSpec], None] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    """``none`` | ``auto`` | ``required`` | ``{"type": "function", "function": {"name": ...}}``."""
+    parallel_tool_calls: Union[bool, None] = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
