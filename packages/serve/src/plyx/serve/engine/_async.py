@@ -139,7 +139,8 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # -- the event-loop side ---------------------------------------------------------------
-    async def add(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> RequestStream:
+    async def add(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, *,
+                  adapter: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it; raises what ``Engine.add_request`` raises."""
         loop = asyncio.get_running_loop()
         grammar = None
@@ -147,7 +148,7 @@ class AsyncEngine:
             grammar = await asyncio.to_thread(self.engine.compile_grammar, params)
         stream = RequestStream(request_id, loop)
         ack: asyncio.Future[None] = loop.create_future()
-        self._inbox.put(("add", request_id, list(prompt_ids), params, grammar, stream, ack))
+        self._inbox.put(("add", request_id, list(prompt_ids), params, grammar, stream, ack, adapter))
         try:
             await ack
         except asyncio.CancelledError:
@@ -200,9 +201,9 @@ class AsyncEngine:
     def _handle(self, cmd: tuple[Any, ...]) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, grammar, stream, ack = cmd
+            _, rid, prompt, params, grammar, stream, ack, adapter = cmd
             try:
-                self.engine.add_request(rid, prompt, params, grammar=grammar, arrival=stream.created)
+                self.engine.add_request(rid, prompt, params, grammar=grammar, arrival=stream.created, adapter=adapter)
             except Exception as exc:  # a bad request never stops the engine
                 self._resolve(stream, ack, exc)
                 return
