@@ -149,7 +149,7 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
     async def models() -> Response:
         card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "plyx",
                 "root": model_dir or settings.model_name, "max_model_len": engine.max_model_len}
-        return _json({"object": "list", "data": [card]})
+        return _json({"object": "list", "data": [card, *_adapter_cards(state, card)]})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -178,7 +178,9 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _read(request, CompletionRequest, settings)
-        _check_model(body.model, settings)
+        adapter = _adapter_of(state, body.model)
+        if adapter is None:
+            _check_model(body.model, settings)
         if body.echo or body.suffix or (body.best_of is not None and body.best_of != body.n):
             field = "echo" if body.echo else "suffix" if body.suffix else "best_of"
             raise APIError(400, f"`{field}` is not supported by this server; leave it out", param=field,
@@ -189,12 +191,14 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
         params = _clamp(engine, prompts, params, max_tokens is not None)
         raw = msgspec.to_builtins(body)
         return await _generate(request, state, "completion", body.stream, body.stream_options, prompts, params,
-                               raw, "\n".join(texts))
+                               raw, "\n".join(texts), adapter=adapter)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _read(request, ChatCompletionRequest, settings)
-        _check_model(body.model, settings)
+        adapter = _adapter_of(state, body.model)
+        if adapter is None:
+            _check_model(body.model, settings)
         tok = _need_tokenizer(state)
         tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
         text = _render_chat(state, prepare_messages(body.messages) if body.tools or _has_tool_turns(body.messages)
@@ -217,7 +221,7 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
             params = msgspec.structs.replace(params, skip_special_tokens=False)  # the call marker is a special token
         raw = msgspec.to_builtins(body)
         return await _generate(request, state, "chat", body.stream, body.stream_options, [ids], params, raw, text,
-                               tools=tools if tools is not None and tools.mode != "none" else None)
+                               tools=tools if tools is not None and tools.mode != "none" else None, adapter=adapter)
 
     return app
 
@@ -286,6 +290,20 @@ async def _read(request: Request, kind: type, settings: ServerSettings) -> Any:
         return msgspec.json.decode(raw, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_validation_error(exc) from None
+
+
+def _adapter_of(state: _State, name: str) -> str | None:
+    """The resident LoRA adapter a request's ``model`` names (``plyx serve --lora NAME=PATH``), else None."""
+    lora = state.engine.lora
+    return name if lora is not None and name in lora.index else None
+
+
+def _adapter_cards(state: _State, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """/v1/models entries of the resident adapters (vLLM's shape: ``parent`` is the base model)."""
+    lora = state.engine.lora
+    if lora is None:
+        return []
+    return [{**base, "id": name, "root": lora.paths[name], "parent": base["id"]} for name in lora.names]
 
 
 def _check_model(name: str | None, settings: ServerSettings, *, required: bool = True) -> None:
@@ -427,7 +445,7 @@ def _clamp(engine: Engine, prompts: list[list[int]], params: Any, explicit: bool
 
 async def _generate(request: Request, state: _State, kind: str, stream: bool, stream_options: Any,
                     prompts: list[list[int]], params: Any, raw: dict[str, Any], prompt_text: str, *,
-                    tools: ToolPlan | None = None) -> Response:
+                    tools: ToolPlan | None = None, adapter: str | None = None) -> Response:
     settings = state.settings
     hook = _pm()
     job_id = new_job_id(kind)  # known before the hooks run, so audit records carry it
@@ -455,7 +473,7 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
         lists = hook.plyx_output_filters(request=hook_request, context=context)
         return [f for group in lists or () for f in (group or ())]
 
-    job = Job(state.aengine, prompts, params, make_filters, kind, job_id=job_id)
+    job = Job(state.aengine, prompts, params, make_filters, kind, job_id=job_id, adapter=adapter)
     state.inflight += 1
     try:
         await job.start()
@@ -539,7 +557,7 @@ async def _whole(request: Request, state: _State, job: Job, kind: str, finish: A
                             "logprobs": completion_logprobs(tok, c.logprobs, 0)
                             if job.params.logprobs is not None else None})
     body = {"id": job.id, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": job.created, "model": state.settings.model_name, "system_fingerprint": None,
+            "created": job.created, "model": job.adapter or state.settings.model_name, "system_fingerprint": None,
             "choices": choices, "usage": job.usage()}
     finish()
     return _json(body)
@@ -554,7 +572,7 @@ async def _stream(state: _State, job: Job, kind: str, include_usage: bool, finis
                   tools: ToolPlan | None = None) -> AsyncIterator[bytes]:
     tok = state.tokenizer
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    base = {"id": job.id, "object": obj, "created": job.created, "model": state.settings.model_name}
+    base = {"id": job.id, "object": obj, "created": job.created, "model": job.adapter or state.settings.model_name}
     # every chunk is `data: {<base>,"choices":[<entry>]}`: the constant part is encoded once per request, not per
     # token (this runs on the event loop, which shares the GIL with the engine thread)
     head = b"data: " + msgspec.json.encode(base)[:-1] + b',"choices":['
