@@ -109,3 +109,19 @@ def test_adapters_that_do_not_fit_are_named(adapters, make_model, tmp_path):
     assert "--lora alpha=" in msg and "r=4" in msg and "q_proj" in msg and "vs model" in msg
     with pytest.raises(ConfigError, match="no adapter_config.json"):
         MultiLora.load(copy.deepcopy(base), {"x": tmp_path})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton BGMV path runs on CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gpu_path_matches_the_reference(dtype):
+    from plyx.serve._lora import _delta
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=g)
+    A = torch.randn(3, 8, 64, generator=g) / 8
+    B = torch.randn(3, 96, 8, generator=g)
+    index = torch.randint(-1, 3, (37,), generator=g)
+    want = lora_delta(x.double(), A.double(), B.double(), index)
+    got = _delta(x.cuda().to(dtype), A.cuda().to(dtype), B.cuda().to(dtype), index.cuda())
+    tol = 1e-4 if dtype == torch.float32 else 3e-2  # relative to the largest magnitude
+    assert (got.double().cpu() - want).abs().max() <= tol * want.abs().max()

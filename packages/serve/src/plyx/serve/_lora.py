@@ -51,6 +51,17 @@ def lora_delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, index: torch.T
     return out
 
 
+def _delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """plyx-kernel's Triton BGMV on a GPU with Triton (one launch pair, no host sync), else the reference."""
+    if x.is_cuda:
+        try:
+            from plyx.kernel.triton_ops.lora_matmul import lora_matmul
+        except ImportError:  # the triton extra is not installed
+            return lora_delta(x, A, B, index)
+        return lora_matmul(x, A, B, index)
+    return lora_delta(x, A, B, index)
+
+
 class AdapterBatch:
     """The row -> adapter map of the forward in progress, shared by every ``MultiLoraLinear`` of a model.
 
@@ -107,7 +118,7 @@ class MultiLoraLinear(nn.Linear):
         # x: [B, T, in] (the engine's forwards) or [N, in]; every token of a row uses the row's adapter
         flat = x.reshape(-1, x.shape[-1])  # [B*T, in]
         index = rows.repeat_interleave(flat.shape[0] // rows.shape[0])  # [B*T]
-        return result + lora_delta(flat, self.A, self.B, index).reshape(result.shape)
+        return result + _delta(flat, self.A, self.B, index).reshape(result.shape)
 
 
 class MultiLora:
