@@ -94,7 +94,7 @@ def main() -> None:
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"# n-gram speculation vs greedy: {args.config}, {args.device} ({device_name}), {dtype}, {date}; "
           f"k={args.k}, lookup n in [{lo}, {hi}], {args.new_tokens} new tokens, prompt {PROMPT}")
-    print("| prompts | batch | greedy tok/s | n-gram tok/s | speedup | accepted / step | acceptance rate |")
+    print("| prompts | batch | greedy tok/s | n-gram tok/s | speedup | tokens / step | acceptance rate |")
     print("|---|---|---|---|---|---|---|")
     rows = []
     for kind in ("repeat", "random"):

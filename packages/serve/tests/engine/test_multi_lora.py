@@ -68,12 +68,13 @@ def _alone(model, prompt, adapter_path=None):
     return engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))[0].outputs[0]
 
 
-def test_a_step_mixes_adapters_and_the_base(adapters):
+@pytest.mark.parametrize("mixed_chunk", [0, 8])  # 8: prefill chunks ride in the decodes' left-padded forward
+def test_a_step_mixes_adapters_and_the_base(adapters, mixed_chunk):
     base, paths = adapters
     served = copy.deepcopy(base)
     lora = MultiLora.load(served, paths)
     engine = Engine(served, lora=lora, config=EngineConfig(max_batch_size=8, max_batch_tokens=64, block_size=4,
-                                                           num_blocks=128))
+                                                           num_blocks=128, mixed_chunk=mixed_chunk))
     plan = [("alpha", PROMPTS[0]), (None, PROMPTS[1]), ("beta", PROMPTS[2]), ("alpha", PROMPTS[3]),
             (None, PROMPTS[0]), ("beta", PROMPTS[0])]
     params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)

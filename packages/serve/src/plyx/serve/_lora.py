@@ -117,6 +117,9 @@ class MultiLoraLinear(nn.Linear):
             return result
         # x: [B, T, in] (the engine's forwards) or [N, in]; every token of a row uses the row's adapter
         flat = x.reshape(-1, x.shape[-1])  # [B*T, in]
+        if flat.shape[0] % rows.shape[0]:
+            raise RuntimeError(f"a multi-LoRA forward got {flat.shape[0]} tokens for {rows.shape[0]} rows: the rows "
+                               "must be padded to one width (the engine's forwards are)")
         index = rows.repeat_interleave(flat.shape[0] // rows.shape[0])  # [B*T]
         return result + _delta(flat, self.A, self.B, index).reshape(result.shape)
 
