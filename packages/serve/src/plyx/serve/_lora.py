@@ -62,6 +62,31 @@ def _delta(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, index: torch.Tenso
     return lora_delta(x, A, B, index)
 
 
+def _triton_lora() -> bool:
+    try:
+        import plyx.kernel.triton_ops.lora_matmul  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _segmented(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+               segments: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
+    """``lora_delta`` with the rows of each adapter known up front (``AdapterBatch.segments``): no host sync per
+    linear, and a batch of one adapter is two plain matmuls."""
+    if len(segments) == 1 and segments[0][1] is None:  # every row uses this adapter
+        a = segments[0][0]
+        return ((x.to(A.dtype) @ A[a].T) @ B[a].T).to(x.dtype)  # [N, r] -> [N, out]
+    out = x.new_zeros(x.shape[0], B.shape[1])
+    for a, rows in segments:
+        xa = x.index_select(0, rows).to(A.dtype)  # type: ignore[arg-type]
+        out.index_copy_(0, rows, ((xa @ A[a].T) @ B[a].T).to(out.dtype))  # type: ignore[arg-type]
+    return out
+
+
+_TRITON: list[bool | None] = [None]  # whether plyx-kernel's Triton LoRA matmul imports (checked once)
+
+
 class AdapterBatch:
     """The row -> adapter map of the forward in progress, shared by every ``MultiLoraLinear`` of a model.
 
@@ -70,6 +95,33 @@ class AdapterBatch:
 
     def __init__(self) -> None:
         self.rows: torch.Tensor | None = None
+        self.host: list[int] = []  # the same map on the host
+        self._segments: dict[int, list[tuple[int, torch.Tensor | None]]] = {}
+
+    def set(self, host: list[int] | None, device: torch.device) -> None:
+        """The next forward's map (None: no row is adapted)."""
+        self._segments = {}
+        self.host = host or []
+        self.rows = None if host is None else torch.tensor(host, device=device)
+
+    def segments(self, tokens_per_row: int) -> list[tuple[int, torch.Tensor | None]]:
+        """``(adapter, token indices)`` per adapter present (None: all tokens), built once per forward from the
+        host map, shared by every linear."""
+        seg = self._segments.get(tokens_per_row)
+        if seg is None:
+            seg = []
+            t = tokens_per_row
+            for a in sorted(set(self.host)):
+                if a < 0:
+                    continue
+                rows = [i for i, r in enumerate(self.host) if r == a]
+                if len(rows) == len(self.host):
+                    seg.append((a, None))
+                    continue
+                idx = [i * t + j for i in rows for j in range(t)]  # row i's tokens: i*T .. i*T + T - 1
+                seg.append((a, torch.tensor(idx, device=self.rows.device)))  # type: ignore[union-attr]
+            self._segments[tokens_per_row] = seg
+        return seg
 
 
 class MultiLoraLinear(nn.Linear):
@@ -120,8 +172,14 @@ class MultiLoraLinear(nn.Linear):
         if flat.shape[0] % rows.shape[0]:
             raise RuntimeError(f"a multi-LoRA forward got {flat.shape[0]} tokens for {rows.shape[0]} rows: the rows "
                                "must be padded to one width (the engine's forwards are)")
-        index = rows.repeat_interleave(flat.shape[0] // rows.shape[0])  # [B*T]
-        return result + _delta(flat, self.A, self.B, index).reshape(result.shape)
+        per_row = flat.shape[0] // rows.shape[0]
+        if flat.is_cuda and _TRITON[0] is None:
+            _TRITON[0] = _triton_lora()
+        if flat.is_cuda and _TRITON[0]:
+            delta = _delta(flat, self.A, self.B, rows.repeat_interleave(per_row))  # [B*T] adapter per token
+        else:
+            delta = _segmented(flat, self.A, self.B, self.batch.segments(per_row))
+        return result + delta.reshape(result.shape)
 
 
 class MultiLora:
@@ -183,13 +241,13 @@ class MultiLora:
     def activate(self, adapters: Sequence[str | None]) -> None:
         """Set the next forward's rows: ``adapters[i]`` is row i's adapter name (None: the base)."""
         if all(a is None for a in adapters):
-            self.batch.rows = None
+            self.batch.set(None, torch.device("cpu"))
             return
         device = next(self.model.parameters()).device
-        self.batch.rows = torch.tensor([-1 if a is None else self.index[a] for a in adapters], device=device)
+        self.batch.set([-1 if a is None else self.index[a] for a in adapters], device)
 
     def clear(self) -> None:
-        self.batch.rows = None
+        self.batch.set(None, torch.device("cpu"))
 
 
 def _peft_summary(path: str | os.PathLike[str]) -> str:
