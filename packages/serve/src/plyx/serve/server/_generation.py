@@ -67,6 +67,7 @@ class Job:
     Args:
         aengine: the engine. prompts: token ids per prompt. params: the sampling parameters.
         make_filters: returns a fresh list of output-rail filters for one choice.
+        adapter: the resident LoRA adapter the request runs through (None: the base model).
     """
 
     def __init__(self, aengine: AsyncEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
