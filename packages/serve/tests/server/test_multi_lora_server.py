@@ -76,6 +76,25 @@ def test_adapters_are_models_of_the_server(model_dir, adapter_dirs, server_lm, b
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="gamma", prompt="hi", max_tokens=2)
 
+        # adapters load and unload at run time (between engine steps)
+        import httpx
+
+        post = httpx.Client(base_url=running.base_url, timeout=60).post
+        r = post("/v1/load_lora_adapter", json={"lora_name": "gamma", "lora_path": str(adapter_dirs["beta"])})
+        assert r.status_code == 200, r.text
+        assert "gamma" in {m.id for m in client.models.list().data}
+        assert ask(("gamma", prompts[0])) == texts[jobs.index(("beta", prompts[0]))]
+        bad = post("/v1/load_lora_adapter", json={"lora_name": "delta", "lora_path": str(model_dir)})
+        assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+        taken = post("/v1/load_lora_adapter", json={"lora_name": "alpha", "lora_path": str(adapter_dirs["beta"])})
+        assert taken.status_code == 400 and "resident already" in taken.json()["error"]["message"]
+        assert post("/v1/unload_lora_adapter", json={"lora_name": "alpha"}).status_code == 200
+        assert ask(("beta", prompts[1])) == texts[jobs.index(("beta", prompts[1]))]  # indices shifted, same output
+        assert ask(("gamma", prompts[1])) == texts[jobs.index(("beta", prompts[1]))]
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="alpha", prompt="hi", max_tokens=2)
+        assert post("/v1/unload_lora_adapter", json={"lora_name": "alpha"}).status_code == 404
+
 
 def test_an_adapter_of_another_base_is_a_startup_error(model_dir, tmp_path, make_model):
     from plyx.model.adapters import LoraConfig, add_adapter, save_peft

@@ -133,29 +133,41 @@ class MultiLoraLinear(nn.Linear):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("build a MultiLoraLinear with MultiLoraLinear.from_lora(layer, names, batch)")
+        raise TypeError("build a MultiLoraLinear with MultiLoraLinear.wrap(linear, n_adapters, batch)")
 
     @classmethod
-    def from_lora(cls, layer: Any, names: Sequence[str], rank: int, batch: AdapterBatch) -> MultiLoraLinear:
-        """Adopt a plyx-model ``LoraLinear``'s base Parameters and stack its adapters ``names`` (rank ``rank``)."""
+    def wrap(cls, linear: nn.Linear, n_adapters: int, batch: AdapterBatch) -> MultiLoraLinear:
+        """Adopt ``linear``'s own ``weight`` and ``bias`` Parameters; ``n_adapters`` adapters of rank 0 so far
+        (adapters resident before this layer was first targeted leave it alone)."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.weight, self.bias = layer.weight, layer.bias
-        w = layer.weight
-        A = torch.zeros(len(names), rank, self.in_features, device=w.device, dtype=w.dtype)
-        B = torch.zeros(len(names), self.out_features, rank, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            for i, name in enumerate(names):
-                if name not in layer.variants:
-                    continue  # this adapter leaves the layer alone: zeros
-                a, b = layer.lora_A[name].weight, layer.lora_B[name].weight  # [r, in], [out, r]
-                A[i, : a.shape[0]] = a
-                B[i, :, : b.shape[1]] = b * layer.scaling[name]
-        self.register_buffer("A", A, persistent=False)
-        self.register_buffer("B", B, persistent=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        w = linear.weight
+        self.register_buffer("A", w.new_zeros(n_adapters, 0, self.in_features), persistent=False)
+        self.register_buffer("B", w.new_zeros(n_adapters, self.out_features, 0), persistent=False)
         self.batch = batch
         return self
+
+    @torch.no_grad()
+    def append(self, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Stack one more adapter: ``a [r, in]``, ``b [out, r]`` (scaling folded in), or None (not targeted)."""
+        r = 0 if a is None else a.shape[0]
+        rank = max(self.A.shape[1], r)
+        A = F.pad(self.A, (0, 0, 0, rank - self.A.shape[1]))  # [n, rank, in]: zero rows add nothing
+        B = F.pad(self.B, (0, rank - self.B.shape[2]))  # [n, out, rank]
+        new_a = self.A.new_zeros(1, rank, self.in_features)
+        new_b = self.B.new_zeros(1, self.out_features, rank)
+        if a is not None and b is not None:
+            new_a[0, :r] = a
+            new_b[0, :, :r] = b
+        self.A, self.B = torch.cat([A, new_a]), torch.cat([B, new_b])
+
+    @torch.no_grad()
+    def drop(self, i: int) -> None:
+        """Remove the ``i``-th stacked adapter."""
+        self.A = torch.cat([self.A[:i], self.A[i + 1:]])
+        self.B = torch.cat([self.B[:i], self.B[i + 1:]])
 
     @property
     def weight_is_effective(self) -> bool:
@@ -165,7 +177,7 @@ class MultiLoraLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = F.linear(x, self.weight, self.bias)
         rows = self.batch.rows
-        if rows is None:
+        if rows is None or self.A.shape[1] == 0:
             return result
         # x: [B, T, in] (the engine's forwards) or [N, in]; every token of a row uses the row's adapter
         flat = x.reshape(-1, x.shape[-1])  # [B*T, in]
@@ -182,61 +194,120 @@ class MultiLoraLinear(nn.Linear):
         return result + delta.reshape(result.shape)
 
 
+def _shadow(model: nn.Module) -> nn.Module:
+    """A module tree with the model's linears at the same paths, sharing their ``weight``/``bias`` Parameters
+    (nothing copied): plyx-model's ``load_peft`` checks and loads an adapter onto it, the model untouched."""
+    root = nn.Module()
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        lin = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(lin)
+        lin.in_features, lin.out_features = mod.in_features, mod.out_features
+        lin.weight, lin.bias = mod.weight, mod.bias
+        parent = root
+        *parents, leaf = path.split(".")
+        for part in parents:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        parent.add_module(leaf, lin)
+    return root
+
+
 class MultiLora:
     """The adapters resident on a served model, by name; ``activate(names)`` sets a forward's rows.
 
-    Build with ``MultiLora.load(model, {"name": "path/to/peft_dir", ...})``.
+    Build with ``MultiLora.load(model, {"name": "path/to/peft_dir", ...})``; ``add`` and ``remove`` change
+    the set later (call them between forwards: the server runs them on the engine thread).
     """
 
-    def __init__(self, model: nn.Module, names: list[str], paths: dict[str, str], batch: AdapterBatch) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.names = names
-        self.paths = paths
-        self.index = {n: i for i, n in enumerate(names)}
-        self.batch = batch
+        self.names: list[str] = []
+        self.paths: dict[str, str] = {}
+        self.index: dict[str, int] = {}
+        self.batch = AdapterBatch()
 
     @classmethod
     def load(cls, model: nn.Module, adapters: dict[str, str | os.PathLike[str]]) -> MultiLora:
-        """Load every PEFT adapter directory onto ``model`` (in place) and make its linears batch them.
+        """Load every PEFT adapter directory onto ``model`` (its targeted linears become ``MultiLoraLinear``).
 
         Raises:
-            ConfigError: naming ``--lora NAME=PATH``: not an adapter directory, an adapter trained on another
-                base (tensor shapes, with the adapter's rank and target modules), an unbatchable variant.
+            ConfigError: see ``add``.
+        """
+        if not adapters:
+            raise ConfigError("lora", "no adapters given", fix="pass --lora NAME=PATH at least once")
+        multi = cls(model)
+        for name, path in adapters.items():
+            multi.add(name, path)
+        return multi
+
+    def add(self, name: str, path: str | os.PathLike[str]) -> None:
+        """Make the PEFT adapter at ``path`` resident as ``name``. On an error nothing changes.
+
+        Raises:
+            ConfigError: naming ``--lora NAME=PATH``: a name in use, not an adapter directory, an adapter trained
+                on another base (tensor shapes, with the adapter's rank and target modules), target modules the
+                base lacks, an unbatchable variant (DoRA).
         """
         from plyx.model.adapters import AdapterError, AdapterMismatchError, adapter_config, adapter_layers, load_peft
 
-        if not adapters:
-            raise ConfigError("lora", "no adapters given", fix="pass --lora NAME=PATH at least once")
-        for name, path in adapters.items():
-            where = f"--lora {name}={path}"
-            try:
-                load_peft(model, path, name=name)
-            except AdapterMismatchError as exc:  # tensors of another shape: another base, or another rank
-                raise ConfigError(where, f"the adapter {_peft_summary(path)}does not fit this base model: {exc}",
-                                  value=str(path), fix="serve it with the base model it was trained on "
-                                  "(same d_model, heads, d_ff and layers, and linears of those names)") from None
-            except AdapterError as exc:  # not an adapter directory, or target modules the base does not have
-                raise ConfigError(where, f"cannot load the adapter {_peft_summary(path)}onto this base model: {exc}",
-                                  value=str(path), fix="point it at a PEFT LoRA directory trained on this base "
-                                  "(plyx.model.adapters.save_peft writes one)") from None
-            except (OSError, ValueError) as exc:
-                raise ConfigError(where, f"not a PEFT LoRA adapter directory: {exc}", value=str(path),
-                                  fix="point it at a directory with adapter_config.json and "
-                                      "adapter_model.safetensors (plyx.model.adapters.save_peft writes one)") from None
-            variant = adapter_config(model, name).variant
-            if variant not in _BATCHABLE:
-                raise ConfigError(where, f"the adapter's variant {variant!r} cannot be batched with others "
-                                  f"(only {', '.join(_BATCHABLE)} are)", value=variant,
-                                  fix="merge it into the base (merge_and_unload) and serve that model")
-        names = list(adapters)
-        rank = max(adapter_config(model, n).r for n in names)
-        batch = AdapterBatch()
-        for path, layer in adapter_layers(model).items():
-            parent, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr,
-                    MultiLoraLinear.from_lora(layer, names, rank, batch))
-        model.__dict__.pop("_plyx_adapters", None)  # the plyx-model adapter state no longer describes the modules
-        return cls(model, names, {n: str(p) for n, p in adapters.items()}, batch)
+        where = f"--lora {name}={path}"
+        if name in self.index:
+            raise ConfigError(where, f"an adapter named {name!r} is resident already", value=name,
+                              fix="unload it first or pick another name")
+        shadow = _shadow(self.model)
+        try:
+            load_peft(shadow, path, name=name)
+        except AdapterMismatchError as exc:  # tensors of another shape: another base, or another rank
+            raise ConfigError(where, f"the adapter {_peft_summary(path)}does not fit this base model: {exc}",
+                              value=str(path), fix="serve it with the base model it was trained on "
+                              "(same d_model, heads, d_ff and layers, and linears of those names)") from None
+        except AdapterError as exc:  # not an adapter directory, or target modules the base does not have
+            raise ConfigError(where, f"cannot load the adapter {_peft_summary(path)}onto this base model: {exc}",
+                              value=str(path), fix="point it at a PEFT LoRA directory trained on this base "
+                              "(plyx.model.adapters.save_peft writes one)") from None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(where, f"not a PEFT LoRA adapter directory: {exc}", value=str(path),
+                              fix="point it at a directory with adapter_config.json and "
+                                  "adapter_model.safetensors (plyx.model.adapters.save_peft writes one)") from None
+        variant = adapter_config(shadow, name).variant
+        if variant not in _BATCHABLE:
+            raise ConfigError(where, f"the adapter's variant {variant!r} cannot be batched with others "
+                              f"(only {', '.join(_BATCHABLE)} are)", value=variant,
+                              fix="merge it into the base (merge_and_unload) and serve that model")
+        layers = adapter_layers(shadow)
+        n = len(self.names)
+        for path_ in layers:  # first time a linear is targeted: it starts batching adapters
+            module = self.model.get_submodule(path_)
+            if not isinstance(module, MultiLoraLinear):
+                parent, _, attr = path_.rpartition(".")
+                setattr(self.model.get_submodule(parent) if parent else self.model, attr,
+                        MultiLoraLinear.wrap(module, n, self.batch))
+        for path_, module in self.model.named_modules():
+            if isinstance(module, MultiLoraLinear):
+                layer = layers.get(path_)
+                if layer is None:
+                    module.append(None, None)
+                else:
+                    module.append(layer.lora_A[name].weight, layer.lora_B[name].weight * layer.scaling[name])
+        self.names.append(name)
+        self.paths[name] = str(path)
+        self.index = {n_: i for i, n_ in enumerate(self.names)}
+
+    def remove(self, name: str) -> None:
+        """Unload adapter ``name`` (no request may be running on it)."""
+        if name not in self.index:
+            raise ConfigError("lora_name", f"adapter {name!r} is not resident (adapters: "
+                              f"{', '.join(self.names) or 'none'})", value=name, fix="name a loaded adapter")
+        i = self.index[name]
+        for module in self.model.modules():
+            if isinstance(module, MultiLoraLinear):
+                module.drop(i)
+        self.names.pop(i)
+        del self.paths[name]
+        self.index = {n_: j for j, n_ in enumerate(self.names)}
 
     def activate(self, adapters: Sequence[str | None]) -> None:
         """Set the next forward's rows: ``adapters[i]`` is row i's adapter name (None: the base)."""

@@ -156,6 +156,16 @@ class AsyncEngine:
             raise
         return stream
 
+    async def call(self, fn: Any) -> Any:
+        """Run ``fn()`` on the engine thread between two steps (no forward runs meanwhile: adapters can be
+        loaded and unloaded safely); its result, or its exception raised here."""
+        if not self.alive:
+            return fn()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(("call", fn, loop, fut))
+        return await fut
+
     def abort(self, request_id: str) -> None:
         """Abort a request (client gone); its blocks are freed before the next step. Thread-safe."""
         self._inbox.put(("abort", request_id))
@@ -214,6 +224,21 @@ class AsyncEngine:
             stream = self._streams.pop(cmd[1], None)
             if stream is not None and outs:
                 self._deliver(stream, outs)
+        elif kind == "call":
+            _, fn, loop, fut = cmd
+            try:
+                result, error = fn(), None
+            except Exception as exc:  # handed to the caller; the engine goes on
+                result, error = None, exc
+
+            def settle() -> None:
+                if not fut.done():
+                    fut.set_exception(error) if error is not None else fut.set_result(result)
+
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the caller's loop is closed
+                pass
         elif kind == "abort_all":
             for rid in list(self.engine.requests):
                 self._handle(("abort", rid))

@@ -151,6 +151,34 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
                 "root": model_dir or settings.model_name, "max_model_len": engine.max_model_len}
         return _json({"object": "list", "data": [card, *_adapter_cards(state, card)]})
 
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request) -> Response:
+        body = await _read(request, LoadLoraRequest, settings)
+        lora = _need_lora(state)
+        try:
+            await state.aengine.call(lambda: lora.add(body.lora_name, body.lora_path))
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="lora_path", code="invalid_value") from None
+        return _json({"status": "loaded", "lora_name": body.lora_name})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request) -> Response:
+        body = await _read(request, UnloadLoraRequest, settings)
+        lora = _need_lora(state)
+
+        def unload() -> None:
+            busy = sum(1 for r in engine.requests.values() if r.adapter == body.lora_name)
+            if busy:
+                raise APIError(409, f"adapter {body.lora_name!r} serves {busy} request(s) in flight; retry when they "
+                               "finish", param="lora_name", code="adapter_in_use")
+            lora.remove(body.lora_name)
+
+        try:
+            await state.aengine.call(unload)
+        except ConfigError as exc:
+            raise APIError(404, str(exc), param="lora_name", code="model_not_found") from None
+        return _json({"status": "unloaded", "lora_name": body.lora_name})
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         body = await _read(request, TokenizeRequest, settings)
@@ -290,6 +318,26 @@ async def _read(request: Request, kind: type, settings: ServerSettings) -> Any:
         return msgspec.json.decode(raw, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_validation_error(exc) from None
+
+
+class LoadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/load_lora_adapter`` (vLLM's endpoint)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
+
+
+def _need_lora(state: _State) -> Any:
+    if state.engine.lora is None:
+        raise APIError(400, "this server was started without adapters, so it cannot load any at run time; start it "
+                       "with --lora NAME=PATH (its base then batches adapters)", code="lora_disabled")
+    return state.engine.lora
 
 
 def _adapter_of(state: _State, name: str) -> str | None:
