@@ -30,7 +30,9 @@ from plyx.serve.server._protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraRequest,
     TokenizeRequest,
+    UnloadLoraRequest,
     sampling_params,
 )
 from plyx.serve.server._tools import ToolPlan, plan_tools, prepare_messages
@@ -318,19 +320,6 @@ async def _read(request: Request, kind: type, settings: ServerSettings) -> Any:
         return msgspec.json.decode(raw, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise from_validation_error(exc) from None
-
-
-class LoadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/load_lora_adapter`` (vLLM's endpoint)."""
-
-    lora_name: str
-    lora_path: str
-
-
-class UnloadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/unload_lora_adapter``."""
-
-    lora_name: str
 
 
 def _need_lora(state: _State) -> Any:

@@ -17,7 +17,9 @@ __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
     "DetokenizeRequest",
+    "LoadLoraRequest",
     "TokenizeRequest",
+    "UnloadLoraRequest",
     "sampling_params",
 ]
 
@@ -114,6 +116,19 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     messages: Union[list[dict[str, Any]], None] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+
+class LoadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/load_lora_adapter`` (vLLM's endpoint)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
