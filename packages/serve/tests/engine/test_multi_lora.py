@@ -56,7 +56,7 @@ def adapters(tmp_path_factory, make_model):
     return base, paths
 
 
-def _alone(model, prompt, adapter_path=None):
+def _alone(model, prompt, adapter_path=None, device="cpu"):
     """The request run alone on its own model (the adapter merged in): the expected greedy tokens."""
     from plyx.model.adapters import load_peft, merge_and_unload
 
@@ -64,15 +64,21 @@ def _alone(model, prompt, adapter_path=None):
     if adapter_path is not None:
         load_peft(m, adapter_path)
         m = merge_and_unload(m)
+    m = m.to(device)
     engine = Engine(m, config=EngineConfig(max_batch_size=1, block_size=4, num_blocks=64, prefix_caching=False))
     return engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))[0].outputs[0]
 
 
-@pytest.mark.parametrize("mixed_chunk", [0, 8])  # 8: prefill chunks ride in the decodes' left-padded forward
-def test_a_step_mixes_adapters_and_the_base(adapters, mixed_chunk):
+@pytest.mark.parametrize("mixed_chunk, device", [
+    (0, "cpu"),
+    (8, "cpu"),  # 8: prefill chunks ride in the decodes' left-padded forward
+    pytest.param(16, "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+])
+def test_a_step_mixes_adapters_and_the_base(adapters, mixed_chunk, device):
     base, paths = adapters
     served = copy.deepcopy(base)
     lora = MultiLora.load(served, paths)
+    served.to(device)  # the stacked adapters are buffers: they move with the model
     engine = Engine(served, lora=lora, config=EngineConfig(max_batch_size=8, max_batch_tokens=64, block_size=4,
                                                            num_blocks=128, mixed_chunk=mixed_chunk))
     plan = [("alpha", PROMPTS[0]), (None, PROMPTS[1]), ("beta", PROMPTS[2]), ("alpha", PROMPTS[3]),
@@ -91,7 +97,7 @@ def test_a_step_mixes_adapters_and_the_base(adapters, mixed_chunk):
     assert mixed_steps > 0  # the adapters and the base shared forwards
     outs = {}
     for i, (adapter, prompt) in enumerate(plan):
-        want = _alone(base, prompt, paths.get(adapter))
+        want = _alone(base, prompt, paths.get(adapter), device)
         assert got[f"r{i}"] == list(want.token_ids), (adapter, prompt)
         outs[(adapter, tuple(prompt))] = got[f"r{i}"]
     # the adapters really change the output (otherwise the test proves nothing)
