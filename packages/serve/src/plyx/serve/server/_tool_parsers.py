@@ -206,13 +206,15 @@ BUILTIN_PARSERS: dict[str, type] = {p.name: p for p in (HermesParser, Llama3Json
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    """The parser called ``name`` among the installed plugins'; a ValueError lists those found."""
+    """The parser called ``name`` among the installed plugins'; a ConfigError (a ValueError) lists those found."""
+    from plyx.specs.errors import ConfigError
     from plyx.specs.plugins import components
 
     found = components("plyx_tool_parsers")
     if name not in found:
-        raise ValueError(f"tool-call parser {name!r} not found. It is either misspelled or not installed; "
-                         f"installed: {', '.join(sorted(found)) or 'none'} (pass --tool-call-parser NAME)")
+        raise ConfigError("tool_parser", f"tool-call parser {name!r} not found. It is either misspelled or not "
+                          f"installed; installed: {', '.join(sorted(found)) or 'none'}", value=name,
+                          fix="pass --tool-call-parser with one of those (or '' for none)")
     return found[name].factory()
 
 
