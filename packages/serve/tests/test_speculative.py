@@ -156,3 +156,97 @@ def test_longer_sampling_runs_are_target_distributed(make_model):
     keep = probs > 0
     assert counts[~keep].sum() == 0  # top-k is respected by the corrected tokens too
     assert _chi_square_p(counts[keep], probs[keep]) > 1e-3
+
+
+# -- prompt lookup (n-gram) speculation: no draft model ---------------------------------------
+REPEATS = [[1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [3, 4, 3, 4, 3, 4, 3], [1, 10, 11, 12]]
+
+
+@pytest.mark.parametrize("k, cache, sizes", [(1, "contiguous", (1, 3)), (3, "paged", (2, 4)), (5, "contiguous", (1, 1))])
+def test_ngram_greedy_equals_plain_greedy(pair, k, cache, sizes):
+    target, _ = pair
+    params = SamplingParams(temperature=0, max_new_tokens=24, logprobs=2)
+    ref = generate(target, REPEATS, params, cache=cache)
+    spec = generate(target, REPEATS, params, draft_model="ngram", num_speculative_tokens=k, cache=cache,
+                    prompt_lookup_min=sizes[0], prompt_lookup_max=sizes[1])
+    for r, s in zip(ref, spec):
+        assert s.outputs[0].token_ids == r.outputs[0].token_ids
+        for a, b in zip(s.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+    metrics = [s.outputs[0].metrics for s in spec]
+    assert sum(m.draft_proposed for m in metrics) > 0
+    assert sum(m.draft_accepted for m in metrics) > 0  # the repeating prompts are copied: some drafts land
+    for m in metrics:
+        assert m.draft_accepted <= m.draft_proposed
+        assert m.model_steps < 24 + 1 or m.draft_accepted == 0
+
+
+def test_ngram_without_cache_and_streamed(pair):
+    from plyx.serve import stream_generate
+
+    target, _ = pair
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    ref = generate(target, REPEATS, params)
+    assert [s.outputs[0].token_ids for s in generate(target, REPEATS, params, draft_model="ngram",
+                                                     use_cache=False)] == [r.outputs[0].token_ids for r in ref]
+    stream = stream_generate(target, REPEATS, params, draft_model="ngram", num_speculative_tokens=4)
+    got: dict[int, list[int]] = {}
+    for ev in stream:
+        got.setdefault(ev.request_index, []).extend(ev.token_ids)
+    assert [got[i] for i in range(len(REPEATS))] == [list(r.outputs[0].token_ids) for r in ref]
+
+
+def test_ngram_copies_a_repeating_output_in_few_steps(make_model):
+    """A model that repeats its context (the identity-like copy a lookup predicts) accepts whole windows."""
+    target = make_model(seed=0, init_std=0.1)
+    prompt = [7, 8, 9, 10] * 4
+    ref = generate(target, [prompt], SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True))[0].outputs[0]
+    out = generate(target, [prompt], SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True),
+                   draft_model="ngram", num_speculative_tokens=4, prompt_lookup_max=4)[0].outputs[0]
+    assert out.token_ids == ref.token_ids
+    m = out.metrics
+    # the first token comes from the prefill; each verification step emits its accepted drafts plus one
+    # token of the target's (or fewer when the length limit cuts the window)
+    assert m.num_generated == 32 and m.model_steps + m.draft_accepted >= 32
+    assert m.draft_accepted > 0 and m.model_steps < 32
+
+
+def test_ngram_sampling_law_is_the_target(make_model):
+    """Joint law of three sampled tokens under n-gram speculation = the target's p(x1) p(x2|x1) p(x3|x1 x2)."""
+    V = 4
+    target = make_model(vocab=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=12, seed=3,
+                        init_std=0.6)
+    prompt = [0, 1, 2, 3, 0, 1]  # every token occurs: most rounds find a draft
+    with torch.no_grad():
+        p1 = target(torch.tensor([prompt]))[0, -1].double().softmax(-1)  # [V]
+        p2 = target(torch.tensor([prompt + [a] for a in range(V)]))[:, -1].double().softmax(-1)  # [V, V]
+        p3 = target(torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)]))[:, -1].double().softmax(-1)
+    exact = (p1[:, None] * p2).reshape(-1)[:, None] * p3  # [V*V, V]
+    n = 4000
+    out = generate(target, [prompt], SamplingParams(n=n, temperature=1.0, max_new_tokens=3, ignore_eos=True),
+                   draft_model="ngram", num_speculative_tokens=2, prompt_lookup_max=2,
+                   generator=torch.Generator().manual_seed(0), cache="paged")[0]
+    counts = torch.zeros(V ** 3, dtype=torch.float64)
+    for o in out.outputs:
+        a, b, c = o.token_ids
+        counts[(a * V + b) * V + c] += 1
+    p_value = _chi_square_p(counts, exact.reshape(-1))
+    assert p_value > 1e-3, p_value
+    proposed = sum(o.metrics.draft_proposed for o in out.outputs)
+    accepted = sum(o.metrics.draft_accepted for o in out.outputs)
+    assert 0 < accepted < proposed  # both the accept and the residual paths ran
+
+
+def test_ngram_bad_options_are_named(pair, counting):
+    from plyx.specs.errors import ConfigError
+
+    target, _ = pair
+    model = counting(target)
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        generate(model, REPEATS, SamplingParams(max_new_tokens=2), draft_model="ngram", prompt_lookup_min=4,
+                 prompt_lookup_max=2)
+    with pytest.raises(ConfigError, match="'ngram'"):
+        generate(model, REPEATS, SamplingParams(max_new_tokens=2), draft_model="medusa")
+    with pytest.raises(ConfigError, match="repetition_penalty"):
+        generate(model, REPEATS, SamplingParams(max_new_tokens=2, repetition_penalty=1.2), draft_model="ngram")
+    assert model.calls == 0

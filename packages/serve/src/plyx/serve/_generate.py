@@ -233,6 +233,8 @@ def stream_generate(
     draft_cache: str | KVCache = "contiguous",
     generator: torch.Generator | None = None,
     cuda_graphs: bool | None = None,
+    prompt_lookup_min: int = 1,
+    prompt_lookup_max: int = 3,
 ) -> GenerationStream:
     """Decode ``prompts`` and yield each completion's new tokens as they are produced.
 
@@ -250,7 +252,8 @@ def stream_generate(
         from plyx.serve._speculative import SpeculativeDecoder
 
         spec = SpeculativeDecoder(plan, model, draft_model, num_speculative_tokens=num_speculative_tokens,
-                                  cache=cache if use_cache else None, draft_cache=draft_cache if use_cache else None)
+                                  cache=cache if use_cache else None, draft_cache=draft_cache if use_cache else None,
+                                  prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
         return GenerationStream(plan, spec.rows, spec.run(generator))
     rows, events = _decode(plan, model, cache if use_cache else None, generator, cuda_graphs)
     return GenerationStream(plan, rows, events)
@@ -425,6 +428,8 @@ def generate(
     draft_cache: str | KVCache = "contiguous",
     generator: torch.Generator | None = None,
     cuda_graphs: bool | None = None,
+    prompt_lookup_min: int = 1,
+    prompt_lookup_max: int = 3,
 ) -> list[RequestOutput]:
     """Generate completions for a batch of prompts. The serve ABI: stable across minor versions.
 
@@ -440,9 +445,11 @@ def generate(
         cache: KV-cache kind (``contiguous``, ``paged`` or a plugin's) or a ``KVCache`` instance;
             generate allocates its own sequence ids in it and evicts them when done.
         use_cache: False recomputes the whole sequence at each step (reference path).
-        draft_model: a smaller model with the same vocabulary: speculative decoding.
+        draft_model: a smaller model with the same vocabulary: speculative decoding; or ``"ngram"``:
+            prompt-lookup speculation, drafts copied from the sequence's own context (no extra model).
         num_speculative_tokens: draft tokens proposed per verification step (k).
         draft_cache: the draft model's KV-cache kind or instance.
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes ``draft_model="ngram"`` looks up, longest first.
         generator: random source of requests without a seed (default: torch's global RNG).
         cuda_graphs: replay the one-token decode step as CUDA graphs (``DecodeGraphs``). None (the
             default): on when the model is on a GPU and the cache is block-addressable (contiguous,
@@ -466,7 +473,8 @@ def generate(
     stream = stream_generate(
         model, prompts, params, tokenizer=tokenizer, eos_token_id=eos_token_id, cache=cache, use_cache=use_cache,
         draft_model=draft_model, num_speculative_tokens=num_speculative_tokens, draft_cache=draft_cache,
-        generator=generator, cuda_graphs=cuda_graphs,
+        generator=generator, cuda_graphs=cuda_graphs, prompt_lookup_min=prompt_lookup_min,
+        prompt_lookup_max=prompt_lookup_max,
     )
     for _ in stream:
         pass

@@ -21,6 +21,13 @@ def plyx_samplers() -> list[Any]:
 
 
 @hookimpl
+def plyx_tool_parsers() -> list[Any]:
+    from plyx.serve.server._tool_parsers import BUILTIN_PARSERS
+
+    return [Component(name, cls, (cls.__doc__ or "").split("\n")[0]) for name, cls in BUILTIN_PARSERS.items()]
+
+
+@hookimpl
 def plyx_cli_commands() -> list[Any]:
     # importing the command does not import fastapi/uvicorn: they load when `plyx serve` runs
     from plyx.serve.server import SERVE_COMMAND

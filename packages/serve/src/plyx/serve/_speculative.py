@@ -9,6 +9,12 @@ token is drawn from p_{k+1}. Each emitted token is then distributed exactly as t
 output (temperature 0: accept iff d_j is the target's argmax, correct with the argmax) equals
 greedy token for token. The target's KV cache is rolled back with ``KVCache.crop``.
 
+With ``draft_model="ngram"`` the draft is a prompt lookup (``plyx.serve._ngram``: no draft model): each
+row proposes up to k tokens that followed the latest earlier occurrence of its last n tokens. Such a
+proposal is one-hot (q = 1 on the drafted token), so the same rule accepts d_j with probability
+p_j(d_j) and resamples from p_j without d_j; positions past a row's (shorter) draft have q = 0 and are
+never accepted, so the correction there is drawn from p itself.
+
 Processors must not depend on the tokens generated so far (the k verification positions are
 processed in one batch), so penalties, min_tokens, structured output and plugin processors are
 rejected up front with a clear error; temperature, top-k, top-p, min-p, typical-p, logit bias and
@@ -22,6 +28,7 @@ from typing import Any
 
 import torch
 from plyx.serve._completion import Completion
+from plyx.serve._ngram import check_lookup, propose
 from plyx.serve._outputs import StreamEvent, TokenLogprob
 from plyx.serve._params import SamplingParams
 from plyx.serve._pipeline import LogitsPipeline
@@ -42,15 +49,25 @@ class SpeculativeDecoder:
     """Validates a draft/target pair and runs the speculative loop for a ``_Plan``."""
 
     def __init__(self, plan: Any, model: Any, draft: Any, *, num_speculative_tokens: int,
-                 cache: Any, draft_cache: Any) -> None:
+                 cache: Any, draft_cache: Any, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3) -> None:
         from plyx.serve._generate import _check_model, _seeded
 
-        dconf = _check_model(draft, "draft_model")
+        self.lookup: tuple[int, int] | None = None
+        if isinstance(draft, str):
+            if draft != "ngram":
+                raise ConfigError("draft_model", f"draft_model {draft!r} is not a method: the one named draft is "
+                                  "'ngram' (prompt lookup)", value=draft,
+                                  fix="pass draft_model='ngram' or a model with the target's vocabulary")
+            check_lookup(prompt_lookup_min, prompt_lookup_max)
+            self.lookup = (prompt_lookup_min, prompt_lookup_max)
+            dconf = _check_model(model, "model")
+        else:
+            dconf = _check_model(draft, "draft_model")
         if int(dconf.vocab_size) != plan.vocab:
             raise ConfigError("draft_model", f"the draft model's vocabulary has {dconf.vocab_size} tokens, the "
                               f"target's {plan.vocab}: they must share the tokenizer", value=int(dconf.vocab_size),
                               fix="use a draft model trained with the target's tokenizer")
-        if model_device(draft) != model_device(model):
+        if self.lookup is None and model_device(draft) != model_device(model):
             raise ConfigError("draft_model", "the draft and target models must be on the same device",
                               value=str(model_device(draft)), fix=f"move the draft with .to({model_device(model)})")
         if not (isinstance(num_speculative_tokens, int) and 1 <= num_speculative_tokens <= 32):
@@ -69,9 +86,10 @@ class SpeculativeDecoder:
         rows_total = sum(p.n for p in plan.params)
         # a verification pass stores up to k tokens past the committed ones
         self.target = Runner(model, cache, num_sequences=rows_total, max_seq_len=plan.longest(self.k + 1))
-        self.draft = Runner(draft, draft_cache, num_sequences=rows_total,
-                            max_seq_len=min(int(dconf.max_seq_len), plan.longest(self.k + 1)),
-                            where="draft_cache")
+        self.draft = None if self.lookup is not None else Runner(
+            draft, draft_cache, num_sequences=rows_total, max_seq_len=min(int(dconf.max_seq_len),
+                                                                          plan.longest(self.k + 1)),
+            where="draft_cache")
         self.rows: list[Completion] = []
         self.draft_ids: dict[int, int] = {}  # row position -> draft sequence id
         for r, (ids, p) in enumerate(zip(plan.prompt_ids, plan.params)):
@@ -99,27 +117,31 @@ class SpeculativeDecoder:
                 active = [pos for pos in active if not self.rows[pos].finished]
         finally:
             self.target.close()
-            self.draft.close()
+            if self.draft is not None:
+                self.draft.close()
 
     def _start(self, generator: torch.Generator | None) -> tuple[list[StreamEvent], list[int], dict[int, list[int]]]:
         """Prefill target and draft, fork the n completions, and take each row's first token from the target."""
         rows = self.rows
         firsts = [c for c in rows if c.index == 0]
         dfirst: dict[int, int] = {}
+        draft = self.draft
         for c in firsts:
             c.seq_id = self.target.new_id()
-            dfirst[c.request_index] = self.draft.new_id()
+            if draft is not None:
+                dfirst[c.request_index] = draft.new_id()
         logits_req = self.target.extend([c.seq_id for c in firsts], [c.prompt_ids for c in firsts])  # [R, V]
         # the draft prefills everything but the last prompt token, which opens its first round
         pending_draft: dict[int, list[int]] = {}
         short = [c for c in firsts if len(c.prompt_ids) > 1]
-        if short:
-            self.draft.extend([dfirst[c.request_index] for c in short], [c.prompt_ids[:-1] for c in short])
+        if short and draft is not None:
+            draft.extend([dfirst[c.request_index] for c in short], [c.prompt_ids[:-1] for c in short])
         for pos, c in enumerate(rows):
             if c.index:
                 c.seq_id = self.target.fork(firsts[c.request_index].seq_id)
-                self.draft_ids[pos] = self.draft.fork(dfirst[c.request_index])
-            else:
+                if draft is not None:
+                    self.draft_ids[pos] = draft.fork(dfirst[c.request_index])
+            elif draft is not None:
                 self.draft_ids[pos] = dfirst[c.request_index]
             c.model_steps = 1
         logits = logits_req.index_select(0, torch.as_tensor([c.request_index for c in rows], device=self.device))
@@ -144,7 +166,8 @@ class SpeculativeDecoder:
 
     def _release(self, pos: int) -> None:
         self.target.release(self.rows[pos].seq_id)
-        self.draft.release(self.draft_ids[pos])
+        if self.draft is not None:
+            self.draft.release(self.draft_ids[pos])
 
     def _round(self, active: list[int], pending_draft: dict[int, list[int]],
                generator: torch.Generator | None) -> list[StreamEvent]:
@@ -160,10 +183,23 @@ class SpeculativeDecoder:
         greedy = torch.tensor([p.greedy for p in params], device=self.device)  # [b]
 
         # 1. draft: k tokens and their processed distributions q_1..q_k
-        drafts = torch.empty(b, k, dtype=torch.long, device=self.device)
-        q = torch.empty(b, k, self.plan.vocab, device=self.device)
-        dids = [self.draft_ids[pos] for pos in active]
-        if k:
+        proposed = [k] * b  # draft tokens each row really proposes (a lookup may find fewer, or none)
+        valid = None  # [b, k] bool: positions holding a proposal (lookup drafts are ragged)
+        if self.lookup is not None:
+            lists = [propose(c.prompt_ids + c.token_ids, k, *self.lookup) for c in rows]
+            proposed = [len(d) for d in lists]
+            k = max(proposed, default=0)  # a round where no row found a match is a plain decode step
+            drafts = torch.tensor([d + [0] * (k - len(d)) for d in lists], dtype=torch.long,
+                                  device=self.device).reshape(b, k)
+            valid = torch.arange(k, device=self.device)[None, :] < torch.tensor(proposed, device=self.device)[:, None]
+            # one-hot proposals; zeros where there is none (the residual there is p itself)
+            q = torch.zeros(b, k, self.plan.vocab, device=self.device)
+            q.scatter_(2, drafts[:, :, None], valid[:, :, None].float())
+        else:
+            drafts = torch.empty(b, k, dtype=torch.long, device=self.device)
+            q = torch.empty(b, k, self.plan.vocab, device=self.device)
+        if k and self.draft is not None:
+            dids = [self.draft_ids[pos] for pos in active]
             dlogits = self.draft.extend(dids, [pending_draft[pos] for pos in active])  # [b, V]
             for j in range(k):
                 processed = pipe.process(dlogits.float(), state)
@@ -189,12 +225,14 @@ class SpeculativeDecoder:
             sampled_ok = u * q_d < p_d  # u < p/q without dividing by a tiny q
             greedy_ok = drafts == p[:, :k].argmax(dim=-1)
             ok = torch.where(greedy[:, None], greedy_ok, sampled_ok)
+            if valid is not None:
+                ok &= valid
             n_acc = ok.long().cumprod(dim=1).sum(dim=1)  # [b] accepted prefix length
         else:
             n_acc = torch.zeros(b, dtype=torch.long, device=self.device)
         # 4. the token after the accepted prefix: residual max(0, p - q) after a rejection, p itself after all k
         p_next = p.gather(1, n_acc[:, None, None].expand(b, 1, p.shape[-1]))[:, 0]  # [b, V]
-        q_pad = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # [b, k + 1, V]; zeros: the bonus position
+        q_pad = torch.cat([q, q.new_zeros(b, 1, q.shape[-1])], dim=1)  # [b, k + 1, V]; zeros: the bonus position
         q_next = q_pad.gather(1, n_acc[:, None, None].expand(b, 1, p.shape[-1]))[:, 0]
         residual = (p_next - q_next).clamp(min=0)
         mass = residual.sum(dim=-1, keepdim=True)
@@ -212,7 +250,7 @@ class SpeculativeDecoder:
             n = n_host[i]
             new = d_host[i][:n] + [c_host[i]]
             c.model_steps += 1
-            c.draft_proposed += k
+            c.draft_proposed += proposed[i]
             c.draft_accepted += n
             event = c.add(new, None if lps[i] is None else lps[i][: n + 1])
             if event is not None:
@@ -222,6 +260,8 @@ class SpeculativeDecoder:
                 continue
             committed = len(c.prompt_ids) + len(c.token_ids)  # the last token is in neither cache yet
             self.target.crop(c.seq_id, committed - 1)
+            if self.draft is None:
+                continue
             dlen = self.draft.length(self.draft_ids[pos])
             keep = min(dlen, committed - 1)
             self.draft.crop(self.draft_ids[pos], keep)

@@ -116,6 +116,16 @@ def plyx_adapter_variants() -> list[Any]:
 
 
 @hookspec
+def plyx_tool_parsers() -> list[Any]:
+    """Tool-call parsers of the OpenAI server (plyx-serve ships ``hermes``, ``llama3_json`` and ``mistral``).
+
+    :return: a list of ``Component``; ``factory()`` returns a parser as documented by plyx-serve
+        (``start``, ``hold`` and ``calls`` over the generated text). ``plyx serve --tool-call-parser NAME``
+        selects it by the Component's name.
+    """
+
+
+@hookspec
 def plyx_cli_commands() -> list[Any]:
     """Subcommands of the ``plyx`` command.
 

@@ -5,8 +5,14 @@ Example::
     from plyx.serve.engine import Engine, EngineConfig
     engine = Engine(model, tokenizer=tok, config=EngineConfig(max_batch_size=32))
     outs = engine.generate([prompt_ids], SamplingParams(temperature=0, max_new_tokens=32))
+
+    # several LoRA adapters resident, mixed per row in each step
+    lora = MultiLora.load(model, {"sql": "adapters/sql", "chat": "adapters/chat"})
+    engine = Engine(model, tokenizer=tok, lora=lora)
+    engine.add_request("r1", prompt_ids, SamplingParams(max_new_tokens=32), adapter="sql")
 """
 
+from plyx.serve._lora import MultiLora
 from plyx.serve.engine._async import AsyncEngine, RequestStream
 from plyx.serve.engine._config import EngineConfig
 from plyx.serve.engine._engine import Engine, EngineOutput, EngineStats, QueueFullError
@@ -18,6 +24,7 @@ __all__ = [
     "EngineConfig",
     "EngineOutput",
     "EngineStats",
+    "MultiLora",
     "PrefixCache",
     "QueueFullError",
     "RequestStream",

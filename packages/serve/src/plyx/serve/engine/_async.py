@@ -139,7 +139,8 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # -- the event-loop side ---------------------------------------------------------------
-    async def add(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams) -> RequestStream:
+    async def add(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, *,
+                  adapter: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it; raises what ``Engine.add_request`` raises."""
         loop = asyncio.get_running_loop()
         grammar = None
@@ -147,13 +148,23 @@ class AsyncEngine:
             grammar = await asyncio.to_thread(self.engine.compile_grammar, params)
         stream = RequestStream(request_id, loop)
         ack: asyncio.Future[None] = loop.create_future()
-        self._inbox.put(("add", request_id, list(prompt_ids), params, grammar, stream, ack))
+        self._inbox.put(("add", request_id, list(prompt_ids), params, grammar, stream, ack, adapter))
         try:
             await ack
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
         return stream
+
+    async def call(self, fn: Any) -> Any:
+        """Run ``fn()`` on the engine thread between two steps (no forward runs meanwhile: adapters can be
+        loaded and unloaded safely); its result, or its exception raised here."""
+        if not self.alive:
+            return fn()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._inbox.put(("call", fn, loop, fut))
+        return await fut
 
     def abort(self, request_id: str) -> None:
         """Abort a request (client gone); its blocks are freed before the next step. Thread-safe."""
@@ -200,9 +211,9 @@ class AsyncEngine:
     def _handle(self, cmd: tuple[Any, ...]) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, grammar, stream, ack = cmd
+            _, rid, prompt, params, grammar, stream, ack, adapter = cmd
             try:
-                self.engine.add_request(rid, prompt, params, grammar=grammar, arrival=stream.created)
+                self.engine.add_request(rid, prompt, params, grammar=grammar, arrival=stream.created, adapter=adapter)
             except Exception as exc:  # a bad request never stops the engine
                 self._resolve(stream, ack, exc)
                 return
@@ -213,6 +224,21 @@ class AsyncEngine:
             stream = self._streams.pop(cmd[1], None)
             if stream is not None and outs:
                 self._deliver(stream, outs)
+        elif kind == "call":
+            _, fn, loop, fut = cmd
+            try:
+                result, error = fn(), None
+            except Exception as exc:  # handed to the caller; the engine goes on
+                result, error = None, exc
+
+            def settle() -> None:
+                if not fut.done():
+                    fut.set_exception(error) if error is not None else fut.set_result(result)
+
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:  # the caller's loop is closed
+                pass
         elif kind == "abort_all":
             for rid in list(self.engine.requests):
                 self._handle(("abort", rid))

@@ -111,7 +111,7 @@ class Engine:
     """
 
     def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
-                 eos_token_id: int | Seq[int] | None = None, seed: int = 0) -> None:
+                 eos_token_id: int | Seq[int] | None = None, seed: int = 0, lora: Any = None) -> None:
         from plyx.attn import PagedKVCache, cache_layout
 
         self.model = model.eval()
@@ -150,7 +150,9 @@ class Engine:
         self._priority: dict[int, tuple[int, int]] = {}  # seq_id -> (request order, index)
         self._grammar_cache: dict[str, Any] = {}
         self._lm_head = getattr(model, "lm_head_weight", None) is not None
-        self.graphs = self._decode_graphs()
+        # resident adapters (``plyx.serve.MultiLora``): requests name one; a step's rows may mix them
+        self.lora = lora
+        self.graphs = self._decode_graphs() if lora is None else None  # graphs bake in one adapter map
         # decode steps replayed as graphs must hold decodes alone: prefill chunks get their own forward
         self._mixed = 0 if self.graphs is not None else c.mixed_chunk
 
@@ -206,8 +208,11 @@ class Engine:
                               fix="encode the prompt with the model's tokenizer")
 
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, *,
-                    grammar: Any = None, arrival: float | None = None) -> EngineRequest:
+                    grammar: Any = None, arrival: float | None = None, adapter: str | None = None) -> EngineRequest:
         """Queue a request; its outputs come from later ``step()`` calls.
+
+        Args:
+            adapter: a resident LoRA adapter's name (``lora=``), or None for the base model.
 
         Raises:
             ConfigError: a bad prompt, or structured output without a tokenizer.
@@ -217,11 +222,16 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use; pass a unique id")
         self.check_prompt(prompt_ids)
+        if adapter is not None and (self.lora is None or adapter not in self.lora.index):
+            have = ", ".join(self.lora.names) if self.lora is not None else "none"
+            raise ConfigError("adapter", f"adapter {adapter!r} is not resident (adapters: {have})", value=adapter,
+                              fix="name a loaded adapter, or load it at startup (plyx serve --lora NAME=PATH)")
         if len({s.request.request_id for s in self.waiting}) >= self.config.max_queue:
             raise QueueFullError(self.config.max_queue)
         if params.structured is not None and grammar is None:
             grammar = self.compile_grammar(params)
         req = EngineRequest(request_id, [int(t) for t in prompt_ids], params, arrival)
+        req.adapter = adapter
         order = next(self._order)
         stops = self._stop_ids(params)
         for i in range(params.n):
@@ -331,10 +341,16 @@ class Engine:
             rows_ids = [s.tokens[s.num_computed:s.num_computed + n] for s, n in group]
         ids = torch.tensor(rows_ids, dtype=torch.long, device=self.device)  # [B, T]
         kw: dict[str, Any] = {"cache": self.cache, "seq_ids": seq_ids, "attention_mask": mask}
-        if self._lm_head:
-            out = self.model(ids, return_hidden=True, **kw)  # [B, T, D]
-        else:
-            out = self.model(ids, **kw)  # [B, T, V]
+        if self.lora is not None:  # each row through its own adapter (or the base), in this one forward
+            self.lora.activate([s.request.adapter for s, _ in group])
+        try:
+            if self._lm_head:
+                out = self.model(ids, return_hidden=True, **kw)  # [B, T, D]
+            else:
+                out = self.model(ids, **kw)  # [B, T, V]
+        finally:
+            if self.lora is not None:
+                self.lora.clear()
         done = self._advance(group, finishing)
         if not done:
             return []
@@ -396,7 +412,7 @@ class Engine:
         return [EngineOutput(req.request_id, seq.index, event, request_finished=done)]
 
     def _register_prefix(self, seq: Sequence) -> None:
-        if self.prefix is None:
+        if self.prefix is None or seq.request.adapter is not None:  # an adapter's KV is its own: not shared
             return
         computed = min(seq.num_computed, len(seq.request.prompt_ids))
         if computed // self.config.block_size > seq.prefix_depth:
@@ -485,7 +501,7 @@ class Engine:
             if self.running and len(self.running) + joining > self.config.max_batch_size:
                 break
             nodes = []
-            if self.prefix is not None:
+            if self.prefix is not None and seq.request.adapter is None:  # the cache holds base-model KV only
                 nodes = self.prefix.match(seq.tokens, max_tokens=len(seq.tokens) - 1)
             if nodes:
                 seq.num_computed = self.prefix.attach(nodes, seq.seq_id)  # type: ignore[union-attr]

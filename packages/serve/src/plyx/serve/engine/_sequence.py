@@ -84,6 +84,7 @@ class EngineRequest:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.aborted = False
+        self.adapter: str | None = None  # the LoRA adapter it runs through (None: the base model)
 
     @property
     def finished(self) -> bool:

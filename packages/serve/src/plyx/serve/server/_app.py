@@ -30,9 +30,12 @@ from plyx.serve.server._protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraRequest,
     TokenizeRequest,
+    UnloadLoraRequest,
     sampling_params,
 )
+from plyx.serve.server._tools import ToolPlan, plan_tools, prepare_messages
 from plyx.specs.errors import ConfigError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -60,6 +63,9 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     """On shutdown, seconds in-flight requests get to finish before they are ended."""
     guardrail_policy: str = ""
     """Passed to the safety hooks as ``context["guardrail_policy"]``."""
+    tool_parser: str = "hermes"
+    """Tool-call parser of ``tool_choice="auto"`` (a ``plyx_tool_parsers`` plugin: ``hermes``, ``llama3_json``,
+    ``mistral``...); empty: no parser (``auto`` is refused, ``required`` and named functions still work)."""
     switch_interval: float = 0.0
     """``sys.setswitchinterval`` while the app runs (0 leaves Python's 5 ms). The engine thread and the event
     loop share the GIL; a shorter interval hands it back to the engine sooner after the loop took it (on an
@@ -76,6 +82,12 @@ class _State:
         self.metrics = ServerMetrics(engine)
         self.inflight = 0
         self.tokenizer = engine.tokenizer
+        if settings.tool_parser:
+            from plyx.serve.server._tool_parsers import get_tool_parser
+
+            self.tool_parser: Any = get_tool_parser(settings.tool_parser)
+        else:
+            self.tool_parser = None
 
 
 def _pm() -> Any:
@@ -143,7 +155,35 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
         card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "plyx",
                 "root": model_dir or settings.model_name, "max_model_len": engine.max_model_len}
         aliases = [{**card, "id": alias, "parent": settings.model_name} for alias in settings.model_aliases]
-        return _json({"object": "list", "data": [card, *aliases]})
+        return _json({"object": "list", "data": [card, *aliases, *_adapter_cards(state, card)]})
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora(request: Request) -> Response:
+        body = await _read(request, LoadLoraRequest, settings)
+        lora = _need_lora(state)
+        try:
+            await state.aengine.call(lambda: lora.add(body.lora_name, body.lora_path))
+        except ConfigError as exc:
+            raise APIError(400, str(exc), param="lora_path", code="invalid_value") from None
+        return _json({"status": "loaded", "lora_name": body.lora_name})
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora(request: Request) -> Response:
+        body = await _read(request, UnloadLoraRequest, settings)
+        lora = _need_lora(state)
+
+        def unload() -> None:
+            busy = sum(1 for r in engine.requests.values() if r.adapter == body.lora_name)
+            if busy:
+                raise APIError(409, f"adapter {body.lora_name!r} serves {busy} request(s) in flight; retry when they "
+                               "finish", param="lora_name", code="adapter_in_use")
+            lora.remove(body.lora_name)
+
+        try:
+            await state.aengine.call(unload)
+        except ConfigError as exc:
+            raise APIError(404, str(exc), param="lora_name", code="model_not_found") from None
+        return _json({"status": "unloaded", "lora_name": body.lora_name})
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -172,7 +212,9 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await _read(request, CompletionRequest, settings)
-        _check_model(body.model, settings)
+        adapter = _adapter_of(state, body.model)
+        if adapter is None:
+            _check_model(body.model, settings)
         if body.echo or body.suffix or (body.best_of is not None and body.best_of != body.n):
             field = "echo" if body.echo else "suffix" if body.suffix else "best_of"
             raise APIError(400, f"`{field}` is not supported by this server; leave it out", param=field,
@@ -183,14 +225,18 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
         params = _clamp(engine, prompts, params, max_tokens is not None)
         raw = msgspec.to_builtins(body)
         return await _generate(request, state, "completion", body.stream, body.stream_options, prompts, params,
-                               raw, "\n".join(texts))
+                               raw, "\n".join(texts), adapter=adapter)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _read(request, ChatCompletionRequest, settings)
-        _check_model(body.model, settings)
+        adapter = _adapter_of(state, body.model)
+        if adapter is None:
+            _check_model(body.model, settings)
         tok = _need_tokenizer(state)
-        text = _render_chat(state, body.messages, body.chat_template, body.add_generation_prompt)
+        tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, state.tool_parser)
+        text = _render_chat(state, prepare_messages(body.messages) if body.tools or _has_tool_turns(body.messages)
+                            else body.messages, body.chat_template, body.add_generation_prompt, tools)
         ids = _encode(tok, text, special=False)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.top_logprobs is not None and not body.logprobs:
@@ -199,8 +245,17 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
         params = sampling_params(body, max_tokens=max_tokens, default_max=max(1, engine.max_model_len - len(ids)),
                                  logprobs=logprobs)
         params = _clamp(engine, [ids], params, max_tokens is not None)
+        if tools is not None and tools.structured is not None:
+            if body.response_format is not None and body.response_format.type != "text":
+                raise APIError(400, f"tool_choice={body.tool_choice!r} constrains the reply to tool calls; it cannot "
+                               "be combined with response_format: drop one of them", param="response_format",
+                               code="invalid_value")
+            params = msgspec.structs.replace(params, structured=tools.structured)
+        elif tools is not None and tools.parser is not None and tools.parser.keep_special_tokens:
+            params = msgspec.structs.replace(params, skip_special_tokens=False)  # the call marker is a special token
         raw = msgspec.to_builtins(body)
-        return await _generate(request, state, "chat", body.stream, body.stream_options, [ids], params, raw, text)
+        return await _generate(request, state, "chat", body.stream, body.stream_options, [ids], params, raw, text,
+                               tools=tools if tools is not None and tools.mode != "none" else None, adapter=adapter)
 
     return app
 
@@ -271,6 +326,27 @@ async def _read(request: Request, kind: type, settings: ServerSettings) -> Any:
         raise from_validation_error(exc) from None
 
 
+def _need_lora(state: _State) -> Any:
+    if state.engine.lora is None:
+        raise APIError(400, "this server was started without adapters, so it cannot load any at run time; start it "
+                       "with --lora NAME=PATH (its base then batches adapters)", code="lora_disabled")
+    return state.engine.lora
+
+
+def _adapter_of(state: _State, name: str) -> str | None:
+    """The resident LoRA adapter a request's ``model`` names (``plyx serve --lora NAME=PATH``), else None."""
+    lora = state.engine.lora
+    return name if lora is not None and name in lora.index else None
+
+
+def _adapter_cards(state: _State, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """/v1/models entries of the resident adapters (vLLM's shape: ``parent`` is the base model)."""
+    lora = state.engine.lora
+    if lora is None:
+        return []
+    return [{**base, "id": name, "root": lora.paths[name], "parent": base["id"]} for name in lora.names]
+
+
 def _check_model(name: str | None, settings: ServerSettings, *, required: bool = True) -> None:
     if name is None and not required:
         return
@@ -315,7 +391,12 @@ def _content(message: dict[str, Any], i: int) -> dict[str, Any]:
     return {**message, "role": role, "content": content}
 
 
-def _render_chat(state: _State, messages: list[dict[str, Any]], override: str | None, add_generation: bool) -> str:
+def _has_tool_turns(messages: list[Any]) -> bool:
+    return any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages)
+
+
+def _render_chat(state: _State, messages: list[dict[str, Any]], override: str | None, add_generation: bool,
+                 tools: ToolPlan | None = None) -> str:
     if not messages:
         raise APIError(400, "messages must hold at least one message", param="messages")
     msgs = [_content(m, i) if isinstance(m, dict) else {} for i, m in enumerate(messages)]
@@ -329,8 +410,13 @@ def _render_chat(state: _State, messages: list[dict[str, Any]], override: str | 
         raise APIError(400, "the model has no chat template (none in its tokenizer config); start the server with "
                        "--chat-template chatml (or a file), or pass chat_template", param="messages",
                        code="no_chat_template")
+    if tools is not None and tools.mode != "none" and not template.renders_tools:
+        raise APIError(400, f"the chat template {template.name!r} does not render tools, so the model would never "
+                       "see them; start the server with a template that does (--chat-template hermes, or the "
+                       "model's own tool-use template), or pass chat_template", param="tools",
+                       code="invalid_value")
     try:
-        return template.render(msgs, add_generation_prompt=add_generation)
+        return template.render(msgs, add_generation_prompt=add_generation, tools=tools.tools if tools else None)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from None
 
@@ -400,7 +486,8 @@ def _clamp(engine: Engine, prompts: list[list[int]], params: Any, explicit: bool
 
 
 async def _generate(request: Request, state: _State, kind: str, stream: bool, stream_options: Any,
-                    prompts: list[list[int]], params: Any, raw: dict[str, Any], prompt_text: str) -> Response:
+                    prompts: list[list[int]], params: Any, raw: dict[str, Any], prompt_text: str, *,
+                    tools: ToolPlan | None = None, adapter: str | None = None) -> Response:
     settings = state.settings
     hook = _pm()
     job_id = new_job_id(kind)  # known before the hooks run, so audit records carry it
@@ -428,7 +515,7 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
         lists = hook.plyx_output_filters(request=hook_request, context=context)
         return [f for group in lists or () for f in (group or ())]
 
-    job = Job(state.aengine, prompts, params, make_filters, kind, job_id=job_id)
+    job = Job(state.aengine, prompts, params, make_filters, kind, job_id=job_id, adapter=adapter)
     state.inflight += 1
     try:
         await job.start()
@@ -463,11 +550,12 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
 
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
-        return _SSEResponse(_stream(state, job, kind, include_usage, finish), finish)
-    return await _whole(request, state, job, kind, finish)
+        return _SSEResponse(_stream(state, job, kind, include_usage, finish, tools), finish)
+    return await _whole(request, state, job, kind, finish, tools)
 
 
-async def _whole(request: Request, state: _State, job: Job, kind: str, finish: Any) -> Response:
+async def _whole(request: Request, state: _State, job: Job, kind: str, finish: Any,
+                 tools: ToolPlan | None = None) -> Response:
     async def collect() -> None:
         async for _ in job.events():
             pass
@@ -494,29 +582,46 @@ async def _whole(request: Request, state: _State, job: Job, kind: str, finish: A
     choices = []
     for c in job.choices:
         if kind == "chat":
-            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            finish_reason = c.finish_reason
+            if tools is not None:
+                split = tools.stream()
+                split.feed(c.text)
+                message["content"], calls = split.message()
+                if calls:
+                    message["tool_calls"] = calls
+                finish_reason = _tool_finish(tools, finish_reason, bool(calls))
+            choices.append({"index": c.index, "message": message,
                             "logprobs": chat_logprobs(tok, c.logprobs) if job.params.logprobs is not None else None,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": finish_reason})
         else:
             choices.append({"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
                             "logprobs": completion_logprobs(tok, c.logprobs, 0)
                             if job.params.logprobs is not None else None})
     body = {"id": job.id, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": job.created, "model": state.settings.model_name, "system_fingerprint": None,
+            "created": job.created, "model": job.adapter or state.settings.model_name, "system_fingerprint": None,
             "choices": choices, "usage": job.usage()}
     finish()
     return _json(body)
 
 
-async def _stream(state: _State, job: Job, kind: str, include_usage: bool, finish: Any) -> AsyncIterator[bytes]:
+def _tool_finish(tools: ToolPlan, reason: str | None, called: bool) -> str | None:
+    """``tool_calls`` when the reply ended normally in calls (a named function keeps ``stop``, as OpenAI)."""
+    return "tool_calls" if called and reason == "stop" and tools.mode != "named" else reason
+
+
+async def _stream(state: _State, job: Job, kind: str, include_usage: bool, finish: Any,
+                  tools: ToolPlan | None = None) -> AsyncIterator[bytes]:
     tok = state.tokenizer
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    base = {"id": job.id, "object": obj, "created": job.created, "model": state.settings.model_name}
+    base = {"id": job.id, "object": obj, "created": job.created, "model": job.adapter or state.settings.model_name}
     # every chunk is `data: {<base>,"choices":[<entry>]}`: the constant part is encoded once per request, not per
     # token (this runs on the event loop, which shares the GIL with the engine thread)
     head = b"data: " + msgspec.json.encode(base)[:-1] + b',"choices":['
     encode = msgspec.json.encode
     offsets = [0] * len(job.choices)
+    splits = [tools.stream() for _ in job.choices] if tools is not None else []
+    called = [False] * len(job.choices)
     status = 200
     try:
         if kind == "chat":  # the role first, as OpenAI does
@@ -527,7 +632,19 @@ async def _stream(state: _State, job: Job, kind: str, include_usage: bool, finis
             for choice, text, lps, finish_reason in batch:
                 want_lp = job.params.logprobs is not None and lps
                 if kind == "chat":
-                    delta = {"content": text} if text else {}
+                    delta: dict[str, Any] = {"content": text} if text else {}
+                    if splits:  # content before any call streams; calls leave as tool_calls deltas
+                        split = splits[choice.index]
+                        content, calls = split.feed(text)
+                        if finish_reason is not None:
+                            rest, more = split.finish()
+                            content, calls = content + rest, calls + more
+                        delta = {"content": content} if content else {}
+                        if calls:
+                            delta["tool_calls"] = calls
+                            called[choice.index] = True
+                        if finish_reason is not None:
+                            finish_reason = _tool_finish(tools, finish_reason, called[choice.index])  # type: ignore[arg-type]
                     entry = {"index": choice.index, "delta": delta,
                              "logprobs": chat_logprobs(tok, lps) if want_lp else None,
                              "finish_reason": finish_reason}
@@ -538,7 +655,7 @@ async def _stream(state: _State, job: Job, kind: str, include_usage: bool, finis
                 # completions: one chunk per token event, text or not (a held-back partial character or
                 # stop-string prefix still shows the client progress, and ITL is measured per token); chat:
                 # deltas with content
-                if kind != "chat" or text or finish_reason is not None or want_lp:
+                if kind != "chat" or delta or finish_reason is not None or want_lp:
                     parts.append(head + encode(entry) + b"]}\n\n")
             if parts:  # the events that were ready together leave in one write
                 yield parts[0] if len(parts) == 1 else b"".join(parts)

@@ -13,6 +13,31 @@ from typing import Any
 
 __all__ = ["BUILTIN_TEMPLATES", "ChatTemplate", "load_chat_template"]
 
+HERMES_TEMPLATE = """\
+{%- if tools %}{{- '<|im_start|>system\n' }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}
+{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with \
+function signatures within <tools></tools> XML tags:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n\
+</tool_call><|im_end|>\n' }}
+{%- elif messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and loop.first %}
+{%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+{{- '<|im_start|>assistant' }}{%- if message['content'] %}{{- '\n' + message['content'] }}{%- endif %}
+{%- for call in message['tool_calls'] %}{%- set fn = call['function'] if call['function'] is defined else call %}
+{{- '\n<tool_call>\n{"name": ' + (fn['name'] | tojson) + ', "arguments": ' + (fn['arguments'] | tojson) + '}\n</tool_call>' }}
+{%- endfor %}{{- '<|im_end|>\n' }}
+{%- elif message['role'] == 'tool' %}
+{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}
+{%- else %}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
 #: named defaults for models whose tokenizer config has no template
 BUILTIN_TEMPLATES = {
     "chatml": (
@@ -24,6 +49,9 @@ BUILTIN_TEMPLATES = {
         " + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
     ),
+    # ChatML with tools in the system turn and <tool_call> replies, as Hermes 2 Pro and Qwen 2.5 write them
+    # (pair it with --tool-call-parser hermes)
+    "hermes": HERMES_TEMPLATE,
     "plain": (
         "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
@@ -60,12 +88,19 @@ class ChatTemplate:
         self.eos_token = eos_token
         self.name = name
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template reads ``tools`` (a template that does not would drop them silently)."""
+        return "tools" in self.source
+
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
         from jinja2 import TemplateError
 
+        extra = {"tools": tools} if tools else {}  # as transformers: templates test `tools is defined` / `if tools`
         try:
             return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
+                                        bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except ChatTemplateError:
             raise
         except (TemplateError, TypeError, KeyError) as exc:

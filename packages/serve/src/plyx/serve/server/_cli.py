@@ -44,6 +44,12 @@ def _configure(p: argparse.ArgumentParser) -> None:
                    help="chatml | llama3 | plain | a .jinja file (default: the tokenizer config's template)")
     p.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on shutdown")
     p.add_argument("--guardrail-policy", default="", help="plyx-safety policy (needs plyx-safety)")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="a PEFT LoRA adapter directory served as model NAME (repeat for several; requests mix them "
+                        "per row in one batch)")
+    p.add_argument("--tool-call-parser", default="hermes",
+                   help="parser of tool_choice=auto replies: hermes | llama3_json | mistral | a plugin's "
+                        "(empty: none)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -74,9 +80,29 @@ def _num_blocks(cfg: Any, model: Any, device: Any) -> int:
     return max(1, int(free * cfg.memory_fraction) // bytes_per_block)
 
 
+def lora_specs(values: list[str]) -> dict[str, str]:
+    """``--lora NAME=PATH`` values as ``{name: path}``; a malformed or repeated one is a ConfigError."""
+    from plyx.specs.errors import ConfigError
+
+    out: dict[str, str] = {}
+    for v in values:
+        name, sep, path = v.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError("--lora", "expected NAME=PATH", value=v, fix="e.g. --lora sql=adapters/sql")
+        if name in out:
+            raise ConfigError("--lora", f"the adapter name {name!r} is given twice", value=v,
+                              fix="give each adapter its own name")
+        out[name] = path
+    return out
+
+
 def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: int = 512,
-                 drain_timeout: float = 30.0, mixed_chunk: int = -1) -> Any:
-    """The FastAPI app of a ``ServeConfig`` (model loaded, engine built; its thread starts with the app)."""
+                 drain_timeout: float = 30.0, mixed_chunk: int = -1, lora: dict[str, str] | None = None,
+                 tool_parser: str = "hermes") -> Any:
+    """The FastAPI app of a ``ServeConfig`` (model loaded, engine built; its thread starts with the app).
+
+    ``lora`` maps served names to PEFT adapter directories (``plyx.serve.MultiLora``); a name is then a model
+    requests may name. ``tool_parser`` parses ``tool_choice=auto`` replies."""
     import torch
     from plyx.serve.engine import Engine, EngineConfig
     from plyx.serve.server._app import ServerSettings, create_app
@@ -85,11 +111,17 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
 
     device = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model = load_model(cfg.model, device=device, dtype=cfg.dtype)
+    multi = None
+    if lora:
+        from plyx.serve._lora import MultiLora
+
+        multi = MultiLora.load(model, lora)  # a startup error names the adapter that does not fit
     tokenizer = load_tokenizer(cfg.model)
     engine = Engine(
         model,
         tokenizer=tokenizer,
         eos_token_id=eos_ids(cfg.model, tokenizer),
+        lora=multi,
         config=EngineConfig(
             max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens, block_size=cfg.block_size,
             num_blocks=_num_blocks(cfg, model, torch.device(device)), max_model_len=cfg.max_model_len,
@@ -100,7 +132,8 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
     model_name, aliases = served_names(cfg.model, cfg.served_name)
     settings = ServerSettings(model_name=model_name, model_aliases=aliases, api_key=cfg.api_key,
                               max_request_bytes=cfg.max_request_bytes, max_concurrent=max_concurrent,
-                              drain_timeout=drain_timeout, guardrail_policy=cfg.guardrail_policy)
+                              drain_timeout=drain_timeout, guardrail_policy=cfg.guardrail_policy,
+                              tool_parser=tool_parser)
     return create_app(engine, settings=settings, chat_template=chat_template, model_dir=cfg.model)
 
 
@@ -115,7 +148,8 @@ def _run(args: argparse.Namespace) -> int:
         check_model_path(args.path)
         cfg = serve_config_from_args(args)
         app = build_server(cfg, chat_template=args.chat_template, max_concurrent=args.max_concurrent,
-                           drain_timeout=args.drain_timeout, mixed_chunk=args.mixed_chunk)
+                           drain_timeout=args.drain_timeout, mixed_chunk=args.mixed_chunk,
+                           lora=lora_specs(args.lora), tool_parser=args.tool_call_parser)
     except (PathError, PlyxError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

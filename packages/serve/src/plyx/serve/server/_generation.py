@@ -67,13 +67,15 @@ class Job:
     Args:
         aengine: the engine. prompts: token ids per prompt. params: the sampling parameters.
         make_filters: returns a fresh list of output-rail filters for one choice.
+        adapter: the resident LoRA adapter the request runs through (None: the base model).
     """
 
     def __init__(self, aengine: AsyncEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 make_filters: Any, kind: str, job_id: str | None = None) -> None:
+                 make_filters: Any, kind: str, job_id: str | None = None, adapter: str | None = None) -> None:
         self.aengine = aengine
         self.prompts = [list(p) for p in prompts]
         self.params = params
+        self.adapter = adapter  # the resident LoRA adapter the request named (None: the base model)
         self.id = job_id or new_job_id(kind)
         self.created = int(time.time())
         self.choices = [Choice(i, make_filters()) for i in range(len(prompts) * params.n)]
@@ -87,7 +89,7 @@ class Job:
         """Queue every prompt; on failure the ones already queued are aborted."""
         try:
             for p, ids in enumerate(self.prompts):
-                self.streams.append(await self.aengine.add(f"{self.id}-{p}", ids, self.params))
+                self.streams.append(await self.aengine.add(f"{self.id}-{p}", ids, self.params, adapter=self.adapter))
         except BaseException:
             self.abort()
             raise

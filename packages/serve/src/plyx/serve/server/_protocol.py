@@ -17,7 +17,9 @@ __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
     "DetokenizeRequest",
+    "LoadLoraRequest",
     "TokenizeRequest",
+    "UnloadLoraRequest",
     "sampling_params",
 ]
 
@@ -36,6 +38,20 @@ class JsonSchemaSpec(msgspec.Struct, forbid_unknown_fields=True):
 class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Union[JsonSchemaSpec, None] = None
+
+
+class FunctionSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+    description: Union[str, None] = None
+    parameters: Union[dict[str, Any], None] = None
+    strict: Union[bool, None] = None
+
+
+class ToolSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One entry of ``tools`` (OpenAI's chat tools: functions only); unset fields stay out of the template."""
+
+    type: Literal["function"]
+    function: FunctionSpec
 
 
 class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -86,6 +102,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True)
     top_logprobs: Union[int, None] = None
     chat_template: Union[str, None] = None
     add_generation_prompt: bool = True
+    tools: Union[list[ToolSpec], None] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    """``none`` | ``auto`` | ``required`` | ``{"type": "function", "function": {"name": ...}}``."""
+    parallel_tool_calls: Union[bool, None] = None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -96,6 +116,19 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     messages: Union[list[dict[str, Any]], None] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+
+class LoadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/load_lora_adapter`` (vLLM's endpoint)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/unload_lora_adapter``."""
+
+    lora_name: str
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

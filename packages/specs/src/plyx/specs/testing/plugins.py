@@ -29,6 +29,7 @@ LIST_HOOKS: dict[str, type] = {
     "plyx_guardrails": Component,
     "plyx_redteam_probes": Component,
     "plyx_adapter_variants": Component,
+    "plyx_tool_parsers": Component,
     "plyx_cli_commands": CliCommand,
 }
 

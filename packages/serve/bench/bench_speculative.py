@@ -1,0 +1,143 @@
+"""Prompt-lookup (n-gram) speculation against plain greedy decoding: acceptance length and speedup, one run.
+
+Both sides decode the same prompts greedily for exactly ``--new-tokens`` tokens (EOS ignored) on the same
+weights; the tokens must be identical (checked). Two prompt sets, so the figure is not one-sided:
+
+- ``repeat``: a random 16-token passage repeated (documents, code and chat histories repeat themselves;
+  the continuation can be copied);
+- ``random``: distinct random tokens (nothing to copy from the prompt; drafts come only from loops of the
+  output itself).
+
+Both sides run eager steps (speculation has no CUDA-graph path yet); on CUDA the greedy path with CUDA graphs
+is timed as well (``greedy_graphs_tok_s`` in the results).
+
+The weights are random (no trained checkpoint is fetched here), so the acceptance measured is that of a
+random model's greedy output, which tends to fall into repeating loops; the speedup at a given acceptance
+and the overhead of the lookup when nothing matches are what carries over to a trained model.
+
+    python packages/serve/bench/bench_speculative.py --config 100m --batch 1,8 --new-tokens 128 --k 4
+
+Results: printed, and appended as JSON lines to ``bench/results/speculative-ngram-<device>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+# Llama-shaped configurations (random weights); sizes live here, not in the loop
+CONFIGS = {
+    "tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=704),
+    "100m": dict(vocab_size=32000, d_model=768, n_layers=10, n_heads=12, n_kv_heads=4, d_ff=2048),
+    "1.1b": dict(vocab_size=32000, d_model=2048, n_layers=22, n_heads=32, n_kv_heads=4, d_ff=5632),
+}
+PASSAGE = 16  # tokens of the repeated passage
+PROMPT = 64  # prompt tokens
+
+
+def build(name: str, dtype: torch.dtype, device: str):
+    from plyx.model import TransformerLM
+    from plyx.specs import ModelConfig
+
+    torch.manual_seed(0)
+    config = ModelConfig(**CONFIGS[name], max_seq_len=2048, init_std=0.02)
+    return TransformerLM(config).to(device=device, dtype=dtype).eval()
+
+
+def prompts(kind: str, batch: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(batch):
+        if kind == "repeat":
+            passage = torch.randint(3, vocab, (PASSAGE,), generator=g).tolist()
+            out.append((passage * (PROMPT // PASSAGE + 1))[:PROMPT])
+        else:
+            out.append(torch.randperm(vocab - 3, generator=g)[:PROMPT].add(3).tolist())
+    return out
+
+
+def run(model, batch_prompts, new_tokens: int, cache: str, graphs: bool = False, **spec) -> tuple[float, list]:
+    from plyx.serve import SamplingParams, generate
+
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    outs = generate(model, batch_prompts, params, cache=cache, cuda_graphs=graphs or False, **spec)
+    sync()
+    return time.perf_counter() - start, [o.outputs[0] for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="tiny", choices=sorted(CONFIGS))
+    ap.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--lookup", default="1,3", help="prompt_lookup_min,prompt_lookup_max")
+    ap.add_argument("--cache", default="paged", choices=["contiguous", "paged"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--repeats", type=int, default=2, help="best of N timings per side")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
+    model = build(args.config, dtype, args.device)
+    lo, hi = (int(x) for x in args.lookup.split(","))
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    print(f"# n-gram speculation vs greedy: {args.config}, {args.device} ({device_name}), {dtype}, {date}; "
+          f"k={args.k}, lookup n in [{lo}, {hi}], {args.new_tokens} new tokens, prompt {PROMPT}")
+    print("| prompts | batch | greedy tok/s | n-gram tok/s | speedup | tokens / step | acceptance rate |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for kind in ("repeat", "random"):
+        for batch in (int(b) for b in args.batch.split(",")):
+            ps = prompts(kind, batch, CONFIGS[args.config]["vocab_size"], seed=batch)
+            run(model, ps[:1], 4, args.cache)  # warm-up (allocator, kernels)
+            base_t, spec_t = float("inf"), float("inf")
+            for _ in range(args.repeats):  # alternate the sides so load drifts hit both
+                t, base = run(model, ps, args.new_tokens, args.cache)
+                base_t = min(base_t, t)
+                t, spec = run(model, ps, args.new_tokens, args.cache, draft_model="ngram", num_speculative_tokens=args.k,
+                              prompt_lookup_min=lo, prompt_lookup_max=hi)
+                spec_t = min(spec_t, t)
+            graphs_t = float("inf")
+            if args.device.startswith("cuda"):  # the fastest plain path too: greedy steps replayed as CUDA graphs
+                for _ in range(args.repeats):
+                    graphs_t = min(graphs_t, run(model, ps, args.new_tokens, args.cache, graphs=True)[0])
+            if [o.token_ids for o in base] != [o.token_ids for o in spec]:
+                raise SystemExit("n-gram speculation changed the greedy tokens: a bug")
+            steps = sum(o.metrics.model_steps for o in spec)
+            proposed = sum(o.metrics.draft_proposed for o in spec)
+            accepted = sum(o.metrics.draft_accepted for o in spec)
+            tokens = batch * args.new_tokens
+            row = dict(prompts=kind, batch=batch, greedy_tok_s=tokens / base_t, ngram_tok_s=tokens / spec_t,
+                       speedup=base_t / spec_t, tokens_per_step=tokens / steps,
+                       acceptance_rate=accepted / proposed if proposed else 0.0, proposed=proposed, accepted=accepted,
+                       greedy_graphs_tok_s=tokens / graphs_t if graphs_t < float("inf") else None)
+            rows.append(row)
+            print(f"| {kind} | {batch} | {row['greedy_tok_s']:.1f} | {row['ngram_tok_s']:.1f} | {row['speedup']:.2f}x "
+                  f"| {row['tokens_per_step']:.2f} | {row['acceptance_rate']:.2f} |"
+                  + (f" greedy with CUDA graphs: {row['greedy_graphs_tok_s']:.1f} tok/s" if row["greedy_graphs_tok_s"] else ""))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if args.device.startswith("cuda") else "cpu"
+    with open(out / f"speculative-ngram-{tag}.jsonl", "a") as f:
+        for row in rows:
+            f.write(json.dumps({"date": date, "device": device_name, "config": args.config, "dtype": str(dtype),
+                                "k": args.k, "lookup": [lo, hi], "new_tokens": args.new_tokens,
+                                "cache": args.cache, **row}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
