@@ -40,13 +40,26 @@ def _cmd_contracts(args: argparse.Namespace) -> int:
     from plyx.specs import contracts
 
     if args.action == "snapshot":
-        for path in contracts.write_snapshots(args.dir):
+        try:
+            written = contracts.write_snapshots(args.dir)
+        except contracts.SnapshotRefused as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        for path in written:
             print(f"wrote {path}")
         return 0
-    report = contracts.check_snapshots(args.dir, update=not args.no_update)
+    if args.action == "record-additive":
+        report = contracts.record_additive(args.dir)
+    else:
+        report = contracts.check_snapshots(args.dir)
     for line in report.lines:
         print(line)
-    return 0 if report.ok else 1
+    code = 0 if report.ok else 1
+    if args.conformance and args.action == "check":
+        from plyx.specs._gate import run_conformance
+
+        code = max(code, run_conformance(device=args.device))
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,10 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_plugins)
 
-    p = sub.add_parser("contracts", help="snapshot or check the frozen contract surfaces")
-    p.add_argument("action", choices=["check", "snapshot"])
+    p = sub.add_parser("contracts", help="check, record or snapshot the frozen contract surfaces",
+                       description="check: compare surfaces and frozen behaviour with the snapshots (read-only); "
+                       "record-additive: write additive changes into the current major's snapshots (only when "
+                       "nothing breaks); snapshot: write every current major's snapshot (refuses to overwrite a "
+                       "frozen major with a breaking change)")
+    p.add_argument("action", choices=["check", "record-additive", "snapshot"])
     p.add_argument("--dir", default="contracts", help="snapshot directory (default: ./contracts)")
-    p.add_argument("--no-update", action="store_true", help="check only; do not record additive changes")
+    p.add_argument("--no-update", action="store_true", help=argparse.SUPPRESS)  # check has been read-only since 1.2
+    p.add_argument("--conformance", action="store_true",
+                   help="check: also run the conformance kits on every discovered implementation (needs torch)")
+    p.add_argument("--device", default="cpu", help="device for --conformance (default cpu)")
     p.set_defaults(func=_cmd_contracts)
 
     for name, command in sorted(plugins.cli_commands().items()):
