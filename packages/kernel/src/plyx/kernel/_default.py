@@ -7,7 +7,6 @@ import warnings
 from typing import Any
 
 import attrs
-
 from plyx.kernel._registry import Registry
 from plyx.specs import plugins
 from plyx.specs.config import KernelConfig
@@ -33,7 +32,7 @@ class _Attributed:
         self.__target = target
         self.__source = source
 
-    def register(self, impl: KernelImpl, *, source: str = "") -> None:  # noqa: ARG002 - ignored on purpose
+    def register(self, impl: KernelImpl, *, source: str = "") -> None:
         if isinstance(impl, KernelImpl):
             impl = attrs.evolve(impl, source=self.__source)
         self.__target.register(impl)

@@ -67,7 +67,7 @@ def _kernels() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for cname, cap in caps.items():
         for qname, query in queries.items():
-            out[f"Capability[{cname}].refusal({qname}) accepts"] = _outcome(lambda: cap.refusal(query) is None)
+            out[f"Capability[{cname}].refusal({qname}) accepts"] = _outcome(lambda c=cap, q=query: c.refusal(q) is None)
     for qname in ("hidden=8193", "head_dim=40", "cuda-bf16-sm90"):
         out[f"KernelQuery({qname}).shape_class"] = [list(p) for p in queries[qname].shape_class()]
     return out
@@ -103,7 +103,7 @@ def _batch() -> dict[str, Any]:
     from plyx.specs.batch import BATCH_SPECS
 
     shapes = {"[2, 3] int64": ((2, 3), "int64"), "[2, 3] float32": ((2, 3), "float32"), "[6] int64": ((6,), "int64")}
-    return {f"BATCH_SPECS[{name}] accepts {label}": _outcome(lambda: bool(spec.validate(_Tensor(*value))))
+    return {f"BATCH_SPECS[{name}] accepts {label}": _outcome(lambda s=spec, v=value: bool(s.validate(_Tensor(*v))))
             for name, spec in BATCH_SPECS.items() for label, value in shapes.items()}
 
 

@@ -183,7 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     word = _command_word(args_in)
     try:
-        parser = build_parser(word, plane_commands=word not in ROOT_COMMANDS)
+        # "" configures no plane command: `plyx --help` needs only their names and help lines
+        parser = build_parser(word or "", plane_commands=word not in ROOT_COMMANDS)
     except PluginError as exc:  # strict mode, or the chosen command's configure failed
         print(f"plyx: error: {exc}", file=sys.stderr)
         return 1

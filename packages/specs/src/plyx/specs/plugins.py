@@ -232,11 +232,19 @@ def _register(
     return True, "", contracts
 
 
-def _dist_label(ep: Any) -> tuple[str, str]:
+def _dist_label(ep: Any, cache: dict[Any, tuple[str, str]] | None = None) -> tuple[str, str]:
+    """(name, version) of the distribution an entry point comes from; ``cache`` saves re-parsing its METADATA."""
     dist = getattr(ep, "dist", None)
     if dist is None:
         return "<unknown distribution>", ""
-    return dist.metadata["Name"] or dist.name, dist.version
+    key = getattr(dist, "_path", None) or id(dist)
+    if cache is not None and key in cache:
+        return cache[key]
+    meta = dist.metadata  # parses METADATA: once per distribution
+    label = (meta["Name"] or dist.name, meta["Version"] or dist.version)
+    if cache is not None:
+        cache[key] = label
+    return label
 
 
 def _scan(pm: pluggy.PluginManager, strict: bool) -> list[PluginRecord]:
@@ -245,13 +253,14 @@ def _scan(pm: pluggy.PluginManager, strict: bool) -> list[PluginRecord]:
     allow = {s.strip() for s in os.environ.get("PLYX_PLUGINS", "").split(",") if s.strip()}
     # one entry per (name, distribution, value): the same distribution seen twice on sys.path counts once
     by_name: dict[str, dict[tuple[str, str], Any]] = {}
+    cache: dict[Any, tuple[str, str]] = {}
     for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.name, e.value)):
-        dist, _ = _dist_label(ep)
+        dist, _ = _dist_label(ep, cache)
         by_name.setdefault(ep.name, {}).setdefault((dist, ep.value), ep)
     matched: set[str] = set()
     for name, variants in by_name.items():
         eps = list(variants.values())
-        labels = [_dist_label(ep) for ep in eps]
+        labels = [_dist_label(ep, cache) for ep in eps]
         matched.update(n for n in [name, *(d for d, _ in labels)] if n in allow)
         if len(eps) > 1 and allow and name not in allow:
             # the allowlist names distributions: it may pick one side of the conflict
@@ -260,7 +269,7 @@ def _scan(pm: pluggy.PluginManager, strict: bool) -> list[PluginRecord]:
                 for ep, (d, v) in zip(eps, labels):
                     if ep is not picked[0]:
                         records.append(PluginRecord(name, d, v, ep.value, "filtered", "not listed in PLYX_PLUGINS"))
-                eps, labels = picked, [_dist_label(picked[0])]
+                eps, labels = picked, [_dist_label(picked[0], cache)]
         if len(eps) > 1:
             both = [f"{d} {v}".strip() for d, v in labels]
             if disabled:
