@@ -174,3 +174,13 @@ def test_trust_comes_from_the_entry_points_distribution_not_the_plugins_claim(mo
             assert reg.get("swiglu", torch.ones(2, 8)) is not broken
     finally:
         plugins.unregister_plugin("impostor")
+
+
+def test_the_refusal_warning_points_at_the_plugins_kernel():
+    def broken(g, u):
+        return g * u
+
+    reg = _registry(_ref("swiglu"), (KernelImpl("swiglu", "acme", broken, priority=9), "acme 0.1"))
+    with pytest.warns(KernelConformanceWarning) as caught:
+        reg.get("swiglu", torch.ones(2, 8))
+    assert caught[0].filename == __file__ and caught[0].lineno == broken.__code__.co_firstlineno

@@ -372,8 +372,8 @@ class Registry:
             if key not in self._verified:
                 failure = probe(impl, query.device_type, query.dtype, grad)
                 if failure:
-                    warnings.warn(f"kernel {impl.qualname} from {impl.source or '<unknown>'} {failure}; it is refused "
-                                  "(PLYX_KERNELS_VERIFY=0 skips the check)", KernelConformanceWarning, stacklevel=5)
+                    _warn_at_kernel(impl, f"kernel {impl.qualname} from {impl.source or '<unknown>'} {failure}; it is "
+                                          "refused (PLYX_KERNELS_VERIFY=0 skips the check)")
                 self._verified[key] = failure
         return self._verified[key]
 
@@ -424,6 +424,21 @@ class Registry:
             else:
                 out.append(Candidate(impl, False, f"accepted, lower priority ({impl.priority}) than {chosen.impl if chosen else '?'}"))
         return out
+
+
+def _warn_at_kernel(impl: KernelImpl, message: str) -> None:
+    """A ``KernelConformanceWarning`` pointing at the refused kernel's own code (the plugin's), not at the registry."""
+    import sys
+
+    from plyx.specs.plugins import warn_at
+
+    code = getattr(getattr(impl.fn, "__wrapped__", impl.fn), "__code__", None)
+    if code is None:
+        warnings.warn(message, KernelConformanceWarning, stacklevel=2)
+        return
+    module = sys.modules.get(getattr(impl.fn, "__module__", "") or "")
+    warn_at(message, (code.co_filename, code.co_firstlineno, vars(module) if module is not None else None),
+            KernelConformanceWarning)
 
 
 def probe(impl: KernelImpl, device: str, dtype: str, grad: bool, *, budget_ms: float | None = None) -> str | None:
