@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import typing
 from typing import Any, Protocol
 
@@ -231,6 +232,9 @@ def test_behaviour_is_frozen_capability_refusal_ignoring_dtypes_fails_the_gate(s
                in line for line in report.lines)
 
 
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11),
+                    reason="the snapshots are recorded on the torch Python (3.11, the contracts session); "
+                           "type names may print differently on others")
 def test_the_repository_snapshots_pass_read_only():
     from pathlib import Path
 

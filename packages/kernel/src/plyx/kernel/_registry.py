@@ -354,7 +354,9 @@ class Registry:
         if impl.impl in disabled or impl.qualname in disabled:
             return "disabled by KernelConfig.disabled"
         reason = impl.capability.refusal(query)
-        if reason is None and self.verify and impl.source.split(" ")[0] != BUILTIN_SOURCE:
+        # registered by a plugin (populate credits every registration to the entry point's distribution) and
+        # not plyx-kernel's own: probed. No source: registered by the application itself on its own registry.
+        if reason is None and self.verify and impl.source and impl.source.split(" ")[0] != BUILTIN_SOURCE:
             reason = self._conformance(impl, query)
         return reason
 
