@@ -158,12 +158,16 @@ _INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.sep + "plug
              os.sep + "importlib" + os.sep, os.sep + "importlib_metadata" + os.sep, "<frozen ")
 
 
+#: any plyx plane's own files: a warning about the scan points past them, at the code that called plyx
+_PLYX_DIR = os.sep + "plyx" + os.sep
+
+
 def _outside_plyx_specs() -> tuple[str, int, dict[str, Any] | None]:
-    """File, line and globals of the innermost caller that is not plyx.specs, pluggy or importlib."""
+    """File, line and globals of the innermost caller outside plyx (any plane), pluggy and importlib."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not any(part in name for part in _INTERNAL) and not name.startswith("<"):
+        if not any(part in name for part in (*_INTERNAL, _PLYX_DIR)) and not name.startswith("<"):
             return name, frame.f_lineno, frame.f_globals
         frame = frame.f_back  # type: ignore[assignment]
     return "<plyx>", 0, None
