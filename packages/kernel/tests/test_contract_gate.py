@@ -36,3 +36,17 @@ def test_the_gate_runs_every_discovered_implementation_and_fails_a_bad_one(monke
     finally:
         plugins.unregister_plugin("wide-kernels")
         plugins.reset_plugins()
+
+
+def test_a_contract_major_without_its_kit_fails_the_gate(monkeypatch):
+    from plyx.specs import _gate
+
+    monkeypatch.setattr(_gate, "KITS", {**_gate.KITS, "kvcache": (0,)})  # as if kvcache had moved on to v1
+    monkeypatch.setenv("PLYX_PLUGINS", "attn")
+    plugins.reset_plugins()
+    lines: list[str] = []
+    try:
+        assert run_conformance(device="cpu", echo=lines.append) == 1
+    finally:
+        plugins.reset_plugins()
+    assert any("no conformance kit for the kvcache contract v1.0" in line for line in lines)

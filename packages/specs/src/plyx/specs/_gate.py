@@ -14,6 +14,10 @@ distributions register, the same way for plyx's own planes and third parties:
 
 A change to a contract's meaning that some implementation relies on fails
 here, in the gate, not only later in that implementation's plane.
+
+Each kit is the one written for a major version of its contract (``KITS``):
+bumping a contract's major without a kit for the new version fails the gate,
+so implementations are never checked against a kit of another version.
 """
 
 from __future__ import annotations
@@ -22,7 +26,19 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_conformance", "collect_kernels"]
+__all__ = ["run_conformance", "collect_kernels", "KITS"]
+
+#: contract -> the majors its conformance kit (in plyx.specs.testing) was written for
+KITS: dict[str, tuple[int, ...]] = {"hooks": (1,), "kvcache": (1,), "kernels": (1,)}
+
+
+def _kit_version_problems() -> list[str]:
+    from plyx.specs.plugins import contract_versions
+
+    provided = contract_versions()
+    return [f"no conformance kit for the {name} contract v{provided[name]} (kits exist for major(s) "
+            f"{', '.join(map(str, majors))}): write one in plyx.specs.testing and add it to KITS"
+            for name, majors in KITS.items() if int(provided[name].split(".")[0]) not in majors]
 
 
 class _Collector:
@@ -111,6 +127,9 @@ def run_conformance(*, device: str = "cpu", echo: Callable[[str], None] = print)
     """Run every kit on every discovered implementation; print one line each. Returns 0 when all pass, else 1."""
     failed = 0
     total = 0
+    kit_problems = _kit_version_problems()
+    for problem in kit_problems:
+        echo(f"FAIL {problem}")
     for group in (_plugin_checks, _cache_checks, lambda: _kernel_checks(device)):
         for label, check in group():
             total += 1
@@ -122,5 +141,6 @@ def run_conformance(*, device: str = "cpu", echo: Callable[[str], None] = print)
             for line in failures:
                 echo(f"  - {line}")
             failed += bool(failures)
-    echo(f"conformance: {total - failed}/{total} implementation(s) pass" + ("" if total else " (none discovered)"))
-    return 1 if failed else 0
+    echo(f"conformance: {total - failed}/{total} implementation(s) pass" + ("" if total else " (none discovered)")
+         + (f"; {len(kit_problems)} contract(s) without a kit for their version" if kit_problems else ""))
+    return 1 if failed or kit_problems else 0
