@@ -168,11 +168,11 @@ def missing_command_hint(word: str) -> str | None:
     try:
         installed = version(dist)
     except PackageNotFoundError:
-        return (f"plyx: `plyx {word}` is provided by {dist}, which is not installed. Install it:\n"
-                f"    pip install {dist}\n"
-                f"  or, from a plyx checkout (builds every plane into a wheelhouse, then installs {dist} with "
-                f"exactly its dependencies):\n"
-                f"    python tools/workspace.py wheels && pip install --find-links {WHEELHOUSE} {dist}")
+        # the planes are not on a public index: the wheelhouse line comes first
+        return (f"plyx: `plyx {word}` is provided by {dist}, which is not installed. Install it from a plyx checkout "
+                f"(builds every plane into a wheelhouse, then installs {dist} with exactly its dependencies):\n"
+                f"    python tools/workspace.py wheels && pip install --find-links {WHEELHOUSE} {dist}\n"
+                f"  or from a package index that carries plyx: pip install {dist}")
     why = next((r.reason for r in plugins.plugin_report(strict=False)
                 if r.distribution == dist and r.status != "loaded"), "its plugin did not add the command")
     return (f"plyx: `plyx {word}` is provided by {dist} {installed}, which is installed but not loaded: {why}; "
