@@ -86,21 +86,10 @@ class PluginRecord:
 
 
 def contract_versions() -> dict[str, str]:
-    """The contract versions this plyx-specs provides, by contract name."""
-    import importlib
+    """The contract versions this plyx-specs provides, by contract name (imports no contract module)."""
+    from plyx.specs._versions import CONTRACT_VERSIONS
 
-    batch, checkpoint, kernels, kvcache, tensorspec = (
-        importlib.import_module(f"plyx.specs.{n}") for n in ("batch", "checkpoint", "kernels", "kvcache", "tensorspec")
-    )
-    return {
-        "hooks": hookspecs.CONTRACT_VERSION,
-        "kernels": kernels.CONTRACT_VERSION,
-        "kvcache": kvcache.CONTRACT_VERSION,
-        "checkpoint": checkpoint.CONTRACT_VERSION,
-        "batch": batch.CONTRACT_VERSION,
-        "tensorspec": tensorspec.CONTRACT_VERSION,
-        "config": "1.0",
-    }
+    return dict(CONTRACT_VERSIONS)
 
 
 class _State:
