@@ -38,7 +38,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 #: scenario -> (code run in a fresh interpreter that prints its own timing in ms or None, target in ms)
-CLI = "import sys; from plyx.specs.cli import main; sys.argv = ['plyx', *{args!r}]; main(sys.argv[1:])"
+CLI = """
+import sys
+from plyx.specs.cli import main
+sys.argv = ['plyx', *{args!r}]
+try:
+    main(sys.argv[1:])
+except SystemExit:  # --help exits; the torch check below must still run
+    pass
+"""
 FIRST_GET = """
 import gc, time, torch
 if {paid}:
