@@ -11,7 +11,8 @@ Sessions:
 - ``oldest-<name>``: the same with the lowest versions the ranges allow
   (``uv --resolution lowest-direct``) for the torch-free planes, and for the
   torch planes together in one venv (``oldest-torch``).
-- ``contracts``: snapshot check + conformance of every discovered implementation.
+- ``contracts``: snapshot check (read-only) + conformance of every discovered implementation.
+- ``wheelhouse``: the README's install lines verbatim (wheelhouse, then one plane and exactly its closure).
 - ``integration``: all planes + the in-repo plugin distributions, cross-plane scenarios.
 - ``lint``: ruff. ``workspace``: pyprojects agree with workspace.toml, no plyx/__init__.py.
 - ``gpu``: kernel tests on CUDA; skips cleanly without a GPU.
@@ -121,8 +122,37 @@ def oldest_torch(session: nox.Session) -> None:
 def contracts(session: nox.Session) -> None:
     """Frozen contract snapshots unchanged (or purely additive), and conformance of every implementation."""
     _install(session, list(MEMBERS), more=tuple(str(ROOT / p) for p in MATRIX["integration-plugins"]))
-    session.run("python", "-m", "plyx.specs", "contracts", "check", "--no-update", "--dir", str(ROOT / "contracts"))
+    # read-only: surfaces and frozen behaviour, then every discovered implementation through its kit
+    session.run("python", "-m", "plyx.specs", "contracts", "check", "--conformance", "--dir", str(ROOT / "contracts"),
+                env={"TRITON_INTERPRET": "1"})
     _pytest(session, str(ROOT / "integration" / "conformance"), env={"TRITON_INTERPRET": "1"})
+
+
+#: the install lines of the READMEs, run verbatim in a fresh venv (a plane and exactly its plyx closure)
+README_INSTALL = ("python tools/workspace.py wheels", "pip install --find-links dist/wheelhouse plyx-serve")
+CLOSURE_CHECK = """
+import sys, importlib.metadata as m
+sys.path.insert(0, "tools")
+import workspace
+_, members = workspace.load()
+want = sorted(members[n].distribution for n in workspace.closure(members, [sys.argv[1]]))
+got = sorted(d.metadata["Name"] for d in m.distributions() if (d.metadata["Name"] or "").startswith("plyx-"))
+assert got == want, f"installed {got}, the closure of {sys.argv[1]} is {want}"
+print("installed exactly", ", ".join(got))
+"""
+
+
+@nox.session(python=WS["torch-pythons"][0], tags=["ci"])
+def wheelhouse(session: nox.Session) -> None:
+    """The README's install lines verbatim: every plane into dist/wheelhouse, then plyx-serve and exactly its closure."""
+    session.install("pip", env=ENV)  # the README's lines use pip; uv-made venvs have none
+    session.chdir(ROOT)
+    for line in README_INSTALL:
+        held = ["-c", str(CONSTRAINTS)] if line.startswith("pip") else []  # torch stays at the matrix's pin
+        session.run(*line.split(), *held)
+    session.run("python", "-c", CLOSURE_CHECK, "serve")
+    session.run("plyx", "plugins", env={"PLYX_STRICT_PLUGINS": "1"})
+    session.run("plyx", "train", success_codes=[2])  # not installed: names plyx-train and the install line
 
 
 @nox.session(python=WS["torch-pythons"][0], tags=["ci"])

@@ -2,6 +2,10 @@
 
     python tools/workspace.py check      # exit 1 naming every disagreement
     python tools/workspace.py members    # one line per plane (used by scripts)
+    python tools/workspace.py wheels [--out DIR] [PLANE ...]
+                                         # a wheelhouse of every plane (or of PLANEs' closures), default
+                                         # dist/wheelhouse; then `pip install --find-links DIR plyx-serve`
+                                         # installs exactly plyx-serve and the planes it depends on
 
 Checks:
 - each member's pyproject: distribution name, version, internal dependency
@@ -11,14 +15,21 @@ Checks:
 - the graph: every edge points to a lower ``layer`` (nothing imports upward)
   and every declared range admits the dependency's current version;
 - sources: no ``plyx/__init__.py`` in any distribution (PEP 420), and no
-  ``import plyx.X`` of a plane the importer does not depend on.
+  ``import plyx.X`` of a plane the importer does not depend on;
+- numpy: plyx-kernel declares it (torch warns "Failed to initialize NumPy" on
+  every command of an install without it, and every torch plane gets it
+  through plyx-kernel).
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,6 +149,9 @@ def check(root: Path = ROOT) -> list[str]:
             problems.append(f"{where}: a torch plane must depend on {data['workspace']['torch-range']}")
         if not m.torch and torch_spec is not None:
             problems.append(f"{where}: {m.name} is torch-free in workspace.toml but depends on torch")
+        if m.name == "kernel" and not any((_REQ.match(r) or [None, ""])[1].lower() == "numpy"
+                                          for r in p.get("dependencies", [])):
+            problems.append(f"{where}: plyx-kernel must depend on numpy (torch warns on every import without it)")
         if torch_spec is not None and "==" in torch_spec:
             problems.append(f"{where}: torch is pinned ({torch_spec}); declare a range, the matrix holds the pin")
         if m.name != "specs":
@@ -194,8 +208,72 @@ def check_imports(root: Path, members: dict[str, Member]) -> list[str]:
     return problems
 
 
+#: where `wheels` writes by default, relative to the checkout (git-ignored: /dist/)
+WHEELHOUSE = "dist/wheelhouse"
+
+
+def _wheel_command(out: str, sources: list[str]) -> list[list[str]]:
+    """``pip wheel`` of this interpreter (one call), else ``uv build`` per plane (uv-made venvs have no pip).
+
+    Where hatchling is importable here the builds skip pip's isolated build
+    environments (seconds per plane on a small machine).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("pip") is not None:
+        isolation = ["--no-build-isolation"] if importlib.util.find_spec("hatchling") is not None else []
+        return [[sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "--wheel-dir", out, *sources]]
+    uv = shutil.which("uv")
+    if uv is None:
+        raise SystemExit("workspace.py wheels: needs pip in this Python (python -m ensurepip) or uv on PATH")
+    return [[uv, "build", "-q", "--wheel", "--out-dir", out, source] for source in sources]
+
+
+def build_wheels(out: Path, planes: list[str] | None = None, root: Path = ROOT) -> list[Path]:
+    """Build a wheel of every plane (or of ``planes`` and their dependencies) into ``out``.
+
+    Wheels are built in a temporary directory and moved into ``out`` only when
+    every build succeeded, replacing older wheels of the same distributions, so
+    an interrupted or failed run leaves the wheelhouse as it was.
+
+    Returns:
+        the wheels written, one per plane, dependencies first.
+    """
+    _, members = load(root)
+    unknown = [p for p in planes or [] if p not in members]
+    if unknown:
+        raise SystemExit(f"workspace.py wheels: unknown plane(s) {', '.join(unknown)} (planes: {', '.join(members)})")
+    names = closure(members, planes) if planes else list(members)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    with tempfile.TemporaryDirectory(prefix=".wheels-", dir=out) as tmp:
+        print("building " + ", ".join(f"{members[n].distribution} {members[n].version}" for n in names), flush=True)
+        for cmd in _wheel_command(tmp, [str(members[n].path) for n in names]):
+            subprocess.run(cmd, check=True)
+        for wheel in sorted(Path(tmp).glob("*.whl")):
+            dist = wheel.name.split("-")[0]
+            for stale in out.glob(f"{dist}-*.whl"):
+                stale.unlink()
+            target = out / wheel.name
+            shutil.move(str(wheel), target)
+            written.append(target)
+    order = {members[n].distribution.replace("-", "_"): i for i, n in enumerate(names)}
+    return sorted(written, key=lambda w: order.get(w.name.split("-")[0], len(order)))
+
+
 def main(argv: list[str]) -> int:
     cmd = argv[1] if len(argv) > 1 else "check"
+    if cmd == "wheels":
+        parser = argparse.ArgumentParser(prog="workspace.py wheels", description="build a wheelhouse of the planes")
+        parser.add_argument("planes", nargs="*", help="only these planes and their plyx dependencies")
+        parser.add_argument("--out", default=str(ROOT / WHEELHOUSE), help=f"wheelhouse (default {WHEELHOUSE})")
+        args = parser.parse_args(argv[2:])
+        wheels = build_wheels(Path(args.out), args.planes or None)
+        out = Path(args.out)
+        shown = out.relative_to(Path.cwd()) if out.resolve().is_relative_to(Path.cwd()) else out
+        print(f"{len(wheels)} wheel(s) in {shown}; install a plane with exactly its plyx dependencies:")
+        print(f"    pip install --find-links {shown} plyx-serve")
+        return 0
     if cmd == "check":
         problems = check()
         for p in problems:

@@ -95,3 +95,36 @@ def test_closure_orders_dependencies_first():
     _, members = workspace.load(ROOT)
     order = workspace.closure(members, ["train"])
     assert order.index("specs") < order.index("kernel") < order.index("model") < order.index("train")
+
+
+def test_plyx_kernel_must_declare_numpy(tree):
+    _edit(tree / "packages/kernel/pyproject.toml", ", 'numpy>=1.26'", "")
+    assert any("plyx-kernel must depend on numpy" in p for p in workspace.check(tree))
+
+
+def test_a_wheelhouse_installs_exactly_a_planes_closure(tmp_path):
+    """`workspace.py wheels`, then `pip install --find-links <wheelhouse> plyx-serve` in a fresh venv."""
+    import json
+    import subprocess
+    import venv
+
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, system_site_packages=True, with_pip=True)  # ensurepip: no index needed for pip itself
+    python = env_dir / "bin" / "python"
+    wheelhouse = tmp_path / "wheelhouse"
+    # a wheelhouse holding more than serve's closure (governance is not in it)
+    subprocess.run([python, ROOT / "tools" / "workspace.py", "wheels", "--out", wheelhouse, "serve", "governance"],
+                   check=True, capture_output=True, text=True, timeout=900)
+    built = sorted(w.name.split("-")[0] for w in wheelhouse.glob("*.whl"))
+    assert built == ["plyx_attn", "plyx_governance", "plyx_kernel", "plyx_model", "plyx_serve", "plyx_specs"]
+    subprocess.run([python, "-m", "pip", "install", "-q", "-c", ROOT / "constraints" / "torch.txt",
+                    "--find-links", wheelhouse, "plyx-serve"], check=True, capture_output=True, text=True, timeout=900)
+    code = ("import json, importlib.metadata as m; print(json.dumps(sorted(d.metadata['Name'] for d in m.distributions()"
+            " if (d.metadata['Name'] or '').startswith('plyx-'))))")
+    installed = json.loads(subprocess.run([python, "-c", code], check=True, capture_output=True, text=True).stdout)
+    _, members = workspace.load(ROOT)
+    assert installed == sorted(members[n].distribution for n in workspace.closure(members, ["serve"]))
+    # the plane's command is there, another plane's says what to install
+    proc = subprocess.run([env_dir / "bin" / "plyx", "train"], capture_output=True, text=True, timeout=300,
+                          env={"PATH": f"{env_dir / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 2 and "`plyx train` is provided by plyx-train, which is not installed" in proc.stderr

@@ -25,7 +25,55 @@ class _WrongBackward(torch.autograd.Function):
 
 def test_reference_implementations_pass():
     for name in KERNEL_CASES.keys():
-        assert check_kernel(name, getattr(reference, name), dtypes=("float32", "bfloat16")).ok
+        report = check_kernel(name, getattr(reference, name), dtypes=("float32", "bfloat16", "float16"))
+        assert report.ok, report.failures
+        assert {r.direction for r in report.results} == {"forward", "backward"}
+
+
+def test_error_model_tolerances():
+    from plyx.specs.testing.kernels import tolerance
+
+    # bfloat16: two roundings of 2^-8 plus the float32 sum term; a 1% bias is outside it
+    assert 7.8e-3 < tolerance("bfloat16", 64) < 1e-2
+    assert tolerance("float32", 1100) < 2e-5 and tolerance("float16", 1) < 1e-3
+    assert tolerance("bfloat16", 64, grad=True) > tolerance("bfloat16", 64)
+
+
+def test_a_one_percent_bias_in_bfloat16_is_caught():
+    def biased(g, u):
+        return (reference.swiglu(g, u).float() * 1.01).to(g.dtype)
+
+    report = check_kernel("swiglu", biased, dtypes=("bfloat16",), grad=False)
+    assert not report.ok and all("off by" in f for f in report.failures), report.failures
+
+
+def test_an_output_wider_than_declared_is_refused():
+    def widened(x, w, *, eps=1e-6, residual=None):
+        r = None if residual is None else residual.double()
+        return reference.rmsnorm(x.double(), w.double(), eps=eps, residual=r)  # float64 for bfloat16 inputs
+
+    report = check_kernel("rmsnorm", widened, dtypes=("bfloat16",), grad=False)
+    assert report.failures and all("has dtype torch.float64, the contract says torch.bfloat16" in f
+                                   for f in report.failures)
+
+
+def test_a_kernel_wrong_only_on_the_residual_path_fails_a_full_check():
+    def no_residual_add(x, w, *, eps=1e-6, residual=None):
+        y = reference.rmsnorm(x, w, eps=eps)
+        return y if residual is None else (y, x + residual)  # forgot to normalise x + residual
+
+    assert check_kernel("rmsnorm", no_residual_add, quick=True).ok  # the first case has no residual
+    report = check_kernel("rmsnorm", no_residual_add)
+    assert not report.ok and all("residual" in f for f in report.failures)
+
+
+def test_cases_of_plyx_names_cannot_be_replaced_new_names_can_be_added():
+    from plyx.specs.testing.kernels import add_cases
+
+    with pytest.raises(KeyError, match="cannot be replaced"):
+        KERNEL_CASES["swiglu"] = KERNEL_CASES["matmul"]
+    with pytest.raises(KeyError, match="already has conformance cases"):
+        add_cases("rmsnorm", *KERNEL_CASES["rmsnorm"])
 
 
 def test_wrong_gradient_is_reported():
@@ -54,9 +102,10 @@ def test_missing_eps_is_caught_by_value():
     def no_eps(x, w, *, eps=1e-6, residual=None):
         return reference.rmsnorm(x, w, eps=0.0, residual=residual)
 
-    # eps=1e-5 on unit-variance rows moves the output by ~5e-6 relative: inside float32's tolerance,
-    # so the kit checks a value that matters instead: smoothing in cross-entropy
-    assert check_kernel("rmsnorm", no_eps).ok
+    # eps=1e-5 on unit-variance rows moves the output by ~5e-6 relative: above float32's error model
+    # (2 u + 8 sqrt(K) u ~ 1e-5 at most for K=130, ~4e-6 at K=37), so even a missing eps is caught
+    report = check_kernel("rmsnorm", no_eps, grad=False)
+    assert any("rmsnorm [4, 37] float32" in f and "output 0" in f for f in report.failures), report.failures
 
     def no_smoothing(z, t, *, label_smoothing=0.0, **kw):
         return reference.cross_entropy(z, t, **kw)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import typing
 from typing import Any, Protocol
 
 import pytest
@@ -82,15 +84,163 @@ def test_config_field_change_with_schema_bump_is_a_migration_not_a_break():
     assert contracts.compare("config", old, same_version)[0]
 
 
-def test_additive_change_passes_and_updates_the_snapshot(snapshots, monkeypatch):
+def _new_hook():
     def plyx_brand_new_hook(x: int) -> None:
         """new"""
 
     plyx_brand_new_hook.plyx_spec = {"firstresult": False, "historic": False}  # type: ignore[attr-defined]
-    _swap(monkeypatch, "hooks", "plyx_brand_new_hook", plyx_brand_new_hook)
+    return plyx_brand_new_hook
+
+
+def test_check_is_read_only_and_record_additive_records(snapshots, monkeypatch):
+    _swap(monkeypatch, "hooks", "plyx_brand_new_hook", _new_hook())
+    before = {p: p.read_bytes() for p in snapshots.rglob("*.json")}
     report = contracts.check_snapshots(snapshots)
-    assert report.ok
+    assert report.ok and report.additive == ("hooks",)
+    assert {p: p.read_bytes() for p in snapshots.rglob("*.json")} == before  # nothing written
+    recorded = contracts.record_additive(snapshots)
+    assert recorded.ok
     assert "plyx_brand_new_hook" in json.loads((snapshots / "hooks" / "v1.json").read_text())["surface"]
+    assert all("unchanged" in line for line in contracts.check_snapshots(snapshots).lines)
+
+
+def test_record_additive_writes_nothing_when_another_contract_breaks(snapshots, monkeypatch):
+    real = contracts._objects
+
+    def patched():
+        objs = real()
+        objs["hooks"]["plyx_brand_new_hook"] = _new_hook()  # additive
+        objs["hooks"].pop("plyx_samplers")  # breaking, same run
+        return objs
+
+    monkeypatch.setattr(contracts, "_objects", patched)
+    before = {p: p.read_bytes() for p in snapshots.rglob("*.json")}
+    report = contracts.record_additive(snapshots)
+    assert not report.ok and "nothing recorded" in report.lines[-1]
+    assert {p: p.read_bytes() for p in snapshots.rglob("*.json")} == before
+
+
+def test_snapshot_refuses_to_overwrite_a_frozen_major_with_a_breaking_change(snapshots, monkeypatch):
+    _swap(monkeypatch, "hooks", "plyx_samplers", None)
+    before = {p: p.read_bytes() for p in snapshots.rglob("*.json")}
+    with pytest.raises(contracts.SnapshotRefused, match="hooks v1"):
+        contracts.write_snapshots(snapshots)
+    assert {p: p.read_bytes() for p in snapshots.rglob("*.json")} == before
+    assert not contracts.check_snapshots(snapshots).ok
+
+
+def test_snapshot_rewrites_a_frozen_major_for_an_additive_change(snapshots, monkeypatch):
+    _swap(monkeypatch, "hooks", "plyx_brand_new_hook", _new_hook())
+    contracts.write_snapshots(snapshots)
+    assert "plyx_brand_new_hook" in json.loads((snapshots / "hooks" / "v1.json").read_text())["surface"]
+
+
+def test_cli_check_is_read_only_and_snapshot_refusal_exits_1(snapshots, monkeypatch, capsys):
+    from plyx.specs.cli import main
+
+    _swap(monkeypatch, "hooks", "plyx_brand_new_hook", _new_hook())
+    before = (snapshots / "hooks" / "v1.json").read_bytes()
+    assert main(["contracts", "check", "--dir", str(snapshots)]) == 0
+    assert (snapshots / "hooks" / "v1.json").read_bytes() == before
+    assert "record-additive" in capsys.readouterr().out
+    assert main(["contracts", "record-additive", "--dir", str(snapshots)]) == 0
+    assert (snapshots / "hooks" / "v1.json").read_bytes() != before
+    _swap(monkeypatch, "hooks", "plyx_samplers", None)
+    assert main(["contracts", "snapshot", "--dir", str(snapshots)]) == 1
+    assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_a_new_member_of_an_implemented_protocol_is_breaking(snapshots, monkeypatch):
+    from plyx.specs.kvcache import KVCache
+
+    def shared_prefix(self, seq_ids: list[int]) -> int:
+        """tokens shared by all of seq_ids"""
+        ...
+
+    members = {k: v for k, v in vars(KVCache).items() if not k.startswith("_")}
+    grown = typing.runtime_checkable(type("KVCache", (Protocol,), {**members, "shared_prefix": shared_prefix}))
+    _swap(monkeypatch, "kvcache", "KVCache", grown)
+    report = contracts.check_snapshots(snapshots)
+    assert not report.ok
+    assert any("KVCache.shared_prefix: new required member of a protocol" in line for line in report.lines)
+
+
+def test_an_optional_capability_as_a_separate_protocol_is_additive(snapshots, monkeypatch):
+    class SharesPrefix(Protocol):
+        def shared_prefix(self, seq_ids: list[int]) -> int: ...
+
+    _swap(monkeypatch, "kvcache", "SharesPrefix", SharesPrefix)
+    report = contracts.check_snapshots(snapshots)
+    assert report.ok and report.additive == ("kvcache",)
+
+
+def test_a_new_optional_parameter_of_a_protocol_member_is_breaking_of_a_function_additive():
+    param = {"name": "a", "kind": "POSITIONAL_OR_KEYWORD", "type": "int", "default": "<required>"}
+    extra = {"name": "b", "kind": "KEYWORD_ONLY", "type": "int", "default": "0"}
+    method = {"params": [param], "returns": "None"}
+    old = {"P": {"kind": "protocol", "members": {"m": method}}}
+    new = {"P": {"kind": "protocol", "members": {"m": {**method, "params": [param, extra]}}}}
+    breaks, adds = contracts.compare("c", old, new)
+    assert breaks and "existing implementations" in breaks[0] and not adds
+
+
+def test_constant_maps_compare_structure_not_repr(snapshots, monkeypatch):
+    import attrs
+    from plyx.specs.batch import BATCH_SPECS
+    from plyx.specs.tensorspec import TensorSpec
+
+    @attrs.frozen
+    class Grown(TensorSpec):  # a TensorSpec that gained an optional field
+        strides: tuple | None = None
+
+    Grown.__name__ = "TensorSpec"
+    grown = {k: Grown(v.shape, v.dtype, v.layout, v.name) for k, v in BATCH_SPECS.items()}
+    _swap(monkeypatch, "batch", "BATCH_SPECS", grown)
+    report = contracts.check_snapshots(snapshots)
+    assert report.ok, report.lines
+    assert any("input_ids.strides: new field" in line for line in report.lines)
+    t = BATCH_SPECS["targets"]
+    changed = {**grown, "targets": Grown(("B",), t.dtype, t.layout, "targets")}
+    _swap(monkeypatch, "batch", "BATCH_SPECS", changed)
+    report = contracts.check_snapshots(snapshots)
+    assert not report.ok and any("targets.shape: changed" in line for line in report.lines)
+
+
+def test_constant_maps_recorded_as_repr_text_by_older_snapshots_still_compare_by_structure():
+    old = {"M": {"kind": "constant-map", "values": {"x": "TensorSpec(shape=('B', 'T'), dtype=None, layout='any', name='x')"}}}
+    new = {"M": {"kind": "constant-map", "values": {"x": {"type": "TensorSpec", "fields": {
+        "shape": "('B', 'T')", "dtype": "None", "layout": "'any'", "name": "'x'", "strides": "None"}}}}}
+    breaks, adds = contracts.compare("batch", old, new)
+    assert not breaks and adds == ["batch.M.x.strides: new field (None)"]
+
+
+def test_behaviour_is_frozen_capability_refusal_ignoring_dtypes_fails_the_gate(snapshots, monkeypatch):
+    from plyx.specs.kernels import Capability
+
+    real = Capability.refusal
+
+    def ignores_dtypes(self, query):
+        return real(attrs_evolve(self, dtypes=frozenset()), query)
+
+    import attrs
+
+    attrs_evolve = attrs.evolve
+    monkeypatch.setattr(Capability, "refusal", ignores_dtypes)
+    report = contracts.check_snapshots(snapshots)
+    assert not report.ok
+    assert any("kernels behaviour: Capability[cuda-bf16-sm80].refusal(cuda-f32-sm90) accepts: was False, now True"
+               in line for line in report.lines)
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11),
+                    reason="the snapshots are recorded on the torch Python (3.11, the contracts session); "
+                           "type names may print differently on others")
+def test_the_repository_snapshots_pass_read_only():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3] / "contracts"
+    report = contracts.check_snapshots(root)
+    assert report.ok, "\n".join(report.lines)
 
 
 def test_new_optional_parameter_is_additive_new_required_is_not():

@@ -116,12 +116,109 @@ def test_unknown_hook_name_is_refused_at_registration(site, only):
     assert _record("toy_typo").status == "skipped"
 
 
-def test_two_distributions_with_one_plugin_name_is_an_error_naming_both(site):
+def test_two_distributions_with_one_plugin_name_is_an_error_naming_both_in_strict_mode(site, monkeypatch):
     site("toy-one", "1.0", {"toy_clash": GOOD})
     site("toy-two", "2.0", {"toy_clash": GOOD})
+    monkeypatch.setenv("PLYX_STRICT_PLUGINS", "1")
     with pytest.raises(PluginConflictError) as info:
         plugins.get_plugin_manager()
     assert "toy-one" in str(info.value) and "toy-two 2.0" in str(info.value)
+
+
+def test_a_name_conflict_skips_both_and_the_rest_keeps_working(site, only, capsys):
+    site("toy-one", "1.0", {"toy_clash": GOOD})
+    site("toy-two", "2.0", {"toy_clash": GOOD})
+    site("toy-fine", "1.0", {"toy_fine": GOOD.replace('"hello"', '"fine"').replace("toy_greedy", "toy_fine")})
+    only("toy_clash", "toy_fine")
+    with pytest.warns(plugins.PluginWarning, match=r"'toy_clash' is registered by toy-one 1.0 and by toy-two 2.0"):
+        records = plugins.plugin_report()
+    clash = [r for r in records if r.name == "toy_clash"]
+    assert [r.status for r in clash] == ["skipped", "skipped"]
+    assert _record("toy_fine").status == "loaded"
+    assert main(["fine"]) == 0  # the CLI keeps working
+    assert "hello" in capsys.readouterr().out
+
+
+def test_a_name_conflict_is_resolved_by_an_allowlisted_distribution_or_ignored_when_autoload_is_off(site, monkeypatch):
+    site("toy-one", "1.0", {"toy_clash": GOOD})
+    site("toy-two", "2.0", {"toy_clash": GOOD})
+    monkeypatch.setenv("PLYX_PLUGINS", "toy-two")
+    plugins.reset_plugins()
+    records = [(r.distribution, r.status) for r in plugins.plugin_report() if r.name == "toy_clash"]
+    assert sorted(records) == [("toy-one", "filtered"), ("toy-two", "loaded")]
+    monkeypatch.delenv("PLYX_PLUGINS")
+    monkeypatch.setenv("PLYX_DISABLE_PLUGIN_AUTOLOAD", "1")
+    plugins.reset_plugins()
+    assert {r.status for r in plugins.plugin_report()} == {"disabled"}
+    assert main(["plugins"]) == 0
+
+
+def test_allowlist_names_that_match_nothing_are_warned_about(site, monkeypatch):
+    site("toy-good", "1.0", {"toy_good": GOOD})
+    monkeypatch.setenv("PLYX_PLUGINS", "toy_good,toy_goood")
+    plugins.reset_plugins()
+    with pytest.warns(plugins.PluginWarning, match=r"PLYX_PLUGINS names 'toy_goood', which match\(es\) no entry"):
+        plugins.get_plugin_manager()
+    assert _record("toy_good").status == "loaded"
+
+
+RAISING_CLI = """
+from plyx.specs import hookimpl
+
+@hookimpl
+def plyx_cli_commands():
+    raise ValueError("cli hook broken on purpose")
+"""
+
+
+def test_a_cli_hook_that_raises_is_skipped_attributed_and_the_cli_keeps_working(site, only, capsys):
+    site("toy-good", "1.0", {"toy_good": GOOD})
+    root = site("toy-badcli", "3.1", {"toy_badcli": RAISING_CLI})
+    only("toy_good", "toy_badcli")
+    with pytest.warns(plugins.PluginWarning, match=r"toy_badcli.*toy-badcli 3.1.*plyx_cli_commands raised ValueError") as caught:
+        assert main(["hello"]) == 0
+    assert "hello" in capsys.readouterr().out
+    warning = next(w for w in caught if "toy_badcli" in str(w.message))
+    assert warning.filename == str(root / "toy_badcli_toy_badcli.py") and warning.lineno == 6  # the plugin's raise
+
+
+def test_a_broken_plugins_import_warning_points_at_the_plugin(site, only):
+    root = site("toy-broken", "1.0", {"toy_broken": BROKEN})
+    only("toy_broken")
+    with pytest.warns(plugins.PluginWarning, match="broken on purpose") as caught:
+        plugins.get_plugin_manager()
+    assert caught[0].filename == str(root / "toy_broken_toy_broken.py") and caught[0].lineno == 2
+
+
+def test_plyx_plugins_never_crashes_in_strict_mode_it_reports(site, only, monkeypatch, capsys):
+    site("toy-good", "1.0", {"toy_good": GOOD})
+    site("toy-broken", "1.0", {"toy_broken": BROKEN})
+    site("toy-badcli", "1.0", {"toy_badcli": RAISING_CLI})
+    only("toy_good", "toy_broken", "toy_badcli")
+    monkeypatch.setenv("PLYX_STRICT_PLUGINS", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", plugins.PluginWarning)
+        assert main(["plugins"]) == 1
+    out, err = capsys.readouterr()
+    assert "toy_good" in out and "loaded" in out and "broken on purpose" in out
+    assert "PLYX_STRICT_PLUGINS is set and some plugins were skipped" in err
+    plugins.reset_plugins()
+    assert main(["hello"]) == 1  # other commands: strict mode fails with one attributed line, no traceback
+    assert "plyx: error:" in capsys.readouterr().err
+
+
+def test_a_command_of_a_plane_that_is_not_installed_names_the_distribution_and_the_install_line(
+        site, only, monkeypatch, capsys):
+    from plyx.specs import cli
+
+    site("toy-good", "1.0", {"toy_good": GOOD})
+    only("toy_good")
+    monkeypatch.setitem(cli.PLANE_COMMANDS, "frobnicate", "plyx-frobnicate")
+    assert main(["frobnicate", "--fast"]) == 2
+    err = capsys.readouterr().err
+    assert "`plyx frobnicate` is provided by plyx-frobnicate, which is not installed" in err
+    assert "pip install --find-links dist/wheelhouse plyx-frobnicate" in err
+    assert "invalid choice" not in err
 
 
 def test_duplicate_component_names_across_plugins_name_both(site, only):
@@ -224,8 +321,8 @@ def test_planes_add_subcommands_through_the_hook(site, only, capsys):
     only("toy_good")
     assert main(["hello", "--times", "2"]) == 0
     assert capsys.readouterr().out.strip() == "hello hello"
-    only("nothing")
-    with pytest.raises(SystemExit):
+    only("toy_nothing_else")
+    with pytest.warns(plugins.PluginWarning, match="PLYX_PLUGINS names 'toy_nothing_else'"), pytest.raises(SystemExit):
         main(["hello"])
 
 
@@ -252,3 +349,12 @@ def test_conformance_kit_for_plugins_accepts_a_good_one_and_names_problems():
     for needle in ("hooks contract 3.0", "duplicate names ['a']", "'junk' is not a Component",
                    "parameters ['extra']", "plyx_nonsense: not a plyx hook"):
         assert needle in text, needle
+
+
+def test_plyx_serve_without_its_plane_loaded_says_which_distribution_provides_it(site, only, capsys):
+    site("toy-good", "1.0", {"toy_good": GOOD})
+    only("toy_good")  # plyx-serve is either not installed (a plane's own venv) or not loaded (filtered)
+    assert main(["serve", "runs/x/latest"]) == 2
+    err = capsys.readouterr().err
+    assert "`plyx serve` is provided by plyx-serve" in err and "invalid choice" not in err
+    assert ("not installed" in err and "pip install plyx-serve" in err) or "not listed in PLYX_PLUGINS" in err

@@ -4,14 +4,7 @@ Kernels (``attention``, ``paged_attention``, ``rope``, ``rmsnorm``) are resolved
 by name from the plyx kernel registry; no implementation is imported here.
 """
 
-from plyx.attn._attention import Attention
-from plyx.attn._contiguous import ContiguousKVCache
-from plyx.attn._decode import STATIC_MAX_QUERY, StaticDecode, supports_static_decode
-from plyx.attn._factory import cache_kinds, cache_layout, make_cache
-from plyx.attn._norm import RMSNorm
-from plyx.attn._packing import pack_linears_, packed_for_inference, packed_linear, weight_reads_exact
-from plyx.attn._paged import PagedKVCache
-from plyx.attn._step import PAGED_MAX_QUERY, KVStep, begin_step
+from typing import Any
 
 __all__ = [
     "PAGED_MAX_QUERY",
@@ -32,3 +25,23 @@ __all__ = [
     "supports_static_decode",
     "weight_reads_exact",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the public names on first use (PEP 562).
+
+    Importing ``plyx.attn`` (and so its plugin entry point, ``plyx.attn._plugin``)
+    imports nothing heavy: ``plyx --help`` and ``plyx plugins`` never load torch.
+    The names live in ``plyx.attn._exports``.
+    """
+    if name in __all__:
+        from plyx.attn import _exports
+
+        value = getattr(_exports, name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

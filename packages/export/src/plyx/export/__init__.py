@@ -12,14 +12,7 @@ Public surface:
 - ``reference_kernels()``: the kernel selection used while tracing (pure-torch references).
 """
 
-from plyx.export._api import available_formats, export, export_metadata, export_onnx, exporter, fire_export_written
-from plyx.export._errors import ExportError, ExportHookError, ExportVerificationError
-from plyx.export._kernels import reference_kernels
-from plyx.export._onnx import CONFIG_FILE, DEFAULT_OPSET, MANIFEST_FILE, MODEL_FILE
-from plyx.export._quantize import QUANTIZE_MODES
-from plyx.export._result import ExportResult, GreedyCheck, ShapeCheck, VerificationReport
-from plyx.export._verify import DEFAULT_TOLERANCES, verify_onnx
-from plyx.export._verify_kv import DEFAULT_GREEDY_TOKENS, KVSession, verify_kv
+from typing import Any
 
 __all__ = [
     "CONFIG_FILE",
@@ -47,3 +40,23 @@ __all__ = [
     "verify_kv",
     "verify_onnx",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the public names on first use (PEP 562).
+
+    Importing ``plyx.export`` (and so its plugin entry point, ``plyx.export._plugin``)
+    imports nothing heavy: ``plyx --help`` and ``plyx plugins`` never load torch.
+    The names live in ``plyx.export._exports``.
+    """
+    if name in __all__:
+        from plyx.export import _exports
+
+        value = getattr(_exports, name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,17 +5,7 @@ Installing plyx-governance attaches it to training and export through hooks
 and from ``plyx governance ...`` / ``python -m plyx.governance ...``.
 """
 
-from plyx.governance._canonical import canonical_json, content_id
-from plyx.governance._card import build_card, render_card, write_card
-from plyx.governance._dsse import make_statement, pae, sign_envelope, verify_envelope
-from plyx.governance._errors import GovernanceError, KeyPermissionError
-from plyx.governance._keys import generate_keypair, key_id, load_private_key, load_public_key
-from plyx.governance._lineage import lineage_dot, write_lineage
-from plyx.governance._receipt import load_receipt, make_receipt, verify_receipt, write_receipt
-from plyx.governance._release import verify_release, write_checkpoint_records, write_release
-from plyx.governance._report import Problem, Report
-from plyx.governance._sbom import build_cyclonedx, build_spdx, validate_spdx, write_sbom
-from plyx.governance._sign import sign_files, verify_signature
+from typing import Any
 
 __all__ = [
     "GovernanceError",
@@ -51,3 +41,23 @@ __all__ = [
     "write_release",
     "write_sbom",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the public names on first use (PEP 562).
+
+    Importing ``plyx.governance`` (and so its plugin entry point, ``plyx.governance._plugin``)
+    imports nothing heavy: ``plyx --help`` and ``plyx plugins`` never load torch.
+    The names live in ``plyx.governance._exports``.
+    """
+    if name in __all__:
+        from plyx.governance import _exports
+
+        value = getattr(_exports, name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -10,15 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from plyx.specs import CliCommand, hookimpl
+from plyx.specs.components import deferred
 
 plyx_contracts = {"hooks": "1.0"}
 
 
 @hookimpl
 def plyx_cli_commands() -> list[Any]:
-    from plyx.governance._cli import HELP, configure, run
-
-    return [CliCommand("governance", HELP, configure, run)]
+    # the command's module imports cryptography: it loads when `plyx governance` runs, not for `plyx --help`
+    return [CliCommand("governance", "SBOMs, signatures, receipts, lineage, model cards and the release gate",
+                       deferred("plyx.governance._cli:configure"), deferred("plyx.governance._cli:run"))]
 
 
 @hookimpl

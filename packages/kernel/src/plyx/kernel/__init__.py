@@ -11,27 +11,7 @@ Public surface:
 - ``plyx.kernel.reference``: the pure-PyTorch definitions.
 """
 
-from plyx.kernel import attention  # the subpackage; calling it dispatches the `attention` kernel
-from plyx.kernel._default import configure, registry, reset_registry
-from plyx.kernel._dispatch import (
-    cross_entropy,
-    gemv,
-    grouped_gemm,
-    linear_cross_entropy,
-    matmul,
-    moe_permute,
-    moe_unpermute,
-    paged_attention,
-    rmsnorm,
-    rmsnorm_linear,
-    rope,
-    rope_store_kv,
-    swiglu,
-    swiglu_linear,
-)
-from plyx.kernel._errors import KernelInputError
-from plyx.kernel._registry import KernelConformanceWarning, KernelFallbackWarning, Registry, query_for
-from plyx.kernel._rope_tables import inv_frequencies, rope_tables
+from typing import Any
 
 __all__ = [
     "KernelConformanceWarning",
@@ -60,3 +40,23 @@ __all__ = [
     "swiglu",
     "swiglu_linear",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the public names on first use (PEP 562).
+
+    Importing ``plyx.kernel`` (and so its plugin entry point, ``plyx.kernel._plugin``)
+    imports nothing heavy: ``plyx --help`` and ``plyx plugins`` never load torch.
+    The names live in ``plyx.kernel._exports``.
+    """
+    if name in __all__:
+        from plyx.kernel import _exports
+
+        value = getattr(_exports, name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,4 +1,4 @@
-"""``plyx kernels list`` and ``plyx kernels explain NAME``: what is registered and what selection does."""
+"""``plyx kernels list``, ``explain NAME`` and ``check [DIST|MODULE]``: what is registered, what selection does, what conforms."""
 
 from __future__ import annotations
 
@@ -26,6 +26,18 @@ def _configure(parser: argparse.ArgumentParser) -> None:
                    help="a named size the predicates look at (hidden=4096, head_dim=128, vocab=128256); repeatable")
     p.add_argument("--grad", action="store_true", help="a backward pass is needed")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("check", help="run the conformance kit on a plugin's kernels: every case, forward and "
+                                     "backward, per dtype and device",
+                       description="Check the kernel implementations of an installed distribution (DIST), of an "
+                                   "importable module (MODULE, a plugin not installed yet), or, with no target, "
+                                   "every registered implementation, against the float64 references.")
+    p.add_argument("target", nargs="?", default=None, metavar="DIST|MODULE",
+                   help="distribution name (plyx-kernels-example) or module path (my_pkg.plyx_plugin)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", action="append", default=None,
+                   help="dtype to check (repeatable; default float32 and bfloat16, plus float16 on CUDA)")
+    p.add_argument("--name", action="append", default=None, help="only this kernel name (repeatable)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def _capability(device: str, value: str | None) -> tuple[tuple[int, int] | None, str]:
@@ -51,7 +63,39 @@ def _shape(items: list[str]) -> dict[str, int]:
     return out
 
 
+def _run_check(args: argparse.Namespace) -> int:
+    from plyx.kernel._check import check_target
+
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        checked, what = check_target(args.target, device=device, dtypes=args.dtype, names=args.name)
+    except LookupError as exc:
+        print(f"error: {exc}")
+        return 2
+    if args.json:
+        print(json.dumps([{"kernel": c.impl.qualname, "source": c.impl.source, "ok": c.ok, "note": c.note,
+                           "results": [{"case": r.case, "dtype": r.dtype, "device": r.device,
+                                        "direction": r.direction, "status": r.status, "detail": r.detail}
+                                       for r in c.results]} for c in checked], indent=2))
+        return 0 if all(c.ok for c in checked) else 1
+    print(f"plyx kernels check: {what} on {device}")
+    for c in checked:
+        print(f"{'PASS' if c.ok else 'FAIL'} {c.impl.qualname} ({c.impl.source or '-'})" + (f": {c.note}" if c.note else ""))
+        for r in c.results:
+            line = f"  {r.status:<4} {r.dtype:<8} {r.device:<4} {r.direction:<8} {r.case}"
+            print(line + (f"\n         {r.detail}" if r.detail and r.status != "pass" else ""))
+    failed = sum(not c.ok for c in checked)
+    print(f"{len(checked) - failed}/{len(checked)} implementation(s) conform")
+    return 1 if failed else 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.action == "check":
+        return _run_check(args)
     from plyx.kernel._default import registry
 
     reg = registry()

@@ -6,6 +6,7 @@ import threading
 import warnings
 from typing import Any
 
+import attrs
 from plyx.kernel._registry import Registry
 from plyx.specs import plugins
 from plyx.specs.config import KernelConfig
@@ -20,17 +21,26 @@ _DEFAULT: Registry | None = None
 
 
 class _Attributed:
-    """What a plugin's hook sees: the registry, with ``source`` filled in as the plugin's distribution."""
+    """What a plugin's hook sees: the registry, every registration credited to the plugin's distribution.
+
+    The distribution comes from the entry point that loaded the plugin; a
+    ``source`` the plugin passes (or sets on its ``KernelImpl``) is ignored, so
+    no plugin can claim to be plyx-kernel and skip the conformance probe.
+    """
 
     def __init__(self, target: Registry, source: str) -> None:
-        self._target = target
-        self._source = source
+        self.__target = target
+        self.__source = source
 
     def register(self, impl: KernelImpl, *, source: str = "") -> None:
-        self._target.register(impl, source=source or self._source)
+        if isinstance(impl, KernelImpl):
+            impl = attrs.evolve(impl, source=self.__source)
+        self.__target.register(impl)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._target, name)
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.__target, name)
 
 
 def populate(target: Registry) -> Registry:

@@ -10,11 +10,19 @@ Selection for ``(name, query)``:
    implementation name, so the choice never depends on registration order.
 
 Implementations listed in ``KernelConfig.disabled`` are never chosen.
-Implementations from other distributions than plyx-kernel are checked by the
-conformance kit (``plyx.specs.testing.kernels``) on small random inputs the first
-time they would be chosen for a device and dtype; one that fails is refused with
-the failure as its reason and a ``KernelConformanceWarning``, never silently used
-(``PLYX_KERNELS_VERIFY=0`` turns this off).
+Implementations from other distributions than plyx-kernel (the distribution
+comes from the entry point that registered them, never from the plugin's own
+arguments) are checked by the conformance kit (``plyx.specs.testing.kernels``)
+the first time they would be chosen for each (device, dtype, gradients needed)
+combination: every case of the kernel name that lies inside the
+implementation's declared capability, forward and (when gradients are needed)
+backward, in the query's dtype, within a time budget
+(``PLYX_KERNELS_VERIFY_BUDGET_MS``, default 3000; the first case always runs).
+One that fails, or that cannot be checked (no cases for its name, none inside
+its capability, a dtype without an error model), is refused with the reason and
+a ``KernelConformanceWarning``, never silently used. The probe runs once per
+combination however many threads race to it. ``PLYX_KERNELS_VERIFY=0`` turns it
+off; the variable is read on every selection, so changing it takes effect.
 
 Choices are cached per (name, device, dtype, compute capability, shape class,
 requires_grad, overrides); a cached choice is re-checked against the exact
@@ -53,7 +61,7 @@ from plyx.specs.kernels import (
 )
 from plyx.specs.tensorspec import dtype_name
 
-__all__ = ["Registry", "KernelFallbackWarning", "KernelConformanceWarning", "BUILTIN_SOURCE"]
+__all__ = ["Registry", "KernelFallbackWarning", "KernelConformanceWarning", "BUILTIN_SOURCE", "probe"]
 
 #: the distribution whose implementations are trusted without a conformance probe
 BUILTIN_SOURCE = "plyx-kernel"
@@ -85,6 +93,9 @@ def _env_reader() -> tuple[Callable[[Any], Any], Callable[[str], Any]]:
 _env, _encode_env = _env_reader()
 _KEY_OVERRIDES = _encode_env("PLYX_KERNELS")
 _KEY_STRICT = _encode_env("PLYX_KERNELS_STRICT")
+_KEY_VERIFY = _encode_env("PLYX_KERNELS_VERIFY")
+#: default time budget of one conformance probe (one implementation, device, dtype, grad), in ms
+VERIFY_BUDGET_MS = 3000.0
 
 
 def _truthy(value: str | None) -> bool:
@@ -126,7 +137,9 @@ class Registry:
         self._lock = threading.RLock()
         self._impls: dict[str, dict[str, KernelImpl]] = {}
         self._cache: dict[tuple[Any, ...], KernelImpl] = {}
-        self._verified: dict[tuple[str, str, str], str | None] = {}  # (qualname, device, dtype) -> failure
+        # (qualname, device, dtype, grad) -> failure (None: passed); filled under _probe_lock, once per key
+        self._verified: dict[tuple[str, str, str, bool], str | None] = {}
+        self._probe_lock = threading.Lock()
         # (name, impl) pairs sorted by name: hashable, so part of the fast cache's key as is
         self._scoped: contextvars.ContextVar[tuple[tuple[str, str], ...]] = contextvars.ContextVar(
             f"plyx_kernel_override_{id(self)}", default=())
@@ -134,7 +147,7 @@ class Registry:
         self._generation = 0  # bumped whenever registrations or the config change
         self._by_shape: frozenset[str] = frozenset()  # names with a shape-dependent implementation
         self._config = KernelConfig()
-        self._verify = _truthy(os.environ.get("PLYX_KERNELS_VERIFY", "1")) if verify is None else verify
+        self._verify_arg = verify  # None: follow PLYX_KERNELS_VERIFY, read at each selection
         if config is not None:
             self.configure(config)
 
@@ -186,6 +199,13 @@ class Registry:
         return self._config
 
     @property
+    def verify(self) -> bool:
+        """Whether third-party implementations are probed (the constructor's ``verify``, else ``PLYX_KERNELS_VERIFY``)."""
+        if self._verify_arg is not None:
+            return self._verify_arg
+        return _truthy(os.environ.get("PLYX_KERNELS_VERIFY", "1"))
+
+    @property
     def strict(self) -> bool:
         """Strict mode (``KernelConfig.strict`` or ``PLYX_KERNELS_STRICT=1``): an override never falls back."""
         return self._config.strict or _truthy(os.environ.get("PLYX_KERNELS_STRICT"))
@@ -229,7 +249,7 @@ class Registry:
     def select(self, name: str, query: KernelQuery) -> KernelImpl:
         """The implementation used for ``query``; cached per shape class."""
         overrides = self.overrides()
-        key = (name, query.cache_key(), tuple(sorted(overrides.items())), self.strict)
+        key = (name, query.cache_key(), tuple(sorted(overrides.items())), self.strict, self.verify)
         hit = self._cache.get(key)
         if hit is not None and _shape_refusal(hit, query) is None:
             return hit
@@ -311,7 +331,7 @@ class Registry:
                 return None
         else:
             sizes = None  # no implementation looks at sizes: the choice cannot depend on them
-        policy = (self._generation, self._scoped.get(), _env(_KEY_OVERRIDES), _env(_KEY_STRICT))
+        policy = (self._generation, self._scoped.get(), _env(_KEY_OVERRIDES), _env(_KEY_STRICT), _env(_KEY_VERIFY))
         # the device object stands for (type, index); it hashes and compares by both
         return (name, device, first.dtype, grad, sizes, policy)
 
@@ -334,29 +354,29 @@ class Registry:
         if impl.impl in disabled or impl.qualname in disabled:
             return "disabled by KernelConfig.disabled"
         reason = impl.capability.refusal(query)
-        if reason is None and self._verify and impl.source and impl.source.split()[0] != BUILTIN_SOURCE:
+        # registered by a plugin (populate credits every registration to the entry point's distribution) and
+        # not plyx-kernel's own: probed. No source: registered by the application itself on its own registry.
+        if reason is None and self.verify and impl.source and impl.source.split(" ")[0] != BUILTIN_SOURCE:
             reason = self._conformance(impl, query)
         return reason
 
     def _conformance(self, impl: KernelImpl, query: KernelQuery) -> str | None:
-        key = (impl.qualname, query.device_type, query.dtype)
-        if key not in self._verified and _tracing():
+        """The probe's verdict for (impl, device, dtype, grad): None when it passed, else why it is refused."""
+        grad = query.requires_grad and impl.capability.backward
+        key = (impl.qualname, query.device_type, query.dtype, grad)
+        if key in self._verified:
+            return self._verified[key]
+        if _tracing():
             # the probe runs real kernels on random data and reads results on the host, which
             # torch.compile/export cannot trace: refuse for now, probe at the first eager use
             return "not yet checked by the conformance kit (its first use is inside torch.compile/export tracing)"
-        if key not in self._verified:
-            from plyx.specs.testing.kernels import KERNEL_CASES, check_kernel
-
-            if impl.name not in KERNEL_CASES:
-                failure = None  # no conformance case for this name: nothing to probe with
-            else:
-                report = check_kernel(impl.name, impl.fn, device=_device_of(query), dtypes=(query.dtype,),
-                                      grad=query.requires_grad and impl.capability.backward, quick=True)
-                failure = None if report.ok else f"failed conformance: {report.failures[0]}"
+        with self._probe_lock:  # racing threads: one probes, the others wait for its verdict
+            if key not in self._verified:
+                failure = probe(impl, query.device_type, query.dtype, grad)
                 if failure:
-                    warnings.warn(f"kernel {impl.qualname} from {impl.source} {failure}; it is refused",
-                                  KernelConformanceWarning, stacklevel=4)
-            self._verified[key] = failure
+                    _warn_at_kernel(impl, f"kernel {impl.qualname} from {impl.source or '<unknown>'} {failure}; it is "
+                                          "refused (PLYX_KERNELS_VERIFY=0 skips the check)")
+                self._verified[key] = failure
         return self._verified[key]
 
     def _decide(self, name: str, query: KernelQuery, overrides: Mapping[str, tuple[str, str]], *, warn: bool,
@@ -406,6 +426,60 @@ class Registry:
             else:
                 out.append(Candidate(impl, False, f"accepted, lower priority ({impl.priority}) than {chosen.impl if chosen else '?'}"))
         return out
+
+
+def _warn_at_kernel(impl: KernelImpl, message: str) -> None:
+    """A ``KernelConformanceWarning`` pointing at the refused kernel's own code (the plugin's), not at the registry."""
+    import sys
+
+    from plyx.specs.plugins import warn_at
+
+    code = getattr(getattr(impl.fn, "__wrapped__", impl.fn), "__code__", None)
+    if code is None:
+        warnings.warn(message, KernelConformanceWarning, stacklevel=2)
+        return
+    module = sys.modules.get(getattr(impl.fn, "__module__", "") or "")
+    warn_at(message, (code.co_filename, code.co_firstlineno, vars(module) if module is not None else None),
+            KernelConformanceWarning)
+
+
+def probe(impl: KernelImpl, device: str, dtype: str, grad: bool, *, budget_ms: float | None = None) -> str | None:
+    """Check ``impl`` with every conformance case of its name inside its capability; None when it passes.
+
+    Args:
+        impl: the implementation (its capability decides which cases apply).
+        device: device type the inputs are made on; dtype: the dtype under test.
+        grad: also check gradients.
+        budget_ms: stop starting cases after this long (default ``PLYX_KERNELS_VERIFY_BUDGET_MS`` or 3000 ms).
+
+    Returns:
+        None, or why the implementation is refused ("failed conformance: ...", "not checked: ...").
+    """
+    from plyx.specs.testing.kernels import KERNEL_CASES, UNIT_ROUNDOFF, check_kernel
+
+    if impl.name not in KERNEL_CASES:
+        return (f"not checked: kernel {impl.name!r} has no conformance cases (a plugin that introduces a kernel "
+                f"name gives it cases with plyx.specs.testing.kernels.add_cases)")
+    if dtype not in UNIT_ROUNDOFF:
+        return f"not checked: the conformance kit has no error model for dtype {dtype}"
+    if budget_ms is None:
+        budget_ms = float(os.environ.get("PLYX_KERNELS_VERIFY_BUDGET_MS", "") or VERIFY_BUDGET_MS)
+
+    def inside(args: list[Any], kwargs: dict[str, Any]) -> str | None:
+        sized = query_for(impl.name, *[a for a in args if hasattr(a, "shape")])
+        return impl.capability.refusal(KernelQuery(device_type=device, dtype=dtype,
+                                                   compute_capability=sized.compute_capability,
+                                                   shape=sized.shape, requires_grad=grad))
+
+    report = check_kernel(impl.name, impl.fn, impl=impl.impl, device=device, dtypes=(dtype,), grad=grad,
+                          case_filter=inside, budget_ms=budget_ms)
+    if report.failures:
+        return f"failed conformance: {report.failures[0]}" + (
+            f" (and {len(report.failures) - 1} more)" if len(report.failures) > 1 else "")
+    if not report.checked:
+        return (f"not checked: none of the {len(KERNEL_CASES[impl.name])} conformance case(s) of {impl.name} lies "
+                f"inside its declared capability")
+    return None
 
 
 def _evolve(impl: KernelImpl, **changes: Any) -> KernelImpl:

@@ -1,34 +1,7 @@
 """plyx-model: the TransformerLM (Llama, Qwen2/3, Mistral; MoE: Mixtral, Qwen2/3-MoE, OLMoE), checkpoints, layer
 streaming, Hugging Face interop and adapters (``plyx.model.adapters``: LoRA, rsLoRA, DoRA, PEFT interop, NEFTune)."""
 
-from plyx.model._checkpoint import (
-    CheckpointDir,
-    load_checkpoint,
-    load_hf,
-    open_checkpoint,
-    save_checkpoint,
-    save_hf,
-)
-from plyx.model._errors import (
-    CheckpointError,
-    CheckpointIntegrityError,
-    CheckpointMismatchError,
-    UnsupportedArchitectureError,
-)
-from plyx.model._hf_config import ARCHITECTURES, config_from_hf, config_to_hf
-from plyx.model._model import TransformerLM
-from plyx.model._moe import ROUTER_METRICS, SparseMoE, load_balancing_loss, router_z_loss
-from plyx.model._streaming import LayerStreamer, stream_forward
-from plyx.model.adapters import (
-    LoraConfig,
-    add_adapter,
-    disable_adapters,
-    load_peft,
-    merge_and_unload,
-    neftune,
-    save_peft,
-    set_adapter,
-)
+from typing import Any
 
 __all__ = [
     "ARCHITECTURES",
@@ -60,3 +33,23 @@ __all__ = [
     "set_adapter",
     "stream_forward",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the public names on first use (PEP 562).
+
+    Importing ``plyx.model`` (and so its plugin entry point, ``plyx.model._plugin``)
+    imports nothing heavy: ``plyx --help`` and ``plyx plugins`` never load torch.
+    The names live in ``plyx.model._exports``.
+    """
+    if name in __all__:
+        from plyx.model import _exports
+
+        value = getattr(_exports, name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

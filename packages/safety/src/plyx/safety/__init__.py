@@ -11,20 +11,7 @@ Example:
     'mail me: [EMAIL]'
 """
 
-from plyx.safety._audit import AuditLog, fingerprint
-from plyx.safety._detectors import available_detectors, build_detector
-from plyx.safety._engine import Decision, RuleHit, refusal
-from plyx.safety._evaluate import evaluate
-from plyx.safety._guard import Guard
-from plyx.safety._normalize import normalize
-from plyx.safety._policy import Policy, Rule, load_policy
-from plyx.safety._probes import HAZARDS, Attempt, Refusal, is_refusal
-from plyx.safety._redteam import RedteamReport, RedteamResult, available_probes, run_redteam
-from plyx.safety._scan import ScanSummary, scan_corpus
-from plyx.safety._serving import activate, active_guard, deactivate
-from plyx.safety._stream import StreamFilter
-from plyx.safety._targets import GuardedTarget, HttpTarget, TargetError, resolve_target
-from plyx.safety._types import Detector, DetectorOptionError, Finding
+from typing import Any
 
 __all__ = [
     "HAZARDS",
@@ -62,3 +49,23 @@ __all__ = [
     "run_redteam",
     "scan_corpus",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the public names on first use (PEP 562).
+
+    Importing ``plyx.safety`` (and so its plugin entry point, ``plyx.safety._plugin``)
+    imports nothing heavy: ``plyx --help`` and ``plyx plugins`` never load torch.
+    The names live in ``plyx.safety._exports``.
+    """
+    if name in __all__:
+        from plyx.safety import _exports
+
+        value = getattr(_exports, name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -10,11 +10,7 @@ Public surface (the serve ABI, stable across minor versions):
 - ``SamplingState``: what logits processors and samplers (``plyx_samplers`` plugins) receive
 """
 
-from plyx.serve._beam import beam_search
-from plyx.serve._generate import GenerationStream, generate, stream_generate
-from plyx.serve._outputs import CompletionOutput, RequestMetrics, RequestOutput, StreamEvent, TokenLogprob
-from plyx.serve._params import BeamSearchParams, SamplingParams, StructuredOutput
-from plyx.serve._processors import SamplingState
+from typing import Any
 
 __all__ = [
     "BeamSearchParams",
@@ -31,3 +27,23 @@ __all__ = [
     "generate",
     "stream_generate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the public names on first use (PEP 562).
+
+    Importing ``plyx.serve`` (and so its plugin entry point, ``plyx.serve._plugin``)
+    imports nothing heavy: ``plyx --help`` and ``plyx plugins`` never load torch.
+    The names live in ``plyx.serve._exports``.
+    """
+    if name in __all__:
+        from plyx.serve import _exports
+
+        value = getattr(_exports, name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,26 +1,15 @@
 """plyx-specs: the contracts every plyx plane speaks (no torch).
 
 Importing this package scans no plugins; ``get_plugin_manager()`` does, once.
+The contracts' names load on first use (PEP 562), so a plugin module's
+``from plyx.specs import hookimpl`` costs only the plugin surface.
 """
 
-from plyx.specs.batch import Batch
-from plyx.specs.checkpoint import Checkpoint, ModelCard, TensorEntry
+import importlib
+from typing import Any
+
+# the plugin surface is bound eagerly (every plugin module imports it; it is light: attrs and pluggy) ...
 from plyx.specs.components import CliCommand, Component
-from plyx.specs.config import (
-    ConfigBase,
-    DataConfig,
-    DistConfig,
-    KernelConfig,
-    ModelConfig,
-    OptimizerConfig,
-    RopeScaling,
-    ScheduleConfig,
-    ServeConfig,
-    TrainConfig,
-    dump_config,
-    load_config,
-    migration,
-)
 from plyx.specs.errors import (
     ConfigError,
     ContractError,
@@ -31,19 +20,21 @@ from plyx.specs.errors import (
     TensorSpecError,
 )
 from plyx.specs.hookspecs import hookimpl, hookspec
-from plyx.specs.kernels import (
-    Candidate,
-    Capability,
-    KernelImpl,
-    KernelNotFoundError,
-    KernelQuery,
-    KernelRegistry,
-    KernelUnavailableError,
-)
-from plyx.specs.kvcache import BlockTable, CacheFullError, CacheLayout, CacheUsage, KVCache
 from plyx.specs.plugins import components, get_plugin_manager, plugin_report, register_plugin
-from plyx.specs.strategy import TrainStrategy
-from plyx.specs.tensorspec import TensorSpec, bind, dtype_name
+
+# ... the contracts load on first use (msgspec configs, checkpoints, TensorSpec): `plyx --help` needs none of them
+_LAZY = {
+    "Batch": "batch",
+    "Checkpoint": "checkpoint", "ModelCard": "checkpoint", "TensorEntry": "checkpoint",
+    **dict.fromkeys(("ConfigBase", "DataConfig", "DistConfig", "KernelConfig", "ModelConfig", "OptimizerConfig", "RopeScaling",
+                     "ScheduleConfig", "ServeConfig", "TrainConfig", "dump_config", "load_config", "migration"),
+                    "config"),
+    **dict.fromkeys(("Candidate", "Capability", "KernelImpl", "KernelNotFoundError", "KernelQuery", "KernelRegistry",
+                     "KernelUnavailableError"), "kernels"),
+    **dict.fromkeys(("BlockTable", "CacheFullError", "CacheLayout", "CacheUsage", "KVCache"), "kvcache"),
+    **dict.fromkeys(("TensorSpec", "bind", "dtype_name"), "tensorspec"),
+    "TrainStrategy": "strategy",
+}
 
 __all__ = [
     "Batch",
@@ -95,3 +86,23 @@ __all__ = [
     "plugin_report",
     "register_plugin",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a contract's names (or a submodule, as ``plyx.specs.config``) on first use."""
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+from plyx.specs._versions import CONTRACT_VERSIONS
 from plyx.specs.tensorspec import TensorSpec, bind
 
 __all__ = ["CONTRACT_VERSION", "Batch", "BATCH_SPECS"]
 
-CONTRACT_VERSION = "1.0"
+CONTRACT_VERSION = CONTRACT_VERSIONS["batch"]
 
 _INT = ("int64", "int32")
 

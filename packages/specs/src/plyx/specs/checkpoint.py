@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
+from plyx.specs._versions import CONTRACT_VERSIONS
 from plyx.specs.config._base import ConfigBase, migration
 from plyx.specs.config.model import ModelConfig
 
 __all__ = ["CONTRACT_VERSION", "Checkpoint", "ModelCard", "TensorEntry", "CARD_FILE", "INDEX_FILE"]
 
-CONTRACT_VERSION = "1.0"
+CONTRACT_VERSION = CONTRACT_VERSIONS["checkpoint"]
 CARD_FILE = "model_card.json"
 INDEX_FILE = "model.safetensors.index.json"
 

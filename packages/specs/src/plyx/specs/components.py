@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
-__all__ = ["Component", "CliCommand"]
+__all__ = ["Component", "CliCommand", "deferred"]
 
 
 @attrs.frozen
@@ -43,3 +44,40 @@ class CliCommand:
     help: str
     configure: Callable[[argparse.ArgumentParser], None] = attrs.field(eq=False)
     run: Callable[[argparse.Namespace], int | None] = attrs.field(eq=False)
+
+
+def deferred(target: str) -> Callable[..., Any]:
+    """A callable that imports ``"package.module:attr"`` on its first call and then calls it.
+
+    For plugin hooks that must stay light: a ``CliCommand`` built with
+    ``deferred("my_plane._cli:configure")`` lets ``plyx --help`` list the command
+    without importing the module that implements it.
+
+    Args:
+        target: ``module:attribute`` (dots in the attribute walk into it).
+
+    Returns:
+        a function with the target's behaviour; ``repr`` names the target.
+
+    Example::
+
+        CliCommand("train", "train a model", deferred("plyx.train._cli:configure_train"),
+                   deferred("plyx.train._cli:run_train"))
+    """
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"deferred({target!r}): write the target as 'package.module:attribute'")
+    resolved: list[Callable[..., Any]] = []
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not resolved:
+            obj: Any = importlib.import_module(module_name)
+            for part in attr.split("."):
+                obj = getattr(obj, part)
+            resolved.append(obj)
+        return resolved[0](*args, **kwargs)
+
+    call.__name__ = attr.rsplit(".", 1)[-1]
+    call.__qualname__ = f"deferred({target})"
+    call.__doc__ = f"``{target}``, imported on first call."
+    return call

@@ -6,11 +6,27 @@ with types and defaults, hook specs with their flags, constants. ``check``
 regenerates the surface from the code and compares it with the snapshot of
 the code's current major version:
 
-- purely additive changes (a new method, a new optional parameter, a new field
-  with a default, a new hook) pass and are recorded in the snapshot;
-- anything else (a removed or renamed member, a changed parameter, type or
-  default) fails, naming each change, until the contract's major version is
-  bumped and a new snapshot is written with ``snapshot``.
+- purely additive changes pass; ``check`` itself never writes, and
+  ``record_additive`` (``plyx contracts record-additive``) records them, only
+  when no contract has a breaking change;
+- anything else fails, naming each change, until the contract's major version
+  is bumped and a new snapshot is written with ``snapshot``, which refuses to
+  overwrite an existing major's file with a breaking change.
+
+What counts as additive depends on the kind of object (who provides it, who
+calls it):
+
+- protocols (``KVCache``, ``KernelRegistry``, ``Checkpoint``) are provided by
+  implementers and checked with ``isinstance``: every member is required, so a
+  new member, a new parameter (even an optional one: callers will pass it and
+  existing implementations reject it) or a removed one is breaking. An
+  optional capability is a new, separate protocol (additive);
+- functions, hook specs, structs and attrs classes are provided by plyx and
+  called (or built) by others: a new optional parameter or field is additive,
+  a new required one is breaking. Hook implementations take a subset of a
+  spec's parameters, so any new hook parameter is additive;
+- constant maps are compared by structure: a new key, or a new field of a
+  value's class, is additive; a removed or changed one is breaking.
 
 Config schemas have their own versions and migrations: a field change in a
 schema whose ``VERSION`` went up with a registered migration is not a break.
@@ -29,7 +45,10 @@ from typing import Any
 import attrs
 import msgspec
 
-__all__ = ["SURFACES", "surface", "write_snapshots", "check_snapshots", "compare", "CheckReport"]
+__all__ = [
+    "SURFACES", "surface", "write_snapshots", "check_snapshots", "record_additive", "compare", "CheckReport",
+    "SnapshotRefused",
+]
 
 
 def _objects() -> dict[str, dict[str, Any]]:
@@ -176,8 +195,33 @@ def _describe(obj: Any) -> dict[str, Any]:
     if isinstance(obj, (tuple, list, frozenset, set)):
         return {"kind": "constant-set", "values": sorted(map(str, obj))}
     if isinstance(obj, dict):
-        return {"kind": "constant-map", "values": {str(k): repr(v) for k, v in sorted(obj.items(), key=str)}}
+        return {"kind": "constant-map", "values": {str(k): _structure(v) for k, v in sorted(obj.items(), key=str)}}
     return {"kind": "constant", "value": repr(obj)}
+
+
+def _structure(value: Any) -> Any:
+    """A constant's value as structure: ``{"type": ..., "fields": {name: repr}}`` for attrs/struct instances."""
+    if attrs.has(type(value)):
+        names = [a.name for a in attrs.fields(type(value))]
+    elif isinstance(value, msgspec.Struct):
+        names = list(type(value).__struct_fields__)
+    else:
+        return repr(value)
+    return {"type": type(value).__name__, "fields": {n: repr(getattr(value, n)) for n in names}}
+
+
+def _legacy_structure(text: str) -> Any:
+    """Read a value recorded as ``repr`` text by older snapshots (``Cls(a=..., b=...)``) as structure."""
+    import ast
+
+    try:
+        node = ast.parse(text, mode="eval").body
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args:
+            fields = {k.arg: repr(ast.literal_eval(k.value)) for k in node.keywords if k.arg}
+            return {"type": node.func.id, "fields": fields}
+    except (SyntaxError, ValueError):
+        pass
+    return text
 
 
 def surface(contract: str) -> dict[str, Any]:
@@ -200,24 +244,48 @@ def snapshot_path(root: Path, contract: str, major: int) -> Path:
     return root / contract / f"v{major}.json"
 
 
-def _write(path: Path, contract: str, version: str, surf: dict[str, Any]) -> None:
+def _write(path: Path, contract: str, version: str, surf: dict[str, Any], behaviour: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"contract": contract, "version": version, "surface": surf}
+    doc = {"contract": contract, "version": version, "surface": surf, "behaviour": behaviour}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     tmp.replace(path)
 
 
 def write_snapshots(root: str | Path = "contracts") -> list[Path]:
-    """Write the snapshot of every contract at its current major version."""
+    """Write the snapshot of every contract at its current major version.
+
+    A major version whose file exists is frozen: it is rewritten only when the
+    change is additive (as ``record_additive`` does). A breaking change needs a
+    new major version (bump the contract's ``CONTRACT_VERSION``), which gets a
+    new file. Nothing is written when any contract would be refused.
+
+    Raises:
+        SnapshotRefused: naming each contract whose frozen file would take a breaking change.
+    """
+    from plyx.specs._behaviour import behaviour
+
     base = Path(root)
-    written = []
+    planned = []
+    refused = []
     for contract in _objects():
         version = _version(contract)
         path = snapshot_path(base, contract, _major(version))
-        _write(path, contract, version, surface(contract))
-        written.append(path)
-    return written
+        if path.exists():
+            breaks, _, _, _ = _diff(contract, _load(path))
+            if breaks:
+                refused.append(f"{contract} v{_major(version)} ({path}): " + "; ".join(breaks))
+                continue
+        planned.append((path, contract, version))
+    if refused:
+        raise SnapshotRefused(
+            "refusing to overwrite frozen contract snapshot(s) with breaking changes:\n  - " + "\n  - ".join(refused)
+            + "\nfix: restore the old surface, or bump the contract's major version (CONTRACT_VERSION) so the "
+            "change gets a new v<N>.json"
+        )
+    for path, contract, version in planned:
+        _write(path, contract, version, surface(contract), behaviour(contract))
+    return [path for path, _, _ in planned]
 
 
 # -- comparison ------------------------------------------------------------------
@@ -275,13 +343,21 @@ def _compare_object(where: str, old: dict[str, Any], new: dict[str, Any], breaks
         if old.get("hook") != new.get("hook"):
             breaks.append(f"{where}: hook options changed from {old.get('hook')} to {new.get('hook')}")
     elif kind == "protocol":
+        # implementers provide protocols: whatever isinstance or a caller may now need of them breaks them
         def member(w: str, a: Any, b: Any) -> None:
             if "property" in a or "property" in b:
                 if a != b:
                     breaks.append(f"{w}: changed from {a} to {b}")
-            else:
-                _compare_params(w, a, b, breaks, adds)
-        _compare_dicts(where, old["members"], new["members"], breaks, adds, member)
+                return
+            member_adds: list[str] = []
+            _compare_params(w, a, b, breaks, member_adds)
+            breaks.extend(f"{m} (existing implementations of the protocol do not accept it)" for m in member_adds)
+        _compare_dicts(where, old["members"], {k: v for k, v in new["members"].items() if k in old["members"]},
+                       breaks, adds, member)
+        for name in sorted(set(new["members"]) - set(old["members"])):
+            breaks.append(f"{where}.{name}: new required member of a protocol that implementers provide "
+                          f"(existing implementations no longer pass isinstance); declare it in a separate "
+                          f"protocol to keep it optional")
     elif kind in ("struct", "attrs"):
         migrated = (
             kind == "struct" and "schema_version" in old
@@ -317,8 +393,28 @@ def _compare_object(where: str, old: dict[str, Any], new: dict[str, Any], breaks
             breaks.append(f"{where}: values removed: {', '.join(sorted(removed))}")
         if set(new["values"]) - set(old["values"]):
             adds.append(f"{where}: values added")
+    elif kind == "constant-map":
+        _compare_dicts(where, old["values"], new["values"], breaks, adds,
+                       lambda w, a, b: _compare_value(w, a, b, breaks, adds))
     elif old != new:
         breaks.append(f"{where}: changed from {old} to {new}")
+
+
+def _compare_value(where: str, old: Any, new: Any, breaks: list[str], adds: list[str]) -> None:
+    old = _legacy_structure(old) if isinstance(old, str) else old
+    new = _legacy_structure(new) if isinstance(new, str) else new
+    if not (isinstance(old, dict) and isinstance(new, dict)) or old.get("type") != new.get("type"):
+        if old != new:
+            breaks.append(f"{where}: changed from {old} to {new}")
+        return
+    for name, value in old["fields"].items():
+        if name not in new["fields"]:
+            breaks.append(f"{where}.{name}: field removed")
+        elif new["fields"][name] != value:
+            breaks.append(f"{where}.{name}: changed from {value} to {new['fields'][name]}")
+    for name in new["fields"]:
+        if name not in old["fields"]:
+            adds.append(f"{where}.{name}: new field ({new['fields'][name]})")
 
 
 def compare(contract: str, old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -331,20 +427,58 @@ def compare(contract: str, old: dict[str, Any], new: dict[str, Any]) -> tuple[li
 
 @attrs.frozen
 class CheckReport:
+    """What a check found: ``ok`` when nothing breaks; ``lines`` to print; ``additive`` contracts with additions."""
+
     ok: bool
     lines: list[str]
+    additive: tuple[str, ...] = ()
 
 
-def check_snapshots(root: str | Path = "contracts", *, update: bool = True) -> CheckReport:
-    """Compare every contract with its snapshot; record additive changes when ``update``."""
+class SnapshotRefused(RuntimeError):
+    """``snapshot`` would overwrite a frozen major version's file with a breaking change."""
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _compare_behaviour(contract: str, old: dict[str, Any] | None, new: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """Frozen behaviour vectors: a changed outcome breaks; a new probe (or none recorded yet) is additive."""
+    if old is None:
+        return [], [f"{contract}: behaviour vectors not frozen yet ({len(new)} probe(s))"] if new else []
+    breaks = [
+        f"{contract} behaviour: {probe}: was {old[probe]!r}, now {new.get(probe, '<no longer probed>')!r}"
+        for probe in sorted(old) if new.get(probe, "<no longer probed>") != old[probe]
+    ]
+    adds = [f"{contract} behaviour: new probe {probe}" for probe in sorted(set(new) - set(old))]
+    return breaks, adds
+
+
+def _diff(contract: str, doc: dict[str, Any]) -> tuple[list[str], list[str], dict[str, Any], dict[str, Any]]:
+    from plyx.specs._behaviour import behaviour
+
+    new, new_behaviour = surface(contract), behaviour(contract)
+    breaks, adds = compare(contract, doc["surface"], new)
+    b_breaks, b_adds = _compare_behaviour(contract, doc.get("behaviour"), new_behaviour)
+    return breaks + b_breaks, adds + b_adds, new, new_behaviour
+
+
+def check_snapshots(root: str | Path = "contracts", *, update: bool = False) -> CheckReport:
+    """Compare every contract (surface and frozen behaviour) with its snapshot. Read-only.
+
+    Args:
+        root: the snapshot directory.
+        update: record the additive changes afterwards, only when no contract breaks
+            (``record_additive``); the check itself never writes.
+    """
     base = Path(root)
     ok = True
     lines: list[str] = []
+    additive: list[str] = []
     for contract in _objects():
         version = _version(contract)
         major = _major(version)
         path = snapshot_path(base, contract, major)
-        new = surface(contract)
         if not path.exists():
             ok = False
             lines.append(
@@ -352,8 +486,7 @@ def check_snapshots(root: str | Path = "contracts", *, update: bool = True) -> C
                 f"run `plyx contracts snapshot --dir {base}` and commit it"
             )
             continue
-        old_doc = json.loads(path.read_text(encoding="utf-8"))
-        breaks, adds = compare(contract, old_doc["surface"], new)
+        breaks, adds, _, _ = _diff(contract, _load(path))
         if breaks:
             ok = False
             lines.append(f"FAIL {contract} v{major}: {len(breaks)} breaking change(s):")
@@ -363,10 +496,33 @@ def check_snapshots(root: str | Path = "contracts", *, update: bool = True) -> C
                 f"(now {version}) and run `plyx contracts snapshot --dir {base}` to add v{major + 1}.json"
             )
         elif adds:
-            lines.append(f"ok   {contract} v{major}: {len(adds)} additive change(s)" + (" recorded" if update else ""))
+            additive.append(contract)
+            lines.append(f"ok   {contract} v{major}: {len(adds)} additive change(s), not recorded "
+                          f"(`plyx contracts record-additive --dir {base}` records them)")
             lines.extend(f"  + {a}" for a in adds)
-            if update:
-                _write(path, contract, version, new)
         else:
             lines.append(f"ok   {contract} v{major}: unchanged")
-    return CheckReport(ok, lines)
+    report = CheckReport(ok, lines, tuple(additive))
+    if update and ok and additive:
+        return record_additive(root)
+    return report
+
+
+def record_additive(root: str | Path = "contracts") -> CheckReport:
+    """Record every contract's additive changes in its snapshot, only when no contract has a breaking change.
+
+    Returns:
+        the check's report; nothing is written when ``report.ok`` is False.
+    """
+    report = check_snapshots(root)
+    if not report.ok:
+        return CheckReport(False, [*report.lines, "nothing recorded: fix the breaking change(s) first"])
+    base = Path(root)
+    lines = list(report.lines)
+    for contract in report.additive:
+        version = _version(contract)
+        path = snapshot_path(base, contract, _major(version))
+        _, _, new, new_behaviour = _diff(contract, _load(path))
+        _write(path, contract, version, new, new_behaviour)
+        lines.append(f"recorded {path}")
+    return CheckReport(True, lines, report.additive)

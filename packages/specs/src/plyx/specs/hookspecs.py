@@ -17,11 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import pluggy
+from plyx.specs._versions import CONTRACT_VERSIONS
 
 __all__ = ["hookspec", "hookimpl", "PROJECT", "CONTRACT_VERSION"]
 
 PROJECT = "plyx"
-CONTRACT_VERSION = "1.0"
+CONTRACT_VERSION = CONTRACT_VERSIONS["hooks"]
 
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)

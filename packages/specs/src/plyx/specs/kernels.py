@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
+from plyx.specs._versions import CONTRACT_VERSIONS
 from plyx.specs.errors import PlyxError
 
 __all__ = [
@@ -30,7 +31,7 @@ __all__ = [
     "KernelUnavailableError",
 ]
 
-CONTRACT_VERSION = "1.0"
+CONTRACT_VERSION = CONTRACT_VERSIONS["kernels"]
 
 #: the names every registry knows; plugins may add others
 KERNEL_NAMES = (

@@ -21,11 +21,12 @@ from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
+from plyx.specs._versions import CONTRACT_VERSIONS
 from plyx.specs.errors import PlyxError
 
 __all__ = ["CONTRACT_VERSION", "BlockTable", "CacheFullError", "CacheLayout", "CacheUsage", "KVCache"]
 
-CONTRACT_VERSION = "1.0"
+CONTRACT_VERSION = CONTRACT_VERSIONS["kvcache"]
 
 
 class CacheFullError(PlyxError, MemoryError):

@@ -8,16 +8,24 @@ process.
 
 Environment:
     PLYX_PLUGINS: comma-separated allowlist of entry-point or distribution names;
-        when set, nothing else is loaded.
+        when set, nothing else is loaded; a name that matches nothing is warned about.
     PLYX_DISABLE_PLUGIN_AUTOLOAD: when set (non-empty, not "0"), no entry point is
         loaded; plugins can still be registered by hand with ``register_plugin``.
     PLYX_STRICT_PLUGINS: when set, a broken or incompatible plugin raises instead
         of being skipped with a warning.
+
+Failures are contained: a plugin that fails to import, declares an
+incompatible contract, implements an unknown hook, shares its name with
+another distribution's plugin, or whose hook raises is skipped (both, for a
+name conflict) with a ``PluginWarning`` that names its distribution and points
+at the plugin's code (or, for conflicts and allowlist problems, at the caller);
+the rest keeps working. Strict mode raises instead.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterable, Mapping
@@ -78,21 +86,10 @@ class PluginRecord:
 
 
 def contract_versions() -> dict[str, str]:
-    """The contract versions this plyx-specs provides, by contract name."""
-    import importlib
+    """The contract versions this plyx-specs provides, by contract name (imports no contract module)."""
+    from plyx.specs._versions import CONTRACT_VERSIONS
 
-    batch, checkpoint, kernels, kvcache, tensorspec = (
-        importlib.import_module(f"plyx.specs.{n}") for n in ("batch", "checkpoint", "kernels", "kvcache", "tensorspec")
-    )
-    return {
-        "hooks": hookspecs.CONTRACT_VERSION,
-        "kernels": kernels.CONTRACT_VERSION,
-        "kvcache": kvcache.CONTRACT_VERSION,
-        "checkpoint": checkpoint.CONTRACT_VERSION,
-        "batch": batch.CONTRACT_VERSION,
-        "tensorspec": tensorspec.CONTRACT_VERSION,
-        "config": "1.0",
-    }
+    return dict(CONTRACT_VERSIONS)
 
 
 class _State:
@@ -146,10 +143,63 @@ def _unknown_hooks(pm: pluggy.PluginManager, plugin: object) -> list[str]:
     return [n for n in names if callable(getattr(plugin, n, None)) and not hasattr(pm.hook, n)]
 
 
-def _fail(strict: bool, error: PluginError) -> None:
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.sep + "pluggy" + os.sep,
+             os.sep + "importlib" + os.sep, os.sep + "importlib_metadata" + os.sep, "<frozen ")
+
+
+#: any plyx plane's own files: a warning about the scan points past them, at the code that called plyx
+_PLYX_DIR = os.sep + "plyx" + os.sep
+
+
+def _outside_plyx_specs() -> tuple[str, int, dict[str, Any] | None]:
+    """File, line and globals of the innermost caller outside plyx (any plane), pluggy and importlib."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not any(part in name for part in (*_INTERNAL, _PLYX_DIR)) and not name.startswith("<"):
+            return name, frame.f_lineno, frame.f_globals
+        frame = frame.f_back  # type: ignore[assignment]
+    return "<plyx>", 0, None
+
+
+def _where(plugin: object | None = None, exc: BaseException | None = None) -> tuple[str, int, dict[str, Any] | None]:
+    """Where a plugin warning should point: the failing line of the plugin's code, its module, or the caller."""
+    tb = exc.__traceback__ if exc is not None else None
+    last = None
+    while tb is not None:  # the innermost frame that is not plyx.specs/pluggy/importlib: the plugin's own line
+        name = tb.tb_frame.f_code.co_filename
+        if not any(part in name for part in _INTERNAL):
+            last = (name, tb.tb_lineno, tb.tb_frame.f_globals)
+        tb = tb.tb_next
+    if last is not None:
+        return last
+    if exc is not None and isinstance(exc, SyntaxError) and exc.filename:
+        return exc.filename, exc.lineno or 1, None
+    module = sys.modules.get(getattr(plugin, "__module__", "") or "") if plugin is not None else None
+    if plugin is not None and hasattr(plugin, "__file__"):
+        module = plugin  # a plugin module
+    path = getattr(module, "__file__", None)
+    if path:
+        return path, 1, vars(module)
+    return _outside_plyx_specs()
+
+
+def warn_at(message: str, where: tuple[str, int, dict[str, Any] | None],
+            category: type[Warning] | None = None) -> None:
+    """Warn as if from ``where`` (file, line, module globals): the plugin's code or the user's, never plyx.specs."""
+    filename, lineno, module_globals = where
+    module = (module_globals or {}).get("__name__", os.path.splitext(os.path.basename(filename))[0])
+    registry = (module_globals or {}).setdefault("__warningregistry__", {}) if module_globals is not None else None
+    warnings.warn_explicit(message, category or PluginWarning, filename, lineno, module=module, registry=registry,
+                           module_globals=module_globals)
+
+
+def _fail(strict: bool, error: PluginError, *, plugin: object | None = None, exc: BaseException | None = None) -> None:
     if strict:
+        if exc is not None:
+            raise error from exc
         raise error
-    warnings.warn(f"{error}; skipped (set PLYX_STRICT_PLUGINS=1 to raise)", PluginWarning, stacklevel=4)
+    warn_at(f"{error}; skipped (set PLYX_STRICT_PLUGINS=1 to raise)", _where(plugin, exc))
 
 
 def _register(
@@ -159,62 +209,102 @@ def _register(
     contracts = dict(declared) if isinstance(declared, Mapping) else {}
     reason = _check_contracts(declared, contract_versions())
     if reason:
-        _fail(strict, IncompatiblePluginError(name, source, reason))
+        _fail(strict, IncompatiblePluginError(name, source, reason), plugin=plugin)
         return False, reason, contracts
     unknown = _unknown_hooks(pm, plugin)
     if unknown:
         reason = f"implements unknown hook(s) {', '.join(unknown)}; see plyx.specs.hookspecs for the hook names"
-        _fail(strict, PluginError(name, source, reason))
+        _fail(strict, PluginError(name, source, reason), plugin=plugin)
         return False, reason, contracts
     try:
         pm.register(plugin, name=name)
     except (pluggy.PluginValidationError, ValueError) as exc:
         reason = f"rejected at registration: {exc}"
-        _fail(strict, PluginError(name, source, reason))
+        _fail(strict, PluginError(name, source, reason), plugin=plugin)
         return False, reason, contracts
     return True, "", contracts
 
 
-def _dist_label(ep: Any) -> tuple[str, str]:
+def _dist_label(ep: Any, cache: dict[Any, tuple[str, str]] | None = None) -> tuple[str, str]:
+    """(name, version) of the distribution an entry point comes from; ``cache`` saves re-parsing its METADATA."""
     dist = getattr(ep, "dist", None)
     if dist is None:
         return "<unknown distribution>", ""
-    return dist.metadata["Name"] or dist.name, dist.version
+    key = getattr(dist, "_path", None) or id(dist)
+    if cache is not None and key in cache:
+        return cache[key]
+    meta = dist.metadata  # parses METADATA: once per distribution
+    label = (meta["Name"] or dist.name, meta["Version"] or dist.version)
+    if cache is not None:
+        cache[key] = label
+    return label
 
 
 def _scan(pm: pluggy.PluginManager, strict: bool) -> list[PluginRecord]:
     records: list[PluginRecord] = []
     disabled = _truthy("PLYX_DISABLE_PLUGIN_AUTOLOAD")
     allow = {s.strip() for s in os.environ.get("PLYX_PLUGINS", "").split(",") if s.strip()}
-    seen: dict[str, tuple[str, str]] = {}  # name -> (distribution, value)
+    # one entry per (name, distribution, value): the same distribution seen twice on sys.path counts once
+    by_name: dict[str, dict[tuple[str, str], Any]] = {}
+    cache: dict[Any, tuple[str, str]] = {}
     for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: (e.name, e.value)):
-        dist, version = _dist_label(ep)
-        if ep.name in seen:
-            first_dist, first_value = seen[ep.name]
-            if (first_dist, first_value) == (dist, ep.value):
-                continue  # the same distribution seen twice on sys.path
-            raise PluginConflictError(ep.name, first_dist, f"{dist} {version}".strip())
-        seen[ep.name] = (dist, ep.value)
-        source = f"{dist} {version}".strip()
-        if disabled:
-            records.append(PluginRecord(ep.name, dist, version, ep.value, "disabled", "PLYX_DISABLE_PLUGIN_AUTOLOAD is set"))
+        dist, _ = _dist_label(ep, cache)
+        by_name.setdefault(ep.name, {}).setdefault((dist, ep.value), ep)
+    matched: set[str] = set()
+    for name, variants in by_name.items():
+        eps = list(variants.values())
+        labels = [_dist_label(ep, cache) for ep in eps]
+        matched.update(n for n in [name, *(d for d, _ in labels)] if n in allow)
+        if len(eps) > 1 and allow and name not in allow:
+            # the allowlist names distributions: it may pick one side of the conflict
+            picked = [ep for ep, (d, _) in zip(eps, labels) if d in allow]
+            if len(picked) == 1:
+                for ep, (d, v) in zip(eps, labels):
+                    if ep is not picked[0]:
+                        records.append(PluginRecord(name, d, v, ep.value, "filtered", "not listed in PLYX_PLUGINS"))
+                eps, labels = picked, [_dist_label(picked[0], cache)]
+        if len(eps) > 1:
+            both = [f"{d} {v}".strip() for d, v in labels]
+            if disabled:
+                records += [PluginRecord(name, d, v, ep.value, "disabled", "PLYX_DISABLE_PLUGIN_AUTOLOAD is set")
+                            for ep, (d, v) in zip(eps, labels)]
+                continue
+            error = PluginConflictError(name, both[0], both[1])
+            if strict:
+                raise error
+            reason = (f"conflict: plugin name {name!r} is registered by {' and by '.join(both)}; both are skipped "
+                      f"(uninstall one, or name one distribution in PLYX_PLUGINS)")
+            warn_at(f"{reason} (set PLYX_STRICT_PLUGINS=1 to raise)", _outside_plyx_specs())
+            records += [PluginRecord(name, d, v, ep.value, "skipped", reason) for ep, (d, v) in zip(eps, labels)]
             continue
-        if allow and ep.name not in allow and dist not in allow:
-            records.append(PluginRecord(ep.name, dist, version, ep.value, "filtered", "not listed in PLYX_PLUGINS"))
-            continue
-        try:
-            plugin = ep.load()
-        except Exception as exc:  # a plugin's import may fail in any way
-            reason = f"failed to import {ep.value}: {type(exc).__name__}: {exc}"
-            _fail(strict, PluginError(ep.name, source, reason))
-            records.append(PluginRecord(ep.name, dist, version, ep.value, "skipped", reason))
-            continue
-        ok, reason, contracts = _register(pm, plugin, ep.name, source, strict)
-        status: Literal["loaded", "skipped"] = "loaded" if ok else "skipped"
-        records.append(PluginRecord(ep.name, dist, version, ep.value, status, reason, contracts))
-        if ok:
-            _STATE.sources[ep.name] = source
+        records.append(_load_one(pm, eps[0], labels[0], disabled, allow, strict))
+    unmatched = sorted(allow - matched)
+    if unmatched:
+        found = sorted({r.name for r in records} | {r.distribution for r in records})
+        warn_at(f"PLYX_PLUGINS names {', '.join(map(repr, unmatched))}, which match(es) no entry point or distribution "
+                f"in the `{ENTRY_POINT_GROUP}` group (found: {', '.join(found) or 'none'}); check the spelling",
+                _outside_plyx_specs())
     return records
+
+
+def _load_one(pm: pluggy.PluginManager, ep: Any, label: tuple[str, str], disabled: bool, allow: set[str],
+              strict: bool) -> PluginRecord:
+    dist, version = label
+    source = f"{dist} {version}".strip()
+    if disabled:
+        return PluginRecord(ep.name, dist, version, ep.value, "disabled", "PLYX_DISABLE_PLUGIN_AUTOLOAD is set")
+    if allow and ep.name not in allow and dist not in allow:
+        return PluginRecord(ep.name, dist, version, ep.value, "filtered", "not listed in PLYX_PLUGINS")
+    try:
+        plugin = ep.load()
+    except Exception as exc:  # a plugin's import may fail in any way
+        reason = f"failed to import {ep.value}: {type(exc).__name__}: {exc}"
+        _fail(strict, PluginError(ep.name, source, reason), exc=exc)
+        return PluginRecord(ep.name, dist, version, ep.value, "skipped", reason)
+    ok, reason, contracts = _register(pm, plugin, ep.name, source, strict)
+    if ok:
+        _STATE.sources[ep.name] = source
+    return PluginRecord(ep.name, dist, version, ep.value, "loaded" if ok else "skipped", reason, contracts)
 
 
 def get_plugin_manager(*, strict: bool | None = None) -> pluggy.PluginManager:
@@ -235,9 +325,14 @@ def get_plugin_manager(*, strict: bool | None = None) -> pluggy.PluginManager:
     return _STATE.pm
 
 
-def plugin_report() -> list[PluginRecord]:
-    """What the scan found, loaded and skipped (scans first if needed)."""
-    get_plugin_manager()
+def plugin_report(*, strict: bool | None = None) -> list[PluginRecord]:
+    """What the scan found, loaded and skipped (scans first if needed).
+
+    Args:
+        strict: as for ``get_plugin_manager``; ``plyx plugins`` passes False so that it reports
+            every problem instead of raising at the first.
+    """
+    get_plugin_manager(strict=strict)
     return list(_STATE.records)
 
 
@@ -279,12 +374,25 @@ def source_of(plugin_name: str) -> str:
 
 
 def _collect(hook_name: str) -> Iterable[tuple[str, Any]]:
+    """Every item every implementation of a list hook returns, with the plugin that returned it.
+
+    Each implementation is called on its own, so every result is attributed and
+    one that raises (or returns something other than a list) is skipped with a
+    warning naming its distribution and pointing at its code; strict mode raises.
+    """
     pm = get_plugin_manager()
     caller = getattr(pm.hook, hook_name)
-    # call each implementation separately so every result can be attributed
+    strict = _truthy("PLYX_STRICT_PLUGINS")
     for impl in reversed(caller.get_hookimpls()):
-        result = impl.function()
-        for item in result or ():
+        try:
+            result = impl.function()
+            items = list(result or ())
+        except Exception as exc:  # a plugin's hook may fail in any way
+            error = PluginError(impl.plugin_name, source_of(impl.plugin_name),
+                                f"{hook_name} raised {type(exc).__name__}: {exc}")
+            _fail(strict, error, plugin=impl.plugin, exc=exc)
+            continue
+        for item in items:
             yield impl.plugin_name, item
 
 
@@ -305,10 +413,34 @@ def components(hook_name: str) -> dict[str, Component]:
 
 
 def cli_commands() -> dict[str, CliCommand]:
-    """Subcommands contributed through ``plyx_cli_commands``, by name."""
+    """Subcommands contributed through ``plyx_cli_commands``, by name.
+
+    A hook that raises or returns something other than ``CliCommand`` items is
+    skipped with a warning naming its distribution; two plugins contributing one
+    command name are both skipped (strict mode raises in each case), so one
+    broken plugin never takes the ``plyx`` command down.
+    """
+    strict = _truthy("PLYX_STRICT_PLUGINS")
     found: dict[str, tuple[CliCommand, str]] = {}
+    clashes: dict[str, list[str]] = {}
     for plugin_name, item in _collect("plyx_cli_commands"):
-        if item.name in found:
-            raise PluginConflictError(f"plyx {item.name}", found[item.name][1], source_of(plugin_name))
-        found[item.name] = (item, source_of(plugin_name))
+        source = source_of(plugin_name)
+        if not isinstance(item, CliCommand) or not isinstance(getattr(item, "name", None), str):
+            _fail(strict, PluginError(plugin_name, source, f"plyx_cli_commands returned {item!r}, not a CliCommand"),
+                  plugin=_plugin_object(plugin_name))
+            continue
+        if item.name in found or item.name in clashes:
+            clashes.setdefault(item.name, [found.pop(item.name)[1]] if item.name in found else []).append(source)
+            continue
+        found[item.name] = (item, source)
+    for name, sources in clashes.items():
+        error = PluginConflictError(f"plyx {name}", sources[0], sources[1])
+        if strict:
+            raise error
+        warn_at(f"{error}; `plyx {name}` is left out (set PLYX_STRICT_PLUGINS=1 to raise)", _outside_plyx_specs())
     return {name: cmd for name, (cmd, _) in found.items()}
+
+
+def _plugin_object(name: str) -> object | None:
+    pm = _STATE.pm
+    return pm.get_plugin(name) if pm is not None else None

@@ -17,11 +17,12 @@ from collections.abc import Mapping
 from typing import Any, Literal, Union
 
 import attrs
+from plyx.specs._versions import CONTRACT_VERSIONS
 from plyx.specs.errors import TensorSpecError
 
 __all__ = ["TensorSpec", "Dim", "bind", "dtype_name", "CONTRACT_VERSION"]
 
-CONTRACT_VERSION = "1.0"
+CONTRACT_VERSION = CONTRACT_VERSIONS["tensorspec"]
 
 #: a fixed size, a symbolic name, or None for "any size"
 Dim = Union[int, str, None]

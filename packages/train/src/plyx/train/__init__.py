@@ -4,19 +4,7 @@ Data: ``train_bpe``/``load_tokenizer`` -> ``prepare_corpus`` (shards + manifest)
 ``TokenDataset`` (``plyx.specs.Batch`` objects). Training: ``Trainer(config).fit()``.
 """
 
-from plyx.train._checkpoint import CheckpointManager, ResumeError
-from plyx.train._dataset import IGNORE_INDEX, DataStream, TokenDataset
-from plyx.train._defaults import default_config
-from plyx.train._distributed import init_model
-from plyx.train._generate import generate_ids
-from plyx.train._loss import lm_loss
-from plyx.train._metrics import MetricsWriter, spectral_ratios
-from plyx.train._optim import available_optimizers, build_optimizer, param_groups
-from plyx.train._prepare import PrepareReport, bundled_corpus, prepare_bundled, prepare_corpus, read_documents
-from plyx.train._schedule import build_scheduler, lr_multiplier
-from plyx.train._shards import ShardError, ShardSet, write_shards
-from plyx.train._tokenizer import Tokenizer, load_tokenizer, train_bpe
-from plyx.train._trainer import NonFiniteLossError, Trainer, TrainOptions, TrainResult, estimate_memory
+from typing import Any
 
 __all__ = [
     "IGNORE_INDEX",
@@ -52,3 +40,23 @@ __all__ = [
     "train_bpe",
     "write_shards",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the public names on first use (PEP 562).
+
+    Importing ``plyx.train`` (and so its plugin entry point, ``plyx.train._plugin``)
+    imports nothing heavy: ``plyx --help`` and ``plyx plugins`` never load torch.
+    The names live in ``plyx.train._exports``.
+    """
+    if name in __all__:
+        from plyx.train import _exports
+
+        value = getattr(_exports, name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from plyx.specs import CliCommand, Component, hookimpl
+from plyx.specs.components import deferred
 
 plyx_contracts = {"hooks": "1.0", "batch": "1.0", "checkpoint": "1.0"}
 
@@ -25,11 +26,11 @@ def plyx_optimizers() -> list[Any]:
 
 @hookimpl
 def plyx_cli_commands() -> list[Any]:
-    from plyx.train import _cli
-
+    # deferred: the command module (and the config schemas it reads) loads when `plyx train`/`plyx data` runs,
+    # not for `plyx --help`
     return [
         CliCommand("train", "train a model (no CONFIG: a small model on the bundled Tiny Shakespeare)",
-                   _cli.configure_train, _cli.run_train),
-        CliCommand("data", "prepare a corpus: tokenizer + memory-mapped token shards", _cli.configure_data,
-                   _cli.run_data),
+                   deferred("plyx.train._cli:configure_train"), deferred("plyx.train._cli:run_train")),
+        CliCommand("data", "prepare a corpus: tokenizer + memory-mapped token shards",
+                   deferred("plyx.train._cli:configure_data"), deferred("plyx.train._cli:run_data")),
     ]
