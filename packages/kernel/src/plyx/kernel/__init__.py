@@ -8,10 +8,13 @@ Public surface:
 - one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``,
   ``rope_store_kv``, ``rmsnorm_linear``, ``swiglu_linear``, ``gemv``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
   is the callable subpackage ``plyx.kernel.attention``) and ``rope_tables``.
+- ``traceable(name)``: the kernel as a ``torch.library`` custom op (``plyx::<name>``), for code under
+  ``torch.compile``.
 - ``plyx.kernel.reference``: the pure-PyTorch definitions.
 """
 
 from plyx.kernel import attention  # the subpackage; calling it dispatches the `attention` kernel
+from plyx.kernel._custom_ops import traceable
 from plyx.kernel._default import configure, registry, reset_registry
 from plyx.kernel._dispatch import (
     cross_entropy,
@@ -53,4 +56,5 @@ __all__ = [
     "rope_tables",
     "swiglu",
     "swiglu_linear",
+    "traceable",
 ]

@@ -78,12 +78,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **options: Any) -> Any:
-    """Cross-entropy of ``logits [N, V]``; options as the ``cross_entropy`` kernel."""
+    """Cross-entropy of ``logits [N, V]``; options as the ``cross_entropy`` kernel (a custom op under compile)."""
+    if torch.compiler.is_compiling():
+        from plyx.kernel._custom_ops import traceable
+
+        return traceable("cross_entropy")(logits, targets, **options)  # type: ignore[misc]
     return registry().get("cross_entropy", logits, targets)(logits, targets, **options)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, **options: Any) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits."""
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
+
+    Under ``torch.compile`` it is the opaque custom op ``plyx::linear_cross_entropy`` (``traceable``).
+    """
+    if torch.compiler.is_compiling():
+        from plyx.kernel._custom_ops import traceable
+
+        return traceable("linear_cross_entropy")(hidden, weight, targets, **options)  # type: ignore[misc]
     return registry().get("linear_cross_entropy", hidden, weight, targets)(hidden, weight, targets, **options)
 
 
