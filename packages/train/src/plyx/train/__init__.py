@@ -9,6 +9,7 @@ from plyx.train._dataset import IGNORE_INDEX, DataStream, TokenDataset
 from plyx.train._defaults import default_config
 from plyx.train._generate import generate_ids
 from plyx.train._loss import lm_loss
+from plyx.train._memory import MemoryEstimate, plan_memory, propose_fit
 from plyx.train._metrics import MetricsWriter, spectral_ratios
 from plyx.train._optim import available_optimizers, build_optimizer, param_groups
 from plyx.train._prepare import PrepareReport, bundled_corpus, prepare_bundled, prepare_corpus, read_documents
@@ -38,6 +39,9 @@ __all__ = [
     "bundled_corpus",
     "default_config",
     "estimate_memory",
+    "MemoryEstimate",
+    "plan_memory",
+    "propose_fit",
     "generate_ids",
     "lm_loss",
     "load_tokenizer",

@@ -45,6 +45,7 @@ from plyx.train._dataset import TokenDataset
 from plyx.train._datasource import resolve_data_dir
 from plyx.train._generate import generate_ids
 from plyx.train._loss import lm_loss
+from plyx.train._memory import _size, plan_memory, propose_fit
 from plyx.train._metrics import (
     SPECTRAL_RANGE,
     MetricsWriter,
@@ -177,19 +178,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def estimate_memory(config: TrainConfig, num_params: int) -> int:
-    """A deliberately rough upper estimate of training memory, in bytes.
+    """The peak bytes of a training step (``plyx.train._memory.plan_memory``'s total, for the config's device).
 
-    Weights, gradients and two AdamW moments in float32 (16 bytes per parameter),
-    plus activations per layer per token of about ``34 D + 5 H T`` values
-    (Korthikanti et al. 2022, table 2), kept for every layer unless activation
-    checkpointing keeps only the layer inputs.
+    Weights, gradients, optimizer states, autocast's weight copies, activations saved per layer (with or
+    without checkpointing) and the fused loss's logits block; within 25% of the measured peak
+    (``tests/test_memory.py``).
     """
-    m = config.model
-    B, T, L, D, H = config.batch_size, config.data.seq_len, m.n_layers, m.d_model, m.n_heads
-    value = 2 if config.precision == "bf16-autocast" else 4
-    per_layer = B * T * (34 * D + 5 * H * T) * value
-    acts = (L * B * T * D * 4 + per_layer) if config.activation_checkpointing else L * per_layer
-    return 16 * num_params + acts
+    return plan_memory(config, num_params, device_type=resolve_device(config.device).type).total
 
 
 def _device_memory(device: torch.device) -> int:
@@ -367,17 +362,19 @@ class Trainer:
 
     def _check_memory(self) -> None:
         params = sum(p.numel() for p in self.module.parameters())
-        need = estimate_memory(self.config, params)
+        plan = plan_memory(self.config, params, device_type=self.device.type)
         have = self.options.memory_bytes or _device_memory(self.device)
-        if need > have:
+        if plan.total > have:
             c = self.config
+            proposal = propose_fit(c, params, have, device_type=self.device.type)
             raise ConfigError(
                 "$.batch_size",
                 f"batch_size={c.batch_size} x data.seq_len={c.data.seq_len} with a {params:,}-parameter model needs "
-                f"about {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {self.device}",
+                f"about {_size(plan.total)} ({plan.table()}), more than the {_size(have)} of {self.device}",
                 value=c.batch_size,
-                fix="lower batch_size (and raise grad_accum to keep the tokens per step), lower data.seq_len, "
-                    "or set activation_checkpointing = true",
+                fix=f"set {proposal}" if proposal else
+                    "the weights and optimizer states alone do not fit: use a smaller model, or shard it "
+                    "(plyx-dist), or lower data.seq_len",
             )
 
     def _load(self, path: Path) -> None:
