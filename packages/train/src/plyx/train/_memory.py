@@ -21,8 +21,8 @@ activation checkpointing a layer keeps only its input (``r D`` per token) and on
 a time. The loss (``linear_cross_entropy``) holds one ``[chunk, V]`` logits block, never ``[N, V]``.
 
 The old estimate (a Korthikanti table sized for Megatron's unfused layers, ``34 D + 5 H T`` values per
-token, T x T scores included) refused 8 x 2048 of a 1B model as 281.7 GiB; this one says ~48 GiB there
-and ~25 GiB at 2 x 2048, which peaked at 24 GB on an H200.
+token, T x T scores included) refused 8 x 2048 of a 1B model as 281.7 GiB; this one says 42.0 GiB there
+and 20.4 GiB at 2 x 2048, which peaked at 24 GB on an H200.
 """
 
 from __future__ import annotations
