@@ -149,3 +149,16 @@ def test_attention_lse_is_refused_with_the_fix() -> None:
     with pytest.raises(NotImplementedError, match="return_lse"):
         traceable("attention")(q, q, q, return_lse=True)
     assert traceable("rope_store_kv") is None
+
+
+def test_export_keeps_the_implementation_ops() -> None:
+    """``torch.export`` (ONNX export's tracer) must not see ``plyx::`` ops: ``traceable`` steps aside."""
+
+    class Norm(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            fn = traceable("rmsnorm") if torch.compiler.is_compiling() else None
+            return (fn or K.rmsnorm)(x, torch.ones(x.shape[-1]))
+
+    program = torch.export.export(Norm(), (torch.randn(2, 8),))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert not any("plyx" in t for t in targets), targets

@@ -99,3 +99,10 @@ def test_refusal_proposes_a_plan_that_fits(tiny_config, prepared: Path, tmp_path
     with pytest.raises(ConfigError, match=r"batch_size = 4 with grad_accum = 2 \(same tokens per step\)"):
         Trainer(config, model=model, options=TrainOptions(memory_bytes=budget, progress=False, tensorboard=False))
     assert propose_fit(config, params, params * 4, device_type="cpu") == ""  # the weights alone do not fit
+
+
+def test_optimizer_state_follows_the_optimizer(tiny_config, prepared: Path, tmp_path: Path) -> None:
+    adamw = plan_memory(tiny_config(prepared, tmp_path), 1_000_000)
+    lean = plan_memory(tiny_config(prepared, tmp_path, optimizer={"name": "adamw8bit"}), 1_000_000)
+    assert adamw.optimizer == 8_000_000 and lean.optimizer == 2_003_906
+    assert adamw.total - lean.total == adamw.optimizer - lean.optimizer

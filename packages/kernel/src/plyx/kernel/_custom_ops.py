@@ -272,6 +272,10 @@ def traceable(name: str) -> Callable[..., Any] | None:
     """The ``torch.compile``-safe callable of kernel ``name`` (its documented signature), or None when the
     name has no custom op (inference-only kernels: ``rope_store_kv``, ``gemv``, ...; call those eagerly).
 
-    The implementation is still chosen by the registry, at run time, inside the op.
+    The implementation is still chosen by the registry, at run time, inside the op. Under ``torch.export``
+    (which ``torch.compiler.is_compiling()`` also reports) it returns None: an exported program must hold
+    the implementation's own ops (ONNX has no translation for ``plyx::`` ops).
     """
+    if torch.compiler.is_exporting():
+        return None
     return _CALLS.get(name)

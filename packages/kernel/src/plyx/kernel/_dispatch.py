@@ -82,7 +82,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **options: Any) -
     if torch.compiler.is_compiling():
         from plyx.kernel._custom_ops import traceable
 
-        return traceable("cross_entropy")(logits, targets, **options)  # type: ignore[misc]
+        op = traceable("cross_entropy")  # None under torch.export
+        if op is not None:
+            return op(logits, targets, **options)
     return registry().get("cross_entropy", logits, targets)(logits, targets, **options)
 
 
@@ -94,7 +96,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if torch.compiler.is_compiling():
         from plyx.kernel._custom_ops import traceable
 
-        return traceable("linear_cross_entropy")(hidden, weight, targets, **options)  # type: ignore[misc]
+        op = traceable("linear_cross_entropy")  # None under torch.export
+        if op is not None:
+            return op(hidden, weight, targets, **options)  # type: ignore[no-any-return]
     return registry().get("linear_cross_entropy", hidden, weight, targets)(hidden, weight, targets, **options)
 
 

@@ -32,9 +32,13 @@ import math
 import attrs
 from plyx.specs import TrainConfig
 
-__all__ = ["MemoryEstimate", "plan_memory", "propose_fit"]
+__all__ = ["MemoryEstimate", "OPTIMIZER_STATE_BYTES", "plan_memory", "propose_fit"]
 
 GiB = 2**30
+
+#: optimizer state bytes per parameter of the built-in optimizers: AdamW two float32 moments; SGD one
+#: momentum buffer; adamw8bit one byte per moment plus a float32 absmax per 2048 values
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 4, "adamw8bit": 2 + 8 / 2048}
 
 #: elements of one logits block of the fused loss (plyx-kernel's Triton ``linear_cross_entropy``: 2^26; the
 #: reference: 2^22 float32 values, with ~3 blocks alive in its backward: logits, probabilities, dz)
@@ -81,7 +85,7 @@ def _size(n: int) -> str:
 
 
 def plan_memory(config: TrainConfig, num_params: int, *, device_type: str = "cuda", batch_size: int | None = None,
-                checkpointing: bool | None = None, optimizer_bytes_per_param: int = 8) -> MemoryEstimate:
+                checkpointing: bool | None = None, optimizer_bytes_per_param: float | None = None) -> MemoryEstimate:
     """The peak memory of one training step of ``config`` (``TransformerLM``, eager), term by term.
 
     Args:
@@ -89,7 +93,8 @@ def plan_memory(config: TrainConfig, num_params: int, *, device_type: str = "cud
         num_params: trainable parameters (each tensor once).
         device_type: ``"cuda"`` (Triton/flash kernels) or ``"cpu"`` (reference kernels; their loss blocks).
         batch_size, checkpointing: overrides of the config's (to search for a plan that fits).
-        optimizer_bytes_per_param: optimizer state bytes per parameter (AdamW: 8).
+        optimizer_bytes_per_param: optimizer state bytes per parameter (default: by ``config.optimizer.name``,
+            ``OPTIMIZER_STATE_BYTES``; 8, AdamW's two float32 moments, for an optimizer it does not know).
 
     Returns:
         A ``MemoryEstimate``; ``.total`` is the peak in bytes.
@@ -117,7 +122,10 @@ def plan_memory(config: TrainConfig, num_params: int, *, device_type: str = "cud
     workspace = per_layer
     weights = num_params * r
     grads = num_params * r
-    optimizer = num_params * optimizer_bytes_per_param
+    per_param = optimizer_bytes_per_param
+    if per_param is None:
+        per_param = OPTIMIZER_STATE_BYTES.get(config.optimizer.name, 8)
+    optimizer = int(num_params * per_param)
     copies_bf16 = num_params * 2 if autocast else 0
     forward_end = (weights + optimizer + copies_bf16 + activations + loss + workspace
                    + (grads if config.grad_accum > 1 else 0))
