@@ -108,7 +108,8 @@ def _block(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, head: torch.Tenso
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_without_graph_breaks_equals_eager(backend: str) -> None:
+def test_compiled_without_graph_breaks_equals_eager(backend: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # hermetic: Inductor's C++ cache
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 6, 16, generator=g, requires_grad=True)
     w = (1 + 0.1 * torch.randn(16, generator=g)).requires_grad_()

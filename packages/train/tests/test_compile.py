@@ -12,7 +12,9 @@ from plyx.train import Trainer, TrainOptions
 QUIET = {"progress": False, "tensorboard": False}
 
 
-def test_compile_true_trains_like_eager(tiny_config, prepared: Path, tmp_path: Path) -> None:
+def test_compile_true_trains_like_eager(tiny_config, prepared: Path, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # hermetic: Inductor's C++ cache
     runs = {}
     for compiled in (False, True):
         torch._dynamo.reset()
