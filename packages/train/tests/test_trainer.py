@@ -239,7 +239,7 @@ def test_tokenizer_and_vocab_mismatch(tiny_config, prepared: Path, corpus: Path,
 
 
 def test_impossible_batch_and_memory(tiny_config, prepared: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"batch_size=4 x data.seq_len=16.*GiB.*lower batch_size"):
+    with pytest.raises(ConfigError, match=r"batch_size=4 x data.seq_len=16.*MiB.*weights and optimizer states alone do not fit"):
         Trainer(tiny_config(prepared, tmp_path / "run"), options=TrainOptions(memory_bytes=1 << 16, **QUIET))
     with pytest.raises(ConfigError, match="max_seq_len"):
         tiny_config(prepared, tmp_path / "run", data={"seq_len": 64})

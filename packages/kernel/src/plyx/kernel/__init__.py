@@ -8,6 +8,8 @@ Public surface:
 - one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``,
   ``rope_store_kv``, ``rmsnorm_linear``, ``swiglu_linear``, ``gemv``, ``moe_permute``, ``moe_unpermute``, ``grouped_gemm``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
   is the callable subpackage ``plyx.kernel.attention``) and ``rope_tables``.
+- ``traceable(name)``: the kernel as a ``torch.library`` custom op (``plyx::<name>``), for code under
+  ``torch.compile``.
 - ``plyx.kernel.reference``: the pure-PyTorch definitions.
 """
 
@@ -39,6 +41,7 @@ __all__ = [
     "rope_tables",
     "swiglu",
     "swiglu_linear",
+    "traceable",
 ]
 
 

@@ -78,12 +78,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, bias: torch.Tensor | None = N
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, **options: Any) -> Any:
-    """Cross-entropy of ``logits [N, V]``; options as the ``cross_entropy`` kernel."""
+    """Cross-entropy of ``logits [N, V]``; options as the ``cross_entropy`` kernel (a custom op under compile)."""
+    if torch.compiler.is_compiling():
+        from plyx.kernel._custom_ops import traceable
+
+        op = traceable("cross_entropy")  # None under torch.export
+        if op is not None:
+            return op(logits, targets, **options)
     return registry().get("cross_entropy", logits, targets)(logits, targets, **options)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, **options: Any) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits."""
+    """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits.
+
+    Under ``torch.compile`` it is the opaque custom op ``plyx::linear_cross_entropy`` (``traceable``).
+    """
+    if torch.compiler.is_compiling():
+        from plyx.kernel._custom_ops import traceable
+
+        op = traceable("linear_cross_entropy")  # None under torch.export
+        if op is not None:
+            return op(hidden, weight, targets, **options)  # type: ignore[no-any-return]
     return registry().get("linear_cross_entropy", hidden, weight, targets)(hidden, weight, targets, **options)
 
 

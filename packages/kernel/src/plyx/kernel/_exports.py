@@ -3,6 +3,7 @@
 # ruff: noqa: F401
 
 from plyx.kernel import attention  # the subpackage; calling it dispatches the `attention` kernel
+from plyx.kernel._custom_ops import traceable
 from plyx.kernel._default import configure, registry, reset_registry
 from plyx.kernel._dispatch import (
     cross_entropy,

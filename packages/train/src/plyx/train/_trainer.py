@@ -46,6 +46,7 @@ from plyx.train._datasource import resolve_data_dir
 from plyx.train._distributed import LocalStrategy, resolve_strategy
 from plyx.train._generate import generate_ids
 from plyx.train._loss import lm_loss
+from plyx.train._memory import _size, plan_memory, propose_fit
 from plyx.train._metrics import (
     SPECTRAL_RANGE,
     MetricsWriter,
@@ -60,6 +61,7 @@ from plyx.train._progress import StepTimer, format_log_line, format_speed, progr
 from plyx.train._recovery import Recovery, mark_hooked, recover, rerun_saved_hooks
 from plyx.train._schedule import build_scheduler
 from plyx.train._shards import MANIFEST, ShardSet
+from plyx.train._step_stats import PendingStep, StepStats, can_skip_update, skip_update
 from plyx.train._tokenizer import CHAR, Tokenizer, load_tokenizer
 from torch import nn
 
@@ -109,6 +111,9 @@ class TrainOptions:
         handle_signals: checkpoint and stop cleanly on SIGINT/SIGTERM.
         verify_data: recompute the shards' sha256 before training.
         memory_bytes: memory to check the estimate against (default: the device's total).
+        async_stats: read each step's loss and grad norm back a step late, without a host sync inside
+            the step (a non-finite step's update is skipped on the device, then reported); None: on CUDA
+            with a fused optimizer. Metrics, hooks and log lines are the same either way.
         data_cache: where the bundled corpus is prepared (default: ``$PLYX_DATA_DIR``, else
             ``$PLYX_CACHE_DIR/data``, else ~/.cache/plyx/data).
         print_fn: where progress lines go when the bar is off (None: silent).
@@ -134,6 +139,7 @@ class TrainOptions:
     handle_signals: bool = True
     verify_data: bool = True
     memory_bytes: int | None = None
+    async_stats: bool | None = None
     data_cache: str | None = None
     print_fn: Callable[[str], None] | None = None
     name: str | None = None
@@ -178,19 +184,13 @@ def resolve_device(name: str) -> torch.device:
 
 
 def estimate_memory(config: TrainConfig, num_params: int) -> int:
-    """A deliberately rough upper estimate of training memory, in bytes.
+    """The peak bytes of a training step (``plyx.train._memory.plan_memory``'s total, for the config's device).
 
-    Weights, gradients and two AdamW moments in float32 (16 bytes per parameter),
-    plus activations per layer per token of about ``34 D + 5 H T`` values
-    (Korthikanti et al. 2022, table 2), kept for every layer unless activation
-    checkpointing keeps only the layer inputs.
+    Weights, gradients, optimizer states, autocast's weight copies, activations saved per layer (with or
+    without checkpointing) and the fused loss's logits block; within 25% of the measured peak
+    (``tests/test_memory.py``).
     """
-    m = config.model
-    B, T, L, D, H = config.batch_size, config.data.seq_len, m.n_layers, m.d_model, m.n_heads
-    value = 2 if config.precision == "bf16-autocast" else 4
-    per_layer = B * T * (34 * D + 5 * H * T) * value
-    acts = (L * B * T * D * 4 + per_layer) if config.activation_checkpointing else L * per_layer
-    return 16 * num_params + acts
+    return plan_memory(config, num_params, device_type=resolve_device(config.device).type).total
 
 
 def _device_memory(device: torch.device) -> int:
@@ -383,17 +383,19 @@ class Trainer:
 
     def _check_memory(self) -> None:
         params = sum(p.numel() for p in self.module.parameters())
-        need = estimate_memory(self.config, params)
+        plan = plan_memory(self.config, params, device_type=self.device.type)
         have = self.options.memory_bytes or _device_memory(self.device)
-        if need > have:
+        if plan.total > have:
             c = self.config
+            proposal = propose_fit(c, params, have, device_type=self.device.type)
             raise ConfigError(
                 "$.batch_size",
                 f"batch_size={c.batch_size} x data.seq_len={c.data.seq_len} with a {params:,}-parameter model needs "
-                f"about {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of {self.device}",
+                f"about {_size(plan.total)} ({plan.table()}), more than the {_size(have)} of {self.device}",
                 value=c.batch_size,
-                fix="lower batch_size (and raise grad_accum to keep the tokens per step), lower data.seq_len, "
-                    "or set activation_checkpointing = true",
+                fix=f"set {proposal}" if proposal else
+                    "the weights and optimizer states alone do not fit: use a smaller model, or shard it "
+                    "(plyx-dist), or lower data.seq_len",
             )
 
     def _load(self, path: Path) -> None:
@@ -478,6 +480,48 @@ class Trainer:
         timer = StepTimer()
         self._rerun_missed_hooks()
         self.model.train()
+        # each step's loss and grad norm reach the host a step late on CUDA (no sync inside the step) when the
+        # optimizer can skip a non-finite update on the device (fused); otherwise they are read at once
+        deferred = opts.async_stats if opts.async_stats is not None else self.device.type == "cuda"
+        local = st.world_size == 1 and not st.sharded  # ranks must agree on each step's loss and on stopping at once
+        stats = StepStats(self.device, lookahead=1 if deferred and local and can_skip_update(self.optimizer) else 0)
+
+        def emit(p: PendingStep) -> dict[str, float]:
+            """Step ``p``'s metrics: the non-finite check (deferred steps), the step hook, the log line."""
+            nonlocal window_t, window_steps
+            loss_value, grad_norm = p.read()
+            if not math.isfinite(loss_value):
+                bad = int((~torch.isfinite(p.extra["step_losses"])).nonzero()[0, 0])
+                raise NonFiniteLossError(p.step, "loss", loss_value, p.extra["metas"][bad], self.last_checkpoint)
+            if not math.isfinite(grad_norm):
+                raise NonFiniteLossError(p.step, "grad_norm", grad_norm, p.extra["metas"][-1], self.last_checkpoint)
+            losses.append(loss_value)
+            metrics: dict[str, float] = {
+                "loss": loss_value, "lr": p.extra["lr"], "grad_norm": grad_norm,
+                "tokens": float(p.step * tokens_per_step), "ms_per_step": p.extra["dt"] * 1e3,
+            }
+            if self.is_main:
+                hook.plyx_on_train_step_end(step=p.step, metrics=metrics)
+            if p.step % c.log_every == 0 or p.step == c.steps:
+                elapsed = time.perf_counter() - window_t
+                tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
+                metrics["tokens_per_s"] = tps
+                if self.peak_flops and self.flops_per_token:
+                    # global FLOPs over the peak of every rank's device
+                    metrics["mfu"] = tps * self.flops_per_token / (self.peak_flops * st.world_size)
+                metrics["peak_mem_mb"] = peak_memory_mb(self.device)
+                if st.world_size > 1:
+                    metrics.update(self._rank_metrics(elapsed, window_steps, metrics["peak_mem_mb"]))
+                metrics.update(p.extra["detail"])
+                window_t, window_steps = time.perf_counter(), 0
+                if bar is None:
+                    self._say(None, format_log_line(p.step, metrics, timer.eta(c.steps - p.step)))
+                else:
+                    bar.update(bar.task_ids[0], speed=format_speed(metrics))
+            if bar is not None:
+                bar.update(bar.task_ids[0], completed=p.step, loss=f"{loss_value:.4f}")
+            return metrics
+
         with self._signals(), self._progress(start_step, timer) as bar:
             try:
                 while self.step < c.steps and self._stop is None:
@@ -498,18 +542,25 @@ class Trainer:
                         micro.append(loss.detach())
                         metas.append(batch.meta)
                     step_losses = torch.stack(micro)
-                    loss_value = float(step_losses.mean())  # a CPU-GPU sync point, once per step
-                    rank_loss = loss_value
-                    # the global batch's loss, and whether any rank got a signal: all ranks stop after the same step
-                    loss_value, signalled = st.reduce_mean([loss_value, 1.0 if self._signal else 0.0])
-                    if signalled and self._stop is None:
-                        self._stop = self._signal or "SIGTERM"
-                    if not math.isfinite(loss_value):
-                        bad = int((~torch.isfinite(step_losses)).nonzero()[0, 0]) if not math.isfinite(rank_loss) else 0
-                        raise NonFiniteLossError(self.step + 1, "loss", loss_value, metas[bad], self.last_checkpoint)
-                    grad_norm = st.clip_grad_norm(params, clip)
-                    if not math.isfinite(grad_norm):
-                        raise NonFiniteLossError(self.step + 1, "grad_norm", grad_norm, metas[-1], self.last_checkpoint)
+                    loss_mean = step_losses.mean()
+                    if stats.lookahead:  # the device skips a non-finite update; the host learns of it a step later
+                        grad_norm_t = torch.nn.utils.clip_grad_norm_(params, clip)
+                        skip_update(self.optimizer, loss_mean, grad_norm_t)
+                    else:
+                        loss_value = float(loss_mean)  # a CPU-GPU sync point, once per step
+                        rank_loss = loss_value
+                        # the global batch's loss, and whether any rank got a signal: all ranks stop after one step
+                        loss_value, signalled = st.reduce_mean([loss_value, 1.0 if self._signal else 0.0])
+                        if signalled and self._stop is None:
+                            self._stop = self._signal or "SIGTERM"
+                        if not math.isfinite(loss_value):
+                            bad = int((~torch.isfinite(step_losses)).nonzero()[0, 0]) if not math.isfinite(rank_loss) else 0
+                            raise NonFiniteLossError(self.step + 1, "loss", loss_value, metas[bad], self.last_checkpoint)
+                        grad_norm = st.clip_grad_norm(params, clip)
+                        if not math.isfinite(grad_norm):
+                            raise NonFiniteLossError(self.step + 1, "grad_norm", grad_norm, metas[-1],
+                                                     self.last_checkpoint)
+                        loss_mean, grad_norm_t = torch.tensor(loss_value), torch.tensor(grad_norm)
                     detail = self._detail_metrics() if not st.sharded else {}
                     lr = self.scheduler.get_last_lr()[0]
                     self.optimizer.step()
@@ -519,31 +570,17 @@ class Trainer:
                     self.data_position = stream.position
                     dt = time.perf_counter() - t0
                     timer.update(dt)
-                    losses.append(loss_value)
                     window_steps += 1
-                    metrics: dict[str, float] = {
-                        "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-                        "tokens": float(self.step * tokens_per_step), "ms_per_step": dt * 1e3,
-                    }
-                    if self.is_main:
-                        hook.plyx_on_train_step_end(step=self.step, metrics=metrics)
-                    if self.step % c.log_every == 0 or self.step == c.steps:
-                        elapsed = time.perf_counter() - window_t
-                        tps = tokens_per_step * window_steps / max(elapsed, 1e-9)
-                        metrics["tokens_per_s"] = tps
-                        if self.peak_flops and self.flops_per_token:
-                            # global FLOPs over the peak of every rank's device
-                            metrics["mfu"] = tps * self.flops_per_token / (self.peak_flops * st.world_size)
-                        metrics["peak_mem_mb"] = peak_memory_mb(self.device)
-                        if st.world_size > 1:
-                            metrics.update(self._rank_metrics(elapsed, window_steps, metrics["peak_mem_mb"]))
-                        metrics.update(detail)
-                        window_t, window_steps = time.perf_counter(), 0
-                        if bar is None:
-                            self._say(None, format_log_line(self.step, metrics, timer.eta(c.steps - self.step)))
-                        else:
-                            bar.update(bar.task_ids[0], speed=format_speed(metrics))
-                    if c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps):
+                    stats.push(self.step, loss_mean, grad_norm_t, lr=lr, dt=dt, detail=detail, metas=metas,
+                               step_losses=step_losses)
+                    evaluating = bool(c.eval_every and (self.step % c.eval_every == 0 or self.step == c.steps))
+                    due = (evaluating or self.step % c.log_every == 0 or self.step == c.steps or self._stop is not None
+                           or bool(c.checkpoint_every and self.step % c.checkpoint_every == 0))
+                    metrics: dict[str, float] = {}
+                    for pending in stats.ready(flush=due):  # earlier steps' scalars (all of them when due)
+                        metrics = emit(pending)
+                        last.update(metrics)
+                    if evaluating:
                         t_eval = time.perf_counter()
                         metrics.update(self.evaluate())
                         sample = self.sample()
@@ -551,15 +588,15 @@ class Trainer:
                         self._say(bar, f"step {self.step}: val_loss {metrics['val_loss']:.4f} "
                                        f"(ppl {metrics['val_ppl']:.2f}){shown}")
                         window_t += time.perf_counter() - t_eval  # evaluation is not training throughput
-                    if writer is not None and ("tokens_per_s" in metrics or "val_loss" in metrics):
+                        last.update(metrics)
+                    if due and writer is not None and ("tokens_per_s" in metrics or "val_loss" in metrics):
                         writer.write(self.step, metrics)
-                    last.update(metrics)
-                    if bar is not None:
-                        bar.update(bar.task_ids[0], completed=self.step, loss=f"{loss_value:.4f}")
                     if c.checkpoint_every and self.step % c.checkpoint_every == 0 and self.step < c.steps:
                         t_save = time.perf_counter()
                         self.save(last)
                         window_t += time.perf_counter() - t_save  # nor is checkpointing
+                for pending in stats.ready(flush=True):
+                    last.update(emit(pending))
                 if self._saved_step != self.step:  # the final (or interrupted) state, unless just saved
                     self.save(last)
                 if self._stop is not None:

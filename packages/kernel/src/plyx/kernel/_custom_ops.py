@@ -1,0 +1,281 @@
+"""The training kernels as ``torch.library`` custom ops, so ``torch.compile`` treats them as opaque ops.
+
+Under ``torch.compile`` Dynamo would otherwise trace into the registry's chosen implementation: into
+the registry's caches (graph breaks) and, for Triton kernels, into the kernels themselves, where
+Inductor's mutation analysis fails on inline PTX (the 1B run's ``tt.elementwise_inline_asm``
+InductorError). A custom op is one node of known output shape (its fake implementation), run eagerly
+by the compiled graph, whatever implementation the registry picks at run time.
+
+Each op ``plyx::<name>`` has:
+
+- a forward that asks the default registry for the implementation (device, dtype, sizes) and calls it
+  without autograd (the output never aliases an input: a view is copied);
+- a fake implementation that allocates outputs of the right shape and dtype (``opcheck``-tested);
+- an autograd formula (``register_autograd``) that calls a second op ``plyx::<name>_backward``,
+  itself opaque: it re-runs the chosen implementation's forward with autograd on and differentiates
+  it (``torch.autograd.grad``). The forward saves only its inputs, never the implementation's
+  intermediate state (which a custom op cannot return through a traced graph without widening its
+  schema), so the backward pays one more forward of the op: ~1/3 of an elementwise op's fwd+bwd
+  traffic, one lm-head matmul chunk loop for ``linear_cross_entropy``, the attention forward for
+  ``attention``. Measured on a GPU by ``plyx-train``'s ``bench/mfu.py`` (eager vs compiled).
+
+Model code reaches these through ``traceable(name)`` when ``torch.compiler.is_compiling()``; eager
+calls keep using ``registry().get(...)`` directly (no recompute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["OPS", "traceable"]
+
+_LIB = "plyx"
+
+
+def _select(name: str, *tensors: torch.Tensor, **shape: int) -> Callable[..., Any]:
+    from plyx.kernel._default import registry
+
+    return registry().get(name, *tensors, **shape)
+
+
+def _own(out: Any, inputs: Sequence[Any]) -> Any:
+    """``out`` with every tensor that shares storage with an input or an earlier output copied: a custom op's
+    outputs may alias neither (rmsnorm's backward returns one tensor as the gradient of x and of residual)."""
+    flat = [a for x in inputs for a in (x if isinstance(x, list | tuple) else (x,))]
+    ptrs = {a.untyped_storage().data_ptr() for a in flat if isinstance(a, torch.Tensor) and a.numel()}
+
+    def fix(t: torch.Tensor) -> torch.Tensor:
+        if not t.numel():
+            return t
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in ptrs:
+            return t.clone()
+        ptrs.add(ptr)
+        return t
+
+    if isinstance(out, list | tuple):
+        return type(out)(fix(t) for t in out)
+    return fix(out)
+
+
+def _with_autograd() -> Any:
+    """A guard that restores the autograd dispatch keys an op's implementation runs without (the backward
+    differentiates the forward). Autocast stays off inside the ops, as for any op below autocast: the
+    implementations run in their inputs' dtypes (model code casts before the call, as in eager)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+_AUTOGRAD_KEYS = [getattr(torch._C.DispatchKey, k) for k in dir(torch._C.DispatchKey)
+                  if k.startswith("Autograd") and k not in ("Autograd", "AutogradFunctionality")]
+
+
+# -- one call per op: the registry's implementation with the op's positional schema -------------------
+
+def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Any:
+    return _select("rmsnorm", x, weight, hidden=int(x.shape[-1]))(x, weight, eps=eps)
+
+
+def _rmsnorm_residual(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float) -> Any:
+    return _select("rmsnorm", x, weight, hidden=int(x.shape[-1]))(x, weight, eps=eps, residual=residual)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> Any:
+    return _select("swiglu", gate, up, hidden=int(gate.shape[-1]))(gate, up)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> Any:
+    return _select("rope", x, cos, sin, head_dim=int(x.shape[-1]))(x, cos, sin, interleaved=interleaved)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               document_ids: torch.Tensor | None, causal: bool, scale: float | None, window: int | None) -> Any:
+    fn = _select("attention", q, k, v, head_dim=int(q.shape[-1]))
+    return fn(q, k, v, causal=causal, scale=scale, mask=mask, document_ids=document_ids, window=window)
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float,
+                   z_loss: float, reduction: str) -> Any:
+    return _select("cross_entropy", logits, targets)(logits, targets, ignore_index=ignore_index,
+                                                     label_smoothing=label_smoothing, z_loss=z_loss,
+                                                     reduction=reduction)
+
+
+def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          bias: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
+                          reduction: str) -> Any:
+    return _select("linear_cross_entropy", hidden, weight, targets)(
+        hidden, weight, targets, bias=bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        z_loss=z_loss, reduction=reduction)
+
+
+# -- fake (meta) implementations: shapes and dtypes only ----------------------------------------------
+
+def _loss_fake(rows: torch.Tensor, reduction: str) -> torch.Tensor:
+    n = rows.shape[0]
+    # float32 losses (float64 for float64 inputs, as the reference computes them)
+    return rows.new_empty((n,) if reduction == "none" else (), dtype=torch.promote_types(rows.dtype, torch.float32))
+
+
+_FAKES: dict[str, Callable[..., Any]] = {
+    "rmsnorm": lambda x, w, eps: torch.empty_like(x),
+    "rmsnorm_residual": lambda x, w, r, eps: (torch.empty_like(x), torch.empty_like(x)),
+    "swiglu": lambda g, u: torch.empty_like(g),
+    "rope": lambda x, c, s, il: torch.empty_like(x),
+    # o [B, T, H, Dv]: q's batch, tokens and heads, v's head dim
+    "attention": lambda q, k, v, *_: q.new_empty((*q.shape[:-1], v.shape[-1])),
+    "cross_entropy": lambda z, t, ii, ls, zl, red: _loss_fake(z, red),
+    "linear_cross_entropy": lambda h, w, t, b, ii, ls, zl, red: _loss_fake(h, red),
+}
+
+# name -> (schema of the arguments, the call, positions of the differentiable tensor arguments, outputs)
+_SPECS: dict[str, tuple[str, Callable[..., Any], tuple[int, ...], int]] = {
+    "rmsnorm": ("Tensor x, Tensor weight, float eps", _rmsnorm, (0, 1), 1),
+    "rmsnorm_residual": ("Tensor x, Tensor weight, Tensor residual, float eps", _rmsnorm_residual, (0, 1, 2), 2),
+    "swiglu": ("Tensor gate, Tensor up", _swiglu, (0, 1), 1),
+    "rope": ("Tensor x, Tensor cos, Tensor sin, bool interleaved", _rope, (0,), 1),
+    "attention": ("Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? document_ids, bool causal, float? scale, "
+                  "SymInt? window", _attention, (0, 1, 2), 1),
+    "cross_entropy": ("Tensor logits, Tensor targets, SymInt ignore_index, float label_smoothing, float z_loss, "
+                      "str reduction", _cross_entropy, (0,), 1),
+    "linear_cross_entropy": ("Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, SymInt ignore_index, "
+                             "float label_smoothing, float z_loss, str reduction", _linear_cross_entropy,
+                             (0, 1, 3), 1),
+}
+
+
+def _define(name: str) -> Any:
+    """Define ``plyx::<name>`` and ``plyx::<name>_backward`` and wire the autograd formula; returns the op."""
+    schema, call, diff, n_out = _SPECS[name]
+    returns = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
+
+    def forward(*args: Any) -> Any:
+        with torch.no_grad():
+            return _own(call(*args), args)
+
+    op = torch.library.custom_op(f"{_LIB}::{name}", forward, mutates_args=(), schema=f"({schema}) -> {returns}")
+    op.register_fake(_FAKES[name])
+
+    def backward_impl(grads: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
+        """Gradients of the differentiable arguments (an empty tensor for an absent optional one)."""
+        with _with_autograd(), torch.enable_grad():
+            leaves = list(args)
+            for i in diff:
+                if isinstance(args[i], torch.Tensor):
+                    leaves[i] = args[i].detach().requires_grad_(True)
+            out = call(*leaves)
+            outs = out if isinstance(out, tuple) else (out,)
+            wrt = [leaves[i] for i in diff if isinstance(leaves[i], torch.Tensor)]
+            got = iter(torch.autograd.grad(outs, wrt, list(grads), allow_unused=True, materialize_grads=True))
+        result = [next(got).contiguous() if isinstance(args[i], torch.Tensor) else grads[0].new_empty(0)
+                  for i in diff]
+        return _own(result, (grads, *args))  # type: ignore[no-any-return]
+
+    def backward_fake(grads: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
+        return [torch.empty_like(args[i]) if isinstance(args[i], torch.Tensor) else grads[0].new_empty(0)
+                for i in diff]
+
+    bwd = torch.library.custom_op(f"{_LIB}::{name}_backward", backward_impl, mutates_args=(),
+                                  schema=f"(Tensor[] grads, {schema}) -> Tensor[]")
+    bwd.register_fake(backward_fake)
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.tensor_pos = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
+        ctx.save_for_backward(*[inputs[i] for i in ctx.tensor_pos])
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in inputs]
+
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        args = list(ctx.others)
+        for i, t in zip(ctx.tensor_pos, ctx.saved_tensors, strict=True):
+            args[i] = t
+        # an unused output's gradient arrives as None; rmsnorm_residual's two outputs have x's shape
+        filled = [g if g is not None else torch.zeros_like(args[0]) for g in grads]
+        got = bwd(filled, *args)
+        result: list[torch.Tensor | None] = [None] * len(args)
+        for i, g in zip(diff, got, strict=True):
+            if isinstance(args[i], torch.Tensor) and ctx.needs_input_grad[i]:
+                result[i] = g
+        return tuple(result)
+
+    op.register_autograd(backward, setup_context=setup_context)
+    return op
+
+
+#: ``plyx::<name>`` ops, defined at import (never inside a traced region: Dynamo cannot trace a definition)
+OPS: dict[str, Any] = {name: _define(name) for name in _SPECS}
+
+
+def _op(name: str) -> Any:
+    return OPS[name]
+
+
+# -- the wrappers model code calls: the kernel name's documented signature ---------------------------
+
+def _rmsnorm_call(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
+                  residual: torch.Tensor | None = None) -> Any:
+    if residual is None:
+        return _op("rmsnorm")(x, weight, float(eps))
+    return _op("rmsnorm_residual")(x, weight, residual, float(eps))
+
+
+def _swiglu_call(gate: torch.Tensor, up: torch.Tensor) -> Any:
+    return _op("swiglu")(gate, up)
+
+
+def _rope_call(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> Any:
+    return _op("rope")(x, cos, sin, bool(interleaved))
+
+
+def _attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    scale: float | None = None, mask: torch.Tensor | None = None,
+                    document_ids: torch.Tensor | None = None, window: int | None = None,
+                    return_lse: bool = False) -> Any:
+    if return_lse:
+        raise NotImplementedError("plyx::attention (torch.compile path) returns no lse; call the kernel eagerly "
+                                  "(outside torch.compile) when return_lse=True is needed")
+    return _op("attention")(q, k, v, mask, document_ids, bool(causal), None if scale is None else float(scale),
+                            window)
+
+
+def _cross_entropy_call(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                        label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
+                        return_argmax: bool = False) -> Any:
+    loss = _op("cross_entropy")(logits, targets, int(ignore_index), float(label_smoothing), float(z_loss), reduction)
+    if return_argmax:  # no gradient flows through the argmax: plain torch, traced by Inductor
+        return loss, logits.argmax(-1)
+    return loss
+
+
+def _linear_cross_entropy_call(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                               bias: torch.Tensor | None = None, ignore_index: int = -100,
+                               label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean") -> Any:
+    return _op("linear_cross_entropy")(hidden, weight, targets, bias, int(ignore_index), float(label_smoothing),
+                                       float(z_loss), reduction)
+
+
+_CALLS: dict[str, Callable[..., Any]] = {
+    "rmsnorm": _rmsnorm_call,
+    "swiglu": _swiglu_call,
+    "rope": _rope_call,
+    "attention": _attention_call,
+    "cross_entropy": _cross_entropy_call,
+    "linear_cross_entropy": _linear_cross_entropy_call,
+}
+
+
+def traceable(name: str) -> Callable[..., Any] | None:
+    """The ``torch.compile``-safe callable of kernel ``name`` (its documented signature), or None when the
+    name has no custom op (inference-only kernels: ``rope_store_kv``, ``gemv``, ...; call those eagerly).
+
+    The implementation is still chosen by the registry, at run time, inside the op. Under ``torch.export``
+    (which ``torch.compiler.is_compiling()`` also reports) it returns None: an exported program must hold
+    the implementation's own ops (ONNX has no translation for ``plyx::`` ops).
+    """
+    if torch.compiler.is_exporting():
+        return None
+    return _CALLS.get(name)

@@ -1,0 +1,274 @@
+"""Tokens/s and MFU of plyx-train's step against a plain PyTorch loop, eager and compiled, in one run.
+
+Four variants on the same shape, data and device, one after the other (each builds its own model and
+optimizer, frees them, and resets the peak-memory counter):
+
+- ``plyx-eager``: plyx-train's step: ``TransformerLM`` + ``lm_loss`` (the registry's kernels: Triton
+  RMSNorm, SwiGLU, RoPE, flash attention, fused linear cross-entropy) under bf16 autocast, gradient
+  clipping, ``build_optimizer`` (fused AdamW), as ``Trainer.fit`` runs it, without the data loader;
+- ``plyx-compiled``: the same with ``torch.compile(model)`` (``compile = true``): the kernels are
+  ``plyx::`` custom ops (plyx-kernel >= 1.3), Inductor compiles the rest;
+- ``torch-eager``: a plain HF-style Llama written here (``nn.Linear``, RMSNorm in torch ops, RoPE,
+  ``F.scaled_dot_product_attention`` with GQA, full ``[B T, V]`` logits + ``F.cross_entropy``), same
+  autocast, clipping and fused ``torch.optim.AdamW``;
+- ``torch-compiled``: that loop with ``torch.compile(model)``.
+
+MFU = tokens/s x FLOPs per token / peak, FLOPs per token by ``TransformerLM.flops_per_token`` (6 N + 12 L H
+Dh T, PaLM appendix B) for every variant; the peak from the device name (H100 and H200: 989 TFLOP/s bf16
+dense; ``--peak-flops`` overrides). Each variant also records its measured peak memory beside
+plyx-train's pre-flight plan (``plan_memory``) for the same run.
+
+Run on one GPU (about 5 minutes, most of it the two compilations)::
+
+    python packages/train/bench/mfu.py --out packages/train/bench/results
+
+CPU proof of the script (seconds, a tiny shape, no MFU): ``python packages/train/bench/mfu.py --tiny``.
+Results are appended as JSON lines to ``<out>/mfu-<device>-<date>.jsonl`` and printed as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: the issue's 1.0B Llama shape (d 2048, 22 layers, GQA 32/4, ffn 5632, vocab 8192, seq 2048)
+SHAPES = {
+    "1b": {"d_model": 2048, "n_layers": 22, "n_heads": 32, "n_kv_heads": 4, "d_ff": 5632, "vocab_size": 8192,
+           "seq_len": 2048, "batch": 4},
+    "gpt2-124m": {"d_model": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 12, "d_ff": 2048, "vocab_size": 50304,
+                  "seq_len": 1024, "batch": 16},
+    "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 160, "vocab_size": 256,
+             "seq_len": 64, "batch": 2},
+}
+VARIANTS = ("plyx-eager", "plyx-compiled", "torch-eager", "torch-compiled")
+PEAKS = {"H100": 989e12, "H200": 989e12}  # bf16 dense tensor-core peak (SXM)
+
+
+# -- the plain PyTorch baseline: an HF-style Llama, nothing fused ----------------------------------
+
+class _RMSNorm(nn.Module):
+    def __init__(self, d: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, h: int, kv: int, f: int) -> None:
+        super().__init__()
+        self.h, self.kv, self.dh = h, kv, d // h
+        self.input_layernorm, self.post_attention_layernorm = _RMSNorm(d), _RMSNorm(d)
+        self.q_proj = nn.Linear(d, h * self.dh, bias=False)
+        self.k_proj = nn.Linear(d, kv * self.dh, bias=False)
+        self.v_proj = nn.Linear(d, kv * self.dh, bias=False)
+        self.o_proj = nn.Linear(h * self.dh, d, bias=False)
+        self.gate_proj, self.up_proj = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        y = self.input_layernorm(x)
+        q = self.q_proj(y).view(B, T, self.h, self.dh).transpose(1, 2)  # (B, H, T, Dh)
+        k = self.k_proj(y).view(B, T, self.kv, self.dh).transpose(1, 2)  # (B, KV, T, Dh)
+        v = self.v_proj(y).view(B, T, self.kv, self.dh).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # (B, H, T, Dh)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        y = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+
+
+class PlainLlama(nn.Module):
+    """The baseline: what a PyTorch user writes (transformers' modeling_llama, SDPA attention)."""
+
+    def __init__(self, s: dict[str, int]) -> None:
+        super().__init__()
+        d, h = s["d_model"], s["n_heads"]
+        self.embed_tokens = nn.Embedding(s["vocab_size"], d)
+        self.layers = nn.ModuleList(_Block(d, h, s["n_kv_heads"], s["d_ff"]) for _ in range(s["n_layers"]))
+        self.norm = _RMSNorm(d)
+        self.lm_head = nn.Linear(d, s["vocab_size"], bias=False)
+        inv = 1.0 / (500000.0 ** (torch.arange(0, d // h, 2).float() / (d // h)))
+        angles = torch.outer(torch.arange(s["seq_len"]).float(), inv)  # (T, Dh/2)
+        emb = torch.cat((angles, angles), dim=-1)  # (T, Dh)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin)
+        logits = self.lm_head(self.norm(x)).float()  # (B, T, V): the full logits, as HF computes them
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+# -- the variants ----------------------------------------------------------------------------------
+
+def _plyx(shape: dict[str, int], device: torch.device, compiled: bool) -> tuple[Any, Any, nn.Module]:
+    from plyx.model import TransformerLM
+    from plyx.specs import Batch, OptimizerConfig
+    from plyx.train import lm_loss
+    from plyx.train._optim import build_optimizer
+
+    module = TransformerLM(_model_config(shape), device=device)
+    model = torch.compile(module) if compiled else module
+    optimizer = build_optimizer(module, OptimizerConfig(lr=3e-4, weight_decay=0.1, grad_clip=1.0))
+
+    def loss_fn(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(model, Batch(input_ids=ids, targets=targets))
+
+    return loss_fn, optimizer, module
+
+
+def _torch(shape: dict[str, int], device: torch.device, compiled: bool) -> tuple[Any, Any, nn.Module]:
+    module = PlainLlama(shape).to(device)
+    model = torch.compile(module) if compiled else module
+    optimizer = torch.optim.AdamW(module.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
+    return model, optimizer, module
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
+    """Time ``steps`` steps after ``warmup`` (compilation included there); returns the measurements."""
+    torch.manual_seed(0)
+    compiled = name.endswith("compiled")
+    build = _plyx if name.startswith("plyx") else _torch
+    gc.collect()  # the previous variant's model and optimizer
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    loss_fn, optimizer, module = build(shape, device, compiled)
+    params = [p for p in module.parameters() if p.requires_grad]
+    B, T, V = shape["batch"], shape["seq_len"], shape["vocab_size"]
+    ids = torch.randint(0, V, (B, T), device=device)
+    targets = torch.roll(ids, -1, 1)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    losses: list[torch.Tensor] = []
+
+    def step() -> None:
+        with autocast:
+            loss = loss_fn(ids, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())  # read back after the timing: no host sync inside the step
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    warm_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    dt = (time.perf_counter() - t0) / steps
+    flops = _flops_per_token(shape)
+    out = {
+        "variant": name, "ms_per_step": dt * 1e3, "tokens_per_s": B * T / dt, "flops_per_token": flops,
+        "warmup_s": warm_s, "final_loss": float(losses[-1]), "params": sum(p.numel() for p in params),
+        "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
+    if name.startswith("plyx"):
+        out["planned_gib"] = _planned(shape, out["params"], device) / 2**30
+    return out  # the model, optimizer and step closure are freed with this frame (collected by the next variant)
+
+
+def _model_config(shape: dict[str, int]) -> Any:
+    from plyx.specs.config.model import ModelConfig
+
+    return ModelConfig(vocab_size=shape["vocab_size"], d_model=shape["d_model"], n_layers=shape["n_layers"],
+                       n_heads=shape["n_heads"], n_kv_heads=shape["n_kv_heads"], d_ff=shape["d_ff"],
+                       max_seq_len=shape["seq_len"])
+
+
+def _flops_per_token(shape: dict[str, int]) -> float:
+    """``TransformerLM.flops_per_token`` of the shape (a model on the meta device: no memory)."""
+    from plyx.model import TransformerLM
+
+    return float(TransformerLM(_model_config(shape), device="meta").flops_per_token(shape["seq_len"]))
+
+
+def _planned(shape: dict[str, int], params: int, device: torch.device) -> int:
+    from plyx.specs import DataConfig, TrainConfig
+    from plyx.train import plan_memory
+
+    config = TrainConfig(model=_model_config(shape), data=DataConfig(path=".", seq_len=shape["seq_len"]), batch_size=shape["batch"],
+                         precision="bf16-autocast")
+    return plan_memory(config, params, device_type=device.type).total
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--tiny", action="store_true", help="the tiny shape on CPU in seconds: proves the script")
+    p.add_argument("--batch", type=int, help="micro-batch (default: the shape's)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--peak-flops", type=float, help="override the device's peak FLOP/s")
+    p.add_argument("--out", type=Path, help="append results to OUT/mfu-<device>-<date>.jsonl")
+    args = p.parse_args(argv)
+    shape = dict(SHAPES["tiny" if args.tiny else args.shape])
+    if args.batch:
+        shape["batch"] = args.batch
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = args.peak_flops or next((v for k, v in PEAKS.items() if k in name), None)
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    date = datetime.date.today().isoformat()
+    print(f"{name}, torch {torch.__version__}, {date}: shape {args.shape if not args.tiny else 'tiny'} {shape}")
+    rows = []
+    for v in variants:
+        r = run_variant(v, shape, device, args.steps, args.warmup)
+        r["mfu"] = r["tokens_per_s"] * r["flops_per_token"] / peak if peak else None
+        r.update(device=name, date=date, torch=torch.__version__, shape=args.shape if not args.tiny else "tiny", **{
+            f"shape_{k}": val for k, val in shape.items()})
+        rows.append(r)
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+        mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "-"
+        plan = f" (plan {r['planned_gib']:.1f})" if "planned_gib" in r else ""
+        print(f"{v:>15}: {r['ms_per_step']:9.2f} ms/step {r['tokens_per_s']:12,.0f} tok/s  MFU {mfu:>6}  "
+              f"peak {mem}{plan}  warmup {r['warmup_s']:.1f} s  loss {r['final_loss']:.4f}", flush=True)
+        if not math.isfinite(r["final_loss"]):
+            print(f"{v}: non-finite loss", file=sys.stderr)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        slug = name.replace(" ", "-").lower()
+        path = args.out / f"mfu-{slug}-{date}.jsonl"
+        with path.open("a") as f:  # appended: one line per variant, earlier runs kept
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        print(f"appended {len(rows)} rows to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
