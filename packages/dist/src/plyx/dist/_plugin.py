@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from plyx.specs import CliCommand, hookimpl
+from plyx.specs.components import deferred
 
 plyx_contracts = {"hooks": "1.0", "checkpoint": "1.0"}
 
@@ -22,6 +23,6 @@ def plyx_train_strategy(config: Any, environment: dict[str, str]) -> Any:
 
 @hookimpl
 def plyx_cli_commands() -> list[Any]:
-    from plyx.dist import _cli
-
-    return [CliCommand("dist", "distributed training: consolidate sharded checkpoints", _cli.configure, _cli.run)]
+    # deferred: the command module loads when `plyx dist` runs, not for `plyx --help`
+    return [CliCommand("dist", "distributed training: consolidate sharded checkpoints",
+                       deferred("plyx.dist._cli:configure"), deferred("plyx.dist._cli:run"))]

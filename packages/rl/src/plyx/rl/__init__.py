@@ -6,34 +6,7 @@ Python API: ``sft(SFTConfig(...))``, ``preference(PreferenceConfig(method="dpo",
 ``make_tasks`` generates verifiable tasks with a fixed held-out split.
 """
 
-from plyx.rl._chat import ChatTemplate, ChatTemplateError, RenderedChat, load_chat_template, strip_generation_tags
-from plyx.rl._config import AdapterSettings, PreferenceConfig, RunConfig, SFTConfig, default_beta
-from plyx.rl._data import (
-    DataError,
-    DataReport,
-    KTOExample,
-    PairExample,
-    SFTExample,
-    collate_sft,
-    completion_rows,
-    pack_sft,
-    read_jsonl,
-    tokenize_kto,
-    tokenize_pairs,
-    tokenize_sft,
-)
-from plyx.rl._logprobs import sequence_logps, token_logps
-from plyx.rl._losses import (
-    DPO_LOSS_TYPES,
-    PreferenceLoss,
-    dpo_loss,
-    kto_loss,
-    orpo_loss,
-    preference_metrics,
-    simpo_loss,
-)
-from plyx.rl._run import RunResult, load_tokenizer_and_template, preference, sft
-from plyx.rl._tasks import TASK_KINDS, Task, corrupt, greedy_answers, make_tasks, score, split_of
+from typing import Any
 
 __all__ = [
     "DPO_LOSS_TYPES",
@@ -79,3 +52,23 @@ __all__ = [
     "tokenize_sft",
     "token_logps",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the public names on first use (PEP 562).
+
+    Importing ``plyx.rl`` (and so its plugin entry point, ``plyx.rl._plugin``)
+    imports nothing heavy: ``plyx --help`` and ``plyx plugins`` never load torch.
+    The names live in ``plyx.rl._exports``.
+    """
+    if name in __all__:
+        from plyx.rl import _exports
+
+        value = getattr(_exports, name)
+        globals()[name] = value  # later lookups are plain attribute reads
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -8,12 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from plyx.specs import CliCommand, hookimpl
+from plyx.specs.components import deferred
 
 plyx_contracts = {"hooks": "1.0", "batch": "1.0"}
 
 
 @hookimpl
 def plyx_cli_commands() -> list[Any]:
-    from plyx.rl import _cli
-
-    return [CliCommand("rl", "post-train a model: sft, dpo, orpo, simpo, kto", _cli.configure_rl, _cli.run_rl)]
+    # deferred: the command module loads when `plyx rl` runs, not for `plyx --help`
+    return [CliCommand("rl", "post-train a model: sft, dpo, orpo, simpo, kto",
+                       deferred("plyx.rl._cli:configure_rl"), deferred("plyx.rl._cli:run_rl"))]

@@ -1,0 +1,32 @@
+"""The public names of ``plyx.rl``, imported on first use by its ``__getattr__`` (keeps the package light)."""
+# re-exports: plyx.rl.__all__ names them and its __getattr__ serves them
+# ruff: noqa: F401
+
+from plyx.rl._chat import ChatTemplate, ChatTemplateError, RenderedChat, load_chat_template, strip_generation_tags
+from plyx.rl._config import AdapterSettings, PreferenceConfig, RunConfig, SFTConfig, default_beta
+from plyx.rl._data import (
+    DataError,
+    DataReport,
+    KTOExample,
+    PairExample,
+    SFTExample,
+    collate_sft,
+    completion_rows,
+    pack_sft,
+    read_jsonl,
+    tokenize_kto,
+    tokenize_pairs,
+    tokenize_sft,
+)
+from plyx.rl._logprobs import sequence_logps, token_logps
+from plyx.rl._losses import (
+    DPO_LOSS_TYPES,
+    PreferenceLoss,
+    dpo_loss,
+    kto_loss,
+    orpo_loss,
+    preference_metrics,
+    simpo_loss,
+)
+from plyx.rl._run import RunResult, load_tokenizer_and_template, preference, sft
+from plyx.rl._tasks import TASK_KINDS, Task, corrupt, greedy_answers, make_tasks, score, split_of
