@@ -115,13 +115,22 @@ def main() -> None:
             if args.device.startswith("cuda"):  # the fastest plain path too: greedy steps replayed as CUDA graphs
                 for _ in range(args.repeats):
                     graphs_t = min(graphs_t, run(model, ps, args.new_tokens, args.cache, graphs=True)[0])
-            if [o.token_ids for o in base] != [o.token_ids for o in spec]:
-                raise SystemExit("n-gram speculation changed the greedy tokens: a bug")
+            same_rows, agreed = greedy_agreement([o.token_ids for o in base], [o.token_ids for o in spec])
+            if same_rows < batch and dtype == torch.float32:
+                raise SystemExit(f"n-gram speculation changed the greedy tokens of {batch - same_rows} of {batch} "
+                                 "float32 rows: a bug")
+            if same_rows < batch:
+                # in bf16 a forward over k+1 tokens rounds differently from k+1 one-token steps (other kernels,
+                # other reduction orders), so a near-tie of a random model's logits may flip; float32 must agree
+                print(f"note: {batch - same_rows} of {batch} {dtype} rows diverge from plain greedy "
+                      f"(tokens agreeing before the first divergence: {agreed:.1%}); rerun with --dtype float32 "
+                      "to check exactness")
             steps = sum(o.metrics.model_steps for o in spec)
             proposed = sum(o.metrics.draft_proposed for o in spec)
             accepted = sum(o.metrics.draft_accepted for o in spec)
             tokens = batch * args.new_tokens
-            row = dict(prompts=kind, batch=batch, greedy_tok_s=tokens / base_t, ngram_tok_s=tokens / spec_t,
+            row = dict(prompts=kind, batch=batch, rows_identical=same_rows, greedy_prefix_agreement=agreed,
+                       greedy_tok_s=tokens / base_t, ngram_tok_s=tokens / spec_t,
                        speedup=base_t / spec_t, tokens_per_step=tokens / steps,
                        acceptance_rate=accepted / proposed if proposed else 0.0, proposed=proposed, accepted=accepted,
                        greedy_graphs_tok_s=tokens / graphs_t if graphs_t < float("inf") else None)
@@ -137,6 +146,17 @@ def main() -> None:
             f.write(json.dumps({"date": date, "device": device_name, "config": args.config, "dtype": str(dtype),
                                 "k": args.k, "lookup": [lo, hi], "new_tokens": args.new_tokens,
                                 "cache": args.cache, **row}) + "\n")
+
+
+def greedy_agreement(base: list[list[int]], spec: list[list[int]]) -> tuple[int, float]:
+    """Rows of ``spec`` equal to ``base``, and the share of ``base``'s tokens before each row's first divergence."""
+    same, prefix, total = 0, 0, 0
+    for a, b in zip(base, spec):
+        same += a == b
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix += n if a != b else len(a)
+        total += len(a)
+    return same, prefix / max(total, 1)
 
 
 if __name__ == "__main__":
