@@ -13,9 +13,11 @@ def kernel(name: str, *tensors: Any, **shape: int) -> Callable[..., Any]:
     import torch
 
     if torch.compiler.is_compiling():  # an opaque custom op for Inductor (plyx-kernel >= 1.3), not the kernel's code
-        import plyx.kernel
+        # the module itself, not `plyx.kernel.traceable`: the package's names load lazily (PEP 562), which
+        # Dynamo need not resolve through the module's __getattr__
+        from plyx.kernel._custom_ops import traceable
 
-        op = getattr(plyx.kernel, "traceable", lambda _: None)(name)
+        op = traceable(name)
         if op is not None:
             return op  # type: ignore[no-any-return]
     from plyx.kernel import registry

@@ -53,9 +53,11 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 def _kernel(name: str, *tensors: Any, **shape: int) -> Any:
     if torch.compiler.is_compiling():  # an opaque custom op for Inductor (plyx-kernel >= 1.3), not the kernel's code
-        import plyx.kernel
+        # the module itself, not `plyx.kernel.traceable`: the package's names load lazily (PEP 562), which
+        # Dynamo need not resolve through the module's __getattr__
+        from plyx.kernel._custom_ops import traceable
 
-        op = getattr(plyx.kernel, "traceable", lambda _: None)(name)
+        op = traceable(name)
         if op is not None:
             return op
     from plyx.kernel import registry
