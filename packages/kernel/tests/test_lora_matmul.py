@@ -11,8 +11,11 @@ pytest.importorskip("triton")
 from .conftest import TRITON_DEVICE, rel_max_err
 
 #: error allowed relative to the oracle's largest magnitude, per dtype: float64 accumulates in float64;
-#: float32 in float32 (two dot products of length <= 300); bfloat16 inputs round the rank-r intermediate once
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+#: float32 in float32 (two dot products of length <= 300); bfloat16 inputs round the rank-r intermediate once.
+#: float32's bound is relative to sum |A x| terms, not to the result: at rank 1 every output is one intermediate
+#: h = A x times B, so when h's terms cancel (h ~ 1% of them) its float32 rounding, and every output's, is ~100x
+#: the unit roundoff times the length (seen: 1.3e-5 at [1, 8] rank 1); 1e-4 keeps a 10x margin over that
+TOL = {torch.float64: 1e-12, torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 
 def _oracle(x, A, B, index):
