@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from plyx.specs import ConfigError, PlyxError, load_config
+from plyx.train import set_overrides
 
 __all__ = ["configure_rl", "run_rl"]
 
@@ -50,24 +51,7 @@ def _load(args: argparse.Namespace) -> Any:
             print(f"note: method {doc['method']!r} of {args.config} -> {args.rl_command!r} (the command)",
                   file=sys.stderr)
         overrides.append(f"method={json.dumps(args.rl_command)}")
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError("--set", "expected KEY=VALUE", value=item, fix="write e.g. --set steps=200")
-        try:
-            value: Any = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        node = doc
-        parts = key.split(".")
-        for part in parts[:-1]:
-            if node.get(part) is None:
-                node[part] = {}
-            if not isinstance(node[part], dict):
-                raise ConfigError(f"$.{key}", f"`{part}` is not a table", value=item)
-            node = node[part]
-        node[parts[-1]] = value
-    return cls.from_dict(doc, source="--set")
+    return cls.from_dict(set_overrides(doc, overrides), source="--set")
 
 
 def run_rl(args: argparse.Namespace) -> int:

@@ -38,6 +38,7 @@ __all__ = [
     "param_groups",
     "prepare_bundled",
     "prepare_corpus",
+    "set_overrides",
     "read_documents",
     "spectral_ratios",
     "train_bpe",

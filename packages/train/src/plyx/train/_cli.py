@@ -51,9 +51,15 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
                         "torch.distributed.run; the config's [dist] table picks DDP, FSDP or FSDP+TP (needs plyx-dist)")
 
 
-def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
-    """``["model.d_model=256", "steps=10"]`` applied to ``config`` and validated again."""
-    doc = config.to_dict()
+def set_overrides(doc: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items written into a config document in place (``a.b=1`` makes tables as needed).
+
+    Values are JSON where they parse (``10``, ``true``, ``{"k": 1}``), else strings. Shared by every plane's
+    ``--set`` (plyx-rl's commands too), so they all read an override the same way.
+
+    Returns:
+        ``doc``.
+    """
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -71,7 +77,12 @@ def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
                     raise ConfigError(f"$.{key}", f"`{part}` is not a table", value=item)
             node = node[part]
         node[parts[-1]] = value
-    return TrainConfig.from_dict(doc, source="--set")
+    return doc
+
+
+def apply_overrides(config: TrainConfig, overrides: list[str]) -> TrainConfig:
+    """``["model.d_model=256", "steps=10"]`` applied to ``config`` and validated again."""
+    return TrainConfig.from_dict(set_overrides(config.to_dict(), overrides), source="--set")
 
 
 def _load(args: argparse.Namespace) -> TrainConfig:

@@ -3,6 +3,7 @@
 # ruff: noqa: F401
 
 from plyx.train._checkpoint import CheckpointManager, ResumeError
+from plyx.train._cli import set_overrides
 from plyx.train._dataset import IGNORE_INDEX, DataStream, TokenDataset
 from plyx.train._defaults import default_config
 from plyx.train._distributed import init_model
