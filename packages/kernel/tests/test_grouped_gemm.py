@@ -76,3 +76,18 @@ def test_the_three_kernels_composed_as_an_moe_mlp(parity, make, dtype):
             make(e, d, f, dtype=dtype, scale=f ** -0.5), ids, torch.rand(t, k).to(TRITON_DEVICE, dtype)]
     parity(_moe_mlp(moe_permute, grouped_gemm, moe_unpermute), _moe_mlp(ref_permute, reference, ref_unpermute), args,
            grad=(0, 1, 2, 4), dtype=dtype, label="moe mlp")
+
+
+def test_pick_blocks_takes_the_big_tile_only_where_its_stages_fit(monkeypatch):
+    """Many rows per expert take 128x256x64 with 4 stages (192 KiB of shared memory) on an H100 (227 KiB
+    opt-in) and keep 128x128 on an A100 (163 KiB), where the big tile would fail to launch."""
+    from plyx.kernel.triton_ops import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "interpreting", lambda: False)
+    monkeypatch.setattr(gg, "_shared_memory", lambda device: 232_448)
+    assert gg.pick_blocks(32768, 64) == (128, 256, 64, 8, 4)
+    assert gg.pick_blocks(64 * 8, 64) == (16, 64, 64, 4, 3)  # decode: a few rows per expert
+    monkeypatch.setattr(gg, "_shared_memory", lambda device: 167_936)
+    assert gg.pick_blocks(32768, 64) == (128, 128, 64, 8, 3)
+    bm, bn, bk, _, stages = gg.pick_blocks(32768, 64)
+    assert gg._stage_bytes(bm, bn, bk) * stages <= 167_936
