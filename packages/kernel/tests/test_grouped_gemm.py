@@ -87,6 +87,7 @@ def test_pick_blocks_takes_the_big_tile_only_where_its_stages_fit(monkeypatch):
     monkeypatch.setattr(gg, "_shared_memory", lambda device: 232_448)
     assert gg.pick_blocks(32768, 64) == (128, 256, 64, 8, 4)
     assert gg.pick_blocks(64 * 8, 64) == (16, 64, 64, 4, 3)  # decode: a few rows per expert
+    assert gg.pick_blocks(32768, 64, itemsize=4) == (128, 128, 64, 8, 3)  # float32 stages need 288 KiB
     monkeypatch.setattr(gg, "_shared_memory", lambda device: 167_936)
     assert gg.pick_blocks(32768, 64) == (128, 128, 64, 8, 3)
     bm, bn, bk, _, stages = gg.pick_blocks(32768, 64)

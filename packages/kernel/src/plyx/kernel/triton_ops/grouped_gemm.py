@@ -101,7 +101,7 @@ def _weight_grad_kernel(DY, X, DW, OFFS, N, K,
 GROUP_M = 8
 
 
-def pick_blocks(m: int, e: int, device: torch.device | None = None) -> tuple[int, int, int, int, int]:
+def pick_blocks(m: int, e: int, device: torch.device | None = None, itemsize: int = 2) -> tuple[int, int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for M rows over E experts.
 
     BLOCK_M follows the average rows per expert (decode: a handful per expert, so small tiles waste less);
@@ -109,7 +109,7 @@ def pick_blocks(m: int, e: int, device: torch.device | None = None) -> tuple[int
     four stages, the fastest of ``bench/sweep_grouped_gemm.py``'s grid on an H100 for the forward and
     both gradients together (results/sweep-grouped-gemm-cuda-2026-11-24.jsonl: 8% less time than
     128x128x3 over the OLMoE layer's six GEMMs). Those stages need 192 KiB of shared memory: a device
-    with less (A100: 164 KiB) keeps the 128x128 tile.
+    with less (A100: 164 KiB), or float32 inputs (twice the bytes), keep the 128x128 tile.
     """
     if interpreting():
         return 16, 32, 32, 4, 1
@@ -118,14 +118,14 @@ def pick_blocks(m: int, e: int, device: torch.device | None = None) -> tuple[int
         return 16, 64, 64, 4, 3
     if avg <= 64:
         return 64, 128, 64, 4, 3
-    if _shared_memory(device) >= _stage_bytes(128, 256, 64) * 4:
+    if _shared_memory(device) >= _stage_bytes(128, 256, 64, itemsize) * 4:
         return 128, 256, 64, 8, 4
     return 128, 128, 64, 8, 3
 
 
-def _stage_bytes(bm: int, bn: int, bk: int) -> int:
-    """Shared memory of one pipeline stage: a 16-bit ``x`` tile and a 16-bit weight tile."""
-    return (bm * bk + bk * bn) * 2
+def _stage_bytes(bm: int, bn: int, bk: int, itemsize: int = 2) -> int:
+    """Shared memory of one pipeline stage: an ``x`` tile and a weight tile of ``itemsize``-byte elements."""
+    return (bm * bk + bk * bn) * itemsize
 
 
 @functools.cache
@@ -165,7 +165,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n
         return y
     if k == 0:
         return y.zero_()
-    bm, bn, bk, warps, stages = blocks or pick_blocks(m, e, x.device)
+    bm, bn, bk, warps, stages = blocks or pick_blocks(m, e, x.device, x.element_size())
     tile_e, tile_row, grid_m = _tiles(offsets, bm, m)
     grid = (grid_m * triton.cdiv(n, bn),)
     _grouped_kernel[grid](x, w, y, offsets, tile_e, tile_row, n, k, e, grid_m, x.stride(0), x.stride(1), *w_strides,
@@ -180,7 +180,7 @@ def _weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, shape
     dw = empty((e, n, k), dtype=dtype, device=x.device)
     if dw.numel() == 0:
         return dw
-    bm, bn, bk, warps, stages = blocks or pick_blocks(x.shape[0], e, x.device)
+    bm, bn, bk, warps, stages = blocks or pick_blocks(x.shape[0], e, x.device, x.element_size())
     bm = min(bm, 64)  # the reduction loop's step; the tile is (BN, BK)
     grid = (e, triton.cdiv(n, bn) * triton.cdiv(k, bk))
     _weight_grad_kernel[grid](dy, x, dw, offsets, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
