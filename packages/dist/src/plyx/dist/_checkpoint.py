@@ -145,10 +145,12 @@ def load_into(strategy: Any, path: Any, module: torch.nn.Module, optimizer: Any)
             return json.loads(json_path.read_text(encoding="utf-8")), load_file(str(tensors_path))
         return None
     # a plain single-process checkpoint: every rank reads the full tensors and keeps its shards
-    from plyx.model import load_checkpoint
+    from plyx.model import open_checkpoint
 
-    loaded = load_checkpoint(path, device="cpu")
-    full = loaded.state_dict() if isinstance(loaded, torch.nn.Module) else loaded.load_state_dict("cpu")
+    # the stored tensors as they are (an adapted model's ``lora_*`` tensors included); set_state_dict checks names
+    ckpt = open_checkpoint(path)
+    ckpt.verify()
+    full = dict(ckpt.load_state_dict("cpu"))
     tensors = load_file(str(path / STATE_TENSORS))
     optim_full = _optimizer_by_name(module, optimizer, optimizer_from_flat(doc["optimizer"], tensors))
     set_state_dict(module, optimizer, model_state_dict=full, optim_state_dict=optim_full,

@@ -446,10 +446,14 @@ class Trainer:
                 f"{doc['sharded'].get('world_size')} ranks); resume it with plyx-dist (`plyx train CONFIG --nproc N`, "
                 f"any N) or make it a plain checkpoint first with `plyx dist consolidate {path} OUT`"
             )
-        from plyx.model import load_checkpoint
+        # the stored tensors go straight into the module being trained: an adapted model (LoRA, DoRA) holds
+        # ``lora_*`` tensors that plyx-model's load_checkpoint, which builds the bare architecture of the card,
+        # rejects as unexpected; strict loading into our module checks every name and shape instead
+        from plyx.model import open_checkpoint
 
-        loaded = load_checkpoint(path, device="cpu")
-        state = loaded.state_dict() if isinstance(loaded, nn.Module) else loaded.load_state_dict("cpu")
+        ckpt = open_checkpoint(path)
+        ckpt.verify()  # sizes and sha256 digests first: a damaged shard is named before any tensor is read
+        state = ckpt.load_state_dict("cpu")
         try:
             self.module.load_state_dict(state, strict=True)
         except RuntimeError as exc:
