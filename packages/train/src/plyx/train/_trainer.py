@@ -117,8 +117,9 @@ class TrainOptions:
         data_cache: where the bundled corpus is prepared (default: ``$PLYX_DATA_DIR``, else
             ``$PLYX_CACHE_DIR/data``, else ~/.cache/plyx/data).
         print_fn: where progress lines go when the bar is off (None: silent).
-        name / license / description: the model card's fields (default: the run directory's name,
-            ``NOASSERTION``, a summary of model, data, steps and losses).
+        name / license / description: the model card's fields; they override the config's ``[card]``
+            table (``TrainConfig.card``), whose empty fields default to the run directory's name,
+            ``NOASSERTION`` and a summary of model, data, steps and losses.
     """
 
     resume: str | None = None
@@ -735,11 +736,13 @@ class Trainer:
         return path
 
     def _card(self, metrics: dict[str, float]) -> dict[str, Any]:
-        o = self.options
+        """The card's fields: ``TrainOptions`` (the command line) first, then the config's ``[card]``, then derived."""
+        o, card = self.options, self.config.card
         return card_fields(
             run_name=self.out_dir.resolve().name, config=self.config, num_params=self.module_params(),
             step=self.step, metrics=metrics, data_dir=self.data_dir, source=self.shards.manifest.get("source", {}),
-            name=o.name, license=o.license, description=o.description,
+            name=o.name or card.name or None, license=o.license or card.license or None,
+            description=o.description or card.description or None,
         )
 
     def module_params(self) -> int:
