@@ -194,3 +194,47 @@ def test_sigkill_during_a_checkpoint_write_then_resume_is_bit_exact(fsdp_run, pr
     want = load_checkpoint(consolidate(fsdp_run, tmp_path / "uninterrupted")).state_dict()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_async_save_killed_mid_write_is_never_resumed_and_resume_is_bit_exact(fsdp_run, prepared, tmp_path):
+    """``dist.async_save``: DCP writes in a background thread on its own gloo group.
+
+    Rank 1 stops inside its background write of step 4 (its shards not yet on disk) and is
+    SIGKILLed while training goes on in the foreground: step 4 is never committed (rank 0's
+    future fails, so no ``trainer_state.json``, no rename), the asynchronously written step 2 is
+    what ``--resume`` picks, and the resumed run (asynchronous saves again) ends with the weights
+    of the uninterrupted synchronous run, bit for bit: the checkpoints load and continue exactly.
+    """
+    from plyx.dist import consolidate
+    from plyx.dist._checkpoint import FAULT_ENV
+    from plyx.model import load_checkpoint
+
+    run = tmp_path / "run"
+    config = T.write_config(T.tiny_config(prepared, run, batch_size=2,
+                                          dist={"strategy": "fsdp", "async_save": True, "timeout_s": 60}),
+                            tmp_path / "config.json")
+    marker = tmp_path / "rank1.pid"
+    cmd = [sys.executable, "-m", "plyx.specs", "train", str(config), "--nproc", "2", "--no-progress",
+           "--no-tensorboard"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=T.worker_env(**{FAULT_ENV: f"4:1:{marker}"}))
+    deadline = time.monotonic() + 180
+    while not marker.is_file() or not marker.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    os.kill(int(marker.read_text()), signal.SIGKILL)  # mid-write: the background thread holds step 4
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out[-2000:]
+    assert "rank 1 failed (signal SIGKILL" in err, err[-3000:]
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert steps == ["step-000002"], steps  # written asynchronously and committed; step 4 never was
+    assert not (run / "checkpoints" / ".tmp-step-000004" / "trainer_state.json").exists()
+
+    T.plyx_train(config, "--resume", nproc=2)
+    assert T.losses(run).keys() == set(range(1, 7))
+    steps = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert steps == ["step-000002", "step-000004", "step-000006"], steps  # the last one waited for at the end
+    got = load_checkpoint(consolidate(run, tmp_path / "resumed")).state_dict()
+    want = load_checkpoint(consolidate(fsdp_run, tmp_path / "uninterrupted")).state_dict()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

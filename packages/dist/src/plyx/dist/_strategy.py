@@ -84,6 +84,14 @@ class DistStrategy:
         else:
             self.data_rank = self.rank
         self.data_world_size = self.plan.dp
+        # dist.async_save: DCP's background thread runs its collectives on a group of its own (gloo: a CPU
+        # backend, which async_save needs even under NCCL), so they never interleave with training's on the
+        # default group; every rank creates it here, in the same order
+        self.checkpoint_group: Any = None
+        if config.dist.async_save:
+            self.checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.dist.timeout_s))
+        self.pending_save: Any = None  # the asynchronous save in flight (plyx.dist._checkpoint.PendingSave)
+        self.committed: list[Any] = []  # asynchronous saves committed, not yet handed to the Trainer
         self._in_loss_parallel = False
         self.module: nn.Module | None = None
         self._comm = _CommClock()
@@ -225,7 +233,29 @@ class DistStrategy:
 
         return load_into(self, path, module, optimizer)
 
+    def committed_checkpoints(self, *, wait: bool = False) -> list[Any]:
+        """Checkpoints whose asynchronous save completed and was committed since the last call (rank 0
+        commits; every rank gets the paths). ``wait``: block for the save in flight (the end of a run).
+        Synchronous saves are committed inside ``save_checkpoint`` and never listed here."""
+        from plyx.dist._checkpoint import finish_pending
+
+        finish_pending(self, wait=wait)
+        done, self.committed = self.committed, []
+        return done
+
+    @property
+    def async_checkpoints(self) -> bool:
+        """Whether ``save_checkpoint`` returns before its checkpoint is committed (``dist.async_save``)."""
+        return self.checkpoint_group is not None
+
     def close(self) -> None:
+        if self.pending_save is not None:  # at exit, an asynchronous save in flight is completed or dropped
+            import sys
+
+            try:
+                self.committed_checkpoints(wait=True)
+            except RankFailure as exc:
+                print(f"plyx-dist: {exc}", file=sys.stderr)
         if self._owns_group and dist.is_initialized():
             try:  # leave together: a rank tearing down its gloo pairs while a peer still talks aborts the peer
                 dist.barrier()

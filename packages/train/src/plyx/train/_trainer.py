@@ -311,6 +311,7 @@ class Trainer:
         self.data_position = 0
         self.last_checkpoint: Path | None = None
         self._saved_step = -1
+        self._in_flight: dict[str, tuple[int, dict[str, Any]]] = {}  # asynchronous saves not yet committed
         self._restored_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         if resume_from is not None:
             self._load(resume_from)
@@ -600,10 +601,12 @@ class Trainer:
                         t_save = time.perf_counter()
                         self.save(last)
                         window_t += time.perf_counter() - t_save  # nor is checkpointing
+                    self._collect_checkpoints(wait=False)  # an asynchronous save that completed meanwhile
                 for pending in stats.ready(flush=True):
                     last.update(emit(pending))
                 if self._saved_step != self.step:  # the final (or interrupted) state, unless just saved
                     self.save(last)
+                self._collect_checkpoints(wait=True)  # the run ends with its last checkpoint committed
                 if self._stop is not None:
                     self._say(bar, f"{self._stop}: checkpoint {self.last_checkpoint} written at step {self.step}")
             finally:
@@ -725,15 +728,40 @@ class Trainer:
             path = self.strategy.save_checkpoint(self.checkpoints, self.step, self.module, self.optimizer,
                                                  self.scheduler, state=state, card_fields=card,
                                                  tokenizer_file=tokenizer_file)
-        self.last_checkpoint = path
         self._saved_step = self.step
-        if not self.is_main:
+        if getattr(self.strategy, "async_checkpoints", False):
+            # written in the background (plyx-dist's dist.async_save): the checkpoint exists, and its hook
+            # fires, once the strategy has committed it (_collect_checkpoints)
+            meta = self._metadata(metrics) if self.is_main else {}
+            if self.is_main:
+                meta["outputs"] = {**meta["outputs"], "checkpoint": str(path)}
+            self._in_flight[str(path)] = (self.step, meta)
+            self._collect_checkpoints(wait=False)  # the previous save, which the strategy committed first
             return path
-        meta = self._metadata(metrics)
-        meta["outputs"] = {"checkpoint": str(path), **meta["outputs"]}
-        get_plugin_manager().hook.plyx_on_checkpoint_saved(path=str(path), step=self.step, metadata=meta)
-        mark_hooked(path)  # a kill before this line gets the hook re-run on resume (_recovery)
+        self.last_checkpoint = path
+        meta = self._metadata(metrics) if self.is_main else {}
+        if self.is_main:
+            meta["outputs"] = {"checkpoint": str(path), **meta["outputs"]}
+        self._committed(path, self.step, meta)
         return path
+
+    def _committed(self, path: Path, step: int, meta: dict[str, Any]) -> None:
+        """A checkpoint is in place: it is the one to fall back to, and rank 0 fires ``plyx_on_checkpoint_saved``."""
+        self.last_checkpoint = path
+        if not self.is_main:
+            return
+        get_plugin_manager().hook.plyx_on_checkpoint_saved(path=str(path), step=step, metadata=meta)
+        mark_hooked(path)  # a kill before this line gets the hook re-run on resume (_recovery)
+
+    def _collect_checkpoints(self, *, wait: bool) -> None:
+        """Hand the strategy's asynchronously written checkpoints that it committed since the last call to
+        ``_committed`` (``wait``: block for the one in flight, at the end of ``fit``)."""
+        collect = getattr(self.strategy, "committed_checkpoints", None)
+        if collect is None or not self._in_flight:
+            return
+        for path in collect(wait=wait):
+            step, meta = self._in_flight.pop(str(path))
+            self._committed(Path(path), step, meta)
 
     def _card(self, metrics: dict[str, float]) -> dict[str, Any]:
         """The card's fields: ``TrainOptions`` (the command line) first, then the config's ``[card]``, then derived."""
