@@ -96,17 +96,28 @@ def test_ddp_with_accumulation_matches_one_process(prepared, tmp_path):
     assert 0.0 < float(row["allreduce_share"]) < 1.0
 
 
+def _comm_shares(run: Path) -> list[float]:
+    """``allreduce_share`` of every logged row: FSDP's all-gathers and reduce-scatters (and TP's all-reduces),
+    measured on a profiled step (gloo's collective spans), as a fraction of that step's wall time."""
+    shares = [float(r["allreduce_share"]) for r in T.metric_rows(run) if r.get("tokens_per_s")]
+    assert shares and all(0.0 < share < 1.0 for share in shares), shares
+    return shares
+
+
 def test_fsdp_matches_one_process(fsdp_run, reference):
     _close(T.losses(fsdp_run), reference, range(1, 7))
     assert (fsdp_run / "checkpoints" / "step-000006" / "dcp" / ".metadata").is_file()
+    assert len(_comm_shares(fsdp_run)) == 6  # log_every = 1: every window has its sampled step
 
 
 def test_fsdp_tp_matches_one_process(prepared, tmp_path, reference):
     config = T.write_config(T.tiny_config(prepared, tmp_path / "run", batch_size=4,
                                       dist={"strategy": "fsdp+tp", "tp_size": 2, "activation_checkpointing": "full"}),
                             tmp_path / "config.json")
-    T.plyx_train(config, nproc=2)  # mesh (dp 1, tp 2): both ranks read the same 4 rows; every block recomputed
+    proc = T.plyx_train(config, nproc=2)  # mesh (dp 1, tp 2): both ranks read the same 4 rows; every block recomputed
     _close(T.losses(tmp_path / "run"), reference, range(1, 7))
+    shares = _comm_shares(tmp_path / "run")
+    assert f"comm {shares[-1] * 100:.0f}%" in proc.stdout  # the log line shows it too
 
 
 def test_consolidate_gives_the_single_process_weights(fsdp_run, prepared, tmp_path):

@@ -13,8 +13,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -26,6 +24,7 @@ from plyx.specs import TrainConfig
 from plyx.train import init_model
 from torch import nn
 
+from plyx.dist._comm import CommClock, CommSampler, timed_allreduce
 from plyx.dist._parallelize import apply_activation_checkpointing, apply_fsdp, apply_tp, materialize
 from plyx.dist._plan import Plan, plan
 
@@ -94,7 +93,10 @@ class DistStrategy:
         self.committed: list[Any] = []  # asynchronous saves committed, not yet handed to the Trainer
         self._in_loss_parallel = False
         self.module: nn.Module | None = None
-        self._comm = _CommClock()
+        self._comm = CommClock()
+        # FSDP / HSDP / FSDP + TP: no hook sees their collectives' completion, a profiled step does
+        self._sampler = CommSampler(cuda=self.plan.backend == "nccl") if self.sharded and self.world_size > 1 else None
+        self._step_open = False  # inside a step (between its first micro-batch and the end of its last)
 
     # -- model -------------------------------------------------------------------------
     def build_model(self, build: Callable[[str], nn.Module], seed: int) -> nn.Module:
@@ -127,17 +129,26 @@ class DistStrategy:
         ids = [self.local_rank] if self.plan.backend == "nccl" else None
         ddp = DDP(module, device_ids=ids, process_group=self.mesh.get_group())
         self._comm.group = self.mesh.get_group()
-        ddp.register_comm_hook(self._comm, _timed_allreduce)
+        ddp.register_comm_hook(self._comm, timed_allreduce)
         return ddp
 
     def comm_share(self) -> float:
-        """Fraction of the wall time since the last call during which a gradient all-reduce was in flight
-        (DDP: measured by its communication hook, overlap with the backward included); 0 for FSDP."""
+        """Fraction of the wall time with a collective in flight, overlap with compute included.
+
+        DDP: every gradient all-reduce since the last call, timed by its communication hook. FSDP, HSDP
+        and FSDP + TP: all-gathers, reduce-scatters and TP all-reduces of one profiled step per call (the
+        first step after the previous call; see ``plyx.dist._comm.CommSampler``).
+        """
+        if self._sampler is not None:
+            return self._sampler.share()
         return self._comm.share()
 
     # -- the step ----------------------------------------------------------------------
     @contextlib.contextmanager
     def micro_batch(self, model: nn.Module, *, last: bool) -> Iterator[None]:
+        if self._sampler is not None and not self._step_open:
+            self._sampler.step_started()  # the first micro-batch of a step: the sampled step's window opens
+        self._step_open = not last
         with contextlib.ExitStack() as stack:
             if self.name == "ddp" and not last:
                 stack.enter_context(model.no_sync())  # type: ignore[operator]
@@ -271,44 +282,3 @@ def _loss_parallel() -> Iterator[None]:
 
     with loss_parallel():
         yield
-
-
-class _CommClock:
-    """Union of the intervals during which a DDP bucket's all-reduce was in flight, per measuring window."""
-
-    def __init__(self) -> None:
-        self.group: Any = None  # the data-parallel process group (set by ``wrap``)
-        self.window_start = time.perf_counter()
-        self.intervals: list[tuple[float, float]] = []
-        self.lock = threading.Lock()
-
-    def add(self, start: float, end: float) -> None:
-        with self.lock:
-            self.intervals.append((start, end))
-
-    def share(self) -> float:
-        now = time.perf_counter()
-        with self.lock:
-            spans, self.intervals = sorted(self.intervals), []
-        busy, cursor = 0.0, self.window_start
-        for start, end in spans:
-            start = max(start, cursor)
-            if end > start:
-                busy += end - start
-                cursor = end
-        wall, self.window_start = now - self.window_start, now
-        return busy / wall if wall > 0 else 0.0
-
-
-def _timed_allreduce(clock, bucket):  # type: ignore[no-untyped-def]  # DDP rejects non-GradBucket annotations
-    """torch's default DDP hook (``allreduce_hook``), timed from launch to completion."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    start = time.perf_counter()
-    future = allreduce_hook(clock.group, bucket)
-
-    def done(fut: Any) -> Any:
-        clock.add(start, time.perf_counter())
-        return fut.value()
-
-    return future.then(done)
