@@ -114,8 +114,20 @@ class DistStrategy:
             apply_tp(module, self.mesh["tp"])
         apply_activation_checkpointing(module, ac)
         dp_mesh = self.mesh if self.name == "hsdp" else self.mesh[self.plan.mesh_names[0]]
-        apply_fsdp(module, dp_mesh, param_dtype=_DTYPES[d.param_dtype], reduce_dtype=_DTYPES[d.reduce_dtype],
-                   reshard_after_forward=d.reshard_after_forward, shard_head=self.plan.tp > 1)
+        reshard, reduce_dtype = d.reshard_after_forward, _DTYPES[d.reduce_dtype]
+        if dp_mesh.size() == 1:
+            # one rank holds every parameter whole: resharding after the forward frees only the param_dtype
+            # copies and costs a second copy-in/copy-out per block in the backward; and the "reduction" sums
+            # one gradient, so reducing in param_dtype gives the same float32 gradient bit for bit (a bf16 value
+            # cast up is exact) without the cast pass, unless micro-batches accumulate (FSDP2 accumulates
+            # unsynchronised gradients in reduce_dtype)
+            reshard = False
+            if self.config.grad_accum == 1:
+                reduce_dtype = _DTYPES[d.param_dtype]
+        apply_fsdp(module, dp_mesh, param_dtype=_DTYPES[d.param_dtype], reduce_dtype=reduce_dtype,
+                   reshard_after_forward=reshard, shard_head=self.plan.tp > 1)
+        self.fsdp_policy = {"reshard_after_forward": reshard, "param_dtype": d.param_dtype,
+                            "reduce_dtype": str(reduce_dtype).removeprefix("torch.")}
         if meta:
             materialize(module, device, seed)
         self.module = module
