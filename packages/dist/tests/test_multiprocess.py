@@ -249,3 +249,32 @@ def test_async_save_killed_mid_write_is_never_resumed_and_resume_is_bit_exact(fs
     want = load_checkpoint(consolidate(fsdp_run, tmp_path / "uninterrupted")).state_dict()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_fsdp_on_one_rank_runs_without_a_host_sync_per_step(prepared, tmp_path, monkeypatch, reference):
+    """World size 1 (FSDP2 on one GPU): nothing to agree on with other ranks, so the Trainer takes its
+    single-device step (loss and gradient norm read a step late, a non-finite update skipped on the device by
+    the fused optimizer) instead of the strategy's synchronising one; the losses are the single process's.
+    ``async_stats=True`` asks for it on CPU, where it is otherwise used on CUDA only."""
+    from plyx.dist import DistStrategy
+    from plyx.train import Trainer, TrainOptions
+    from torch.distributed.tensor import DTensor
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(T.free_port())}.items():
+        monkeypatch.setenv(key, value)
+
+    def synchronising(*args, **kwargs):
+        raise AssertionError("the strategy's synchronising clip_grad_norm was called at world size 1")
+
+    monkeypatch.setattr(DistStrategy, "clip_grad_norm", synchronising)
+    config = T.tiny_config(prepared, tmp_path / "run", batch_size=4, dist={"strategy": "fsdp"}, checkpoint_every=0)
+    trainer = Trainer(config, options=TrainOptions(progress=False, tensorboard=False, handle_signals=False,
+                                                   async_stats=True))
+    try:
+        assert all(isinstance(p, DTensor) for p in trainer.module.parameters())  # sharded, on one rank
+        assert all(group.get("fused") for group in trainer.optimizer.param_groups)
+        result = trainer.fit()
+    finally:
+        trainer.strategy.close()
+    assert result.losses == pytest.approx([reference[s] for s in range(1, 7)], rel=REL)

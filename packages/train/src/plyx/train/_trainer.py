@@ -227,6 +227,21 @@ def _checkpoint_layers(model: nn.Module) -> int:
     return len(layers)
 
 
+def _clip_on_device(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` without a host sync; the total norm as a plain 0-dim tensor.
+
+    Parameters sharded on one rank (FSDP2 at world size 1) are DTensors: their norm is a DTensor,
+    made a plain tensor (``full_tensor``: no communication on one rank) before it scales the
+    gradients, as torchtitan does. Plain parameters take exactly ``clip_grad_norm_``'s path.
+    """
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
+    full = getattr(norm, "full_tensor", None)
+    if full is not None:
+        norm = full()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 class Trainer:
     """Trains ``config.model`` on ``config.data`` (see the module docstring).
 
@@ -489,7 +504,9 @@ class Trainer:
         # each step's loss and grad norm reach the host a step late on CUDA (no sync inside the step) when the
         # optimizer can skip a non-finite update on the device (fused); otherwise they are read at once
         deferred = opts.async_stats if opts.async_stats is not None else self.device.type == "cuda"
-        local = st.world_size == 1 and not st.sharded  # ranks must agree on each step's loss and on stopping at once
+        # ranks must agree on each step's loss and on stopping at once; one rank alone (a sharded strategy at
+        # world size 1 included: FSDP2 on one GPU) needs no agreement, so its step has no host sync either
+        local = st.world_size == 1
         stats = StepStats(self.device, lookahead=1 if deferred and local and can_skip_update(self.optimizer) else 0)
 
         def emit(p: PendingStep) -> dict[str, float]:
@@ -550,7 +567,7 @@ class Trainer:
                     step_losses = torch.stack(micro)
                     loss_mean = step_losses.mean()
                     if stats.lookahead:  # the device skips a non-finite update; the host learns of it a step later
-                        grad_norm_t = torch.nn.utils.clip_grad_norm_(params, clip)
+                        grad_norm_t = _clip_on_device(params, clip)
                         skip_update(self.optimizer, loss_mean, grad_norm_t)
                     else:
                         loss_value = float(loss_mean)  # a CPU-GPU sync point, once per step
@@ -849,7 +866,7 @@ class Trainer:
             if self._signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             self._signal = signal.Signals(signum).name
-            if isinstance(self.strategy, LocalStrategy):
+            if isinstance(self.strategy, LocalStrategy) or self.strategy.world_size == 1:
                 self._stop = self._signal  # alone: stop at the next step boundary
 
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
