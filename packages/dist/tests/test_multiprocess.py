@@ -272,8 +272,16 @@ def test_fsdp_on_one_rank_runs_without_a_host_sync_per_step(prepared, tmp_path, 
     trainer = Trainer(config, options=TrainOptions(progress=False, tensorboard=False, handle_signals=False,
                                                    async_stats=True))
     try:
-        assert all(isinstance(p, DTensor) for p in trainer.module.parameters())  # sharded, on one rank
+        module = trainer.module
+        assert all(isinstance(p, DTensor) for p in module.parameters())  # sharded, on one rank
         assert all(group.get("fused") for group in trainer.optimizer.param_groups)
+        with torch.no_grad():  # a one-rank mesh keeps every block gathered after its forward (no reshard)
+            module(trainer.train_data.batch(0).input_ids, return_hidden=True)
+        assert not isinstance(module.layers[0].self_attn.q_proj.weight, DTensor)
+        for sub in module.modules():  # back to the sharded parameters the optimizer holds
+            if hasattr(sub, "reshard"):
+                sub.reshard()
+        assert isinstance(module.layers[0].self_attn.q_proj.weight, DTensor)
         result = trainer.fit()
     finally:
         trainer.strategy.close()

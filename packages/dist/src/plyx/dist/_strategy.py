@@ -126,8 +126,6 @@ class DistStrategy:
                 reduce_dtype = _DTYPES[d.param_dtype]
         apply_fsdp(module, dp_mesh, param_dtype=_DTYPES[d.param_dtype], reduce_dtype=reduce_dtype,
                    reshard_after_forward=reshard, shard_head=self.plan.tp > 1)
-        self.fsdp_policy = {"reshard_after_forward": reshard, "param_dtype": d.param_dtype,
-                            "reduce_dtype": str(reduce_dtype).removeprefix("torch.")}
         if meta:
             materialize(module, device, seed)
         self.module = module
