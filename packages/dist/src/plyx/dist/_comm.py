@@ -48,28 +48,47 @@ class CommSampler:
         self._t0 = 0.0
         self._want = True  # sample the next step that starts
         self._last = 0.0
+        self.failed = False  # the profiler could not run here: the share is unknown (NaN)
 
     def step_started(self) -> None:
         """A step begins: close a running sample (its step is over); open one when a sample is wanted."""
         if self._profiler is not None:
             self._finish()
-        if self._want:
-            from torch.profiler import ProfilerActivity, profile
-
+        if self._want and not self.failed:
             self._want = False
-            activities = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
-            self._profiler = profile(activities=activities)
-            self._profiler.__enter__()
+            try:
+                from torch.profiler import ProfilerActivity, profile
+
+                activities = [ProfilerActivity.CUDA] if self.cuda else [ProfilerActivity.CPU]
+                self._profiler = profile(activities=activities)
+                self._profiler.__enter__()
+            except Exception as exc:  # noqa: BLE001 - a profiler that cannot start must not stop the training
+                self._fail(exc)
+                return
             self._t0 = time.perf_counter()
 
     def share(self) -> float:
-        """The share of the latest sample (a sample still running ends now); the next step is sampled."""
+        """The share of the latest sample (a sample still running ends now), NaN when the profiler failed;
+        the next step is sampled."""
         if self._profiler is not None:
             self._finish()
         self._want = True
-        return self._last
+        return float("nan") if self.failed else self._last
+
+    def _fail(self, exc: BaseException) -> None:
+        import warnings
+
+        self.failed, self._profiler = True, None
+        warnings.warn(f"plyx-dist: torch.profiler failed ({exc}); allreduce_share is NaN for the rest of the run",
+                      RuntimeWarning, stacklevel=3)
 
     def _finish(self) -> None:
+        try:
+            self._measure()
+        except Exception as exc:  # noqa: BLE001 - see step_started
+            self._fail(exc)
+
+    def _measure(self) -> None:
         if self.cuda:
             import torch
 

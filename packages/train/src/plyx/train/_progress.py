@@ -61,7 +61,8 @@ def format_speed(metrics: Mapping[str, float]) -> str:
         parts.append(f"{_si(metrics['tokens_per_s'])} tok/s")
     if "mfu" in metrics:
         parts.append(f"mfu {metrics['mfu'] * 100:.0f}%")
-    if "allreduce_share" in metrics:  # distributed runs: the wall time with a collective in flight
+    share = metrics.get("allreduce_share")
+    if share is not None and share == share:  # distributed runs: wall time with a collective in flight (NaN: unknown)
         parts.append(f"comm {metrics['allreduce_share'] * 100:.0f}%")
     return " | ".join(parts)
 
