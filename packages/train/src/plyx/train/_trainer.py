@@ -712,7 +712,12 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------
     def save(self, metrics: dict[str, float] | None = None) -> Path | None:
         """Checkpoint the current step atomically (rank 0, or every rank with a strategy's sharded
-        checkpoint) and fire ``plyx_on_checkpoint_saved`` (rank 0)."""
+        checkpoint) and fire ``plyx_on_checkpoint_saved`` (rank 0).
+
+        Returns the checkpoint's directory. A strategy that saves in the background
+        (``async_checkpoints``: plyx-dist's ``dist.async_save``) returns before the directory exists; the
+        hook fires and ``last_checkpoint`` moves when it is committed (``fit`` ends with it committed).
+        """
         local = isinstance(self.strategy, LocalStrategy)
         if local and not self.is_main:
             return None
