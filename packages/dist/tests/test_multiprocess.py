@@ -286,3 +286,28 @@ def test_fsdp_on_one_rank_runs_without_a_host_sync_per_step(prepared, tmp_path, 
     finally:
         trainer.strategy.close()
     assert result.losses == pytest.approx([reference[s] for s in range(1, 7)], rel=REL)
+
+
+def test_a_non_finite_step_is_skipped_on_the_device_with_sharded_parameters():
+    """The one-rank step's guard: torch's fused AdamW honours ``found_inf`` (set by plyx-train's
+    ``skip_update``) on DTensor parameters too, so a NaN step leaves FSDP's shards untouched."""
+    import torch.distributed as dist
+    from plyx.train._step_stats import skip_update
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        layer = torch.nn.Linear(8, 8)
+        fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+        optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1, fused=True)
+        for loss in (float("nan"), 1.0):
+            layer(torch.randn(2, 8)).sum().backward()
+            before = [p.full_tensor().clone() for p in layer.parameters()]
+            assert skip_update(optimizer, torch.tensor(loss), torch.tensor(1.0))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            same = all(torch.equal(b, p.full_tensor()) for b, p in zip(before, layer.parameters()))
+            assert same == (loss != loss), loss  # skipped exactly when the loss is NaN
+    finally:
+        dist.destroy_process_group()
