@@ -782,8 +782,8 @@ class Trainer:
         if collect is None or not self._in_flight:
             return
         for path in collect(wait=wait):
-            step, meta = self._in_flight.pop(str(path))
-            self._committed(Path(path), step, meta)
+            step, meta = self._in_flight.pop(str(path), (self.step, {}))  # (its save's step and metadata)
+            self._committed(Path(path), step, meta or self._metadata({}))
 
     def _card(self, metrics: dict[str, float]) -> dict[str, Any]:
         """The card's fields: ``TrainOptions`` (the command line) first, then the config's ``[card]``, then derived."""
