@@ -34,20 +34,42 @@ def prepare_data(root: Path) -> Path:
     return Path(prepare_bundled(root / "data", vocab_size=1024))
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: float | None,
-          timeout: float = 3600) -> dict[str, float]:
-    """Run ``plyx train`` on ``config`` (``--nproc`` when given) and return its last logged metrics row."""
+          timeout: float = 3600, one_rank: bool = False, kernels: Path | None = None) -> dict[str, float]:
+    """Run ``plyx train`` on ``config`` and return its last logged metrics row.
+
+    Args:
+        nproc: ``--nproc N`` (the launcher spawns N ranks); None: no launcher.
+        one_rank: a distributed run of world size 1 in the command's own process (torchrun's variables set
+            in its environment): the strategy's code path without a launcher process.
+        kernels: record the kernel implementations the run used into this JSON file (``_kernel_trace.py``).
+    """
     work.mkdir(parents=True, exist_ok=True)
     path = work / "config.json"
     path.write_text(json.dumps(config), encoding="utf-8")
-    cmd = [sys.executable, "-m", "plyx.specs", "train", str(path), "--no-progress", "--no-tensorboard", "--overwrite"]
+    if kernels is not None:
+        cmd = [sys.executable, str(Path(__file__).with_name("_kernel_trace.py")), str(kernels)]
+    else:
+        cmd = [sys.executable, "-m", "plyx.specs"]
+    cmd += ["train", str(path), "--no-progress", "--no-tensorboard", "--overwrite"]
     if nproc:
         cmd += ["--nproc", str(nproc)]
     if peak_flops:
         cmd += ["--peak-flops", str(peak_flops)]
     env = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(key, None)
+    if one_rank:
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(free_port()))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

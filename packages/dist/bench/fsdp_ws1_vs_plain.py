@@ -5,12 +5,20 @@ Both runs are real ``plyx train`` runs on the bundled Tiny Shakespeare, one afte
 the same device:
 
 - ``plain``: ``plyx train CONFIG`` (no launcher: the Trainer's own single-device loop);
-- ``fsdp``:  ``plyx train CONFIG --nproc 1`` with ``[dist] strategy = "fsdp"``: NCCL process
-  group of one rank, ``fully_shard`` per block + root, meta-device init, ``MixedPrecisionPolicy``
-  (bf16 parameters, fp32 reduction).
+- ``fsdp``:  ``plyx train CONFIG`` with ``[dist] strategy = "fsdp"`` and torchrun's variables for
+  one rank (``WORLD_SIZE=1``...: what ``--nproc 1`` gives the rank it spawns): NCCL process group
+  of one rank, ``fully_shard`` per block + root, meta-device init, ``MixedPrecisionPolicy`` (bf16
+  parameters; at one rank no reshard after forward and the reduction in bf16, see plyx-dist's
+  README).
 
-Both use ``precision = "bf16-autocast"`` on CUDA. Tokens/s and MFU are the last logged window
-(the first window, with its warm-up, is not the last when ``--steps`` > ``--log-every``).
+Both use ``precision = "bf16-autocast"`` on CUDA and run through ``_kernel_trace.py``, which
+records the kernel implementation that served each kernel name (printed, and stored in each row):
+the Triton kernels must serve both paths. Tokens/s and MFU are the last logged window (the first
+window, with its warm-up, is not the last when ``--steps`` > ``--log-every``); ``ms_per_step`` is
+that window's mean, ``tokens per step / tokens_per_s``. (Rows before 2026-11-24T17 recorded the
+Trainer's ``ms_per_step`` column instead: the host time of the window's last step alone, measured
+before the device finished it, which disagreed with the window's tokens/s: 137.6 ms recorded for
+FSDP where its 25,178 tok/s mean 162.7 ms.)
 The ``gpu`` preset is a ~1.1B-parameter Llama shape (d 2048, 16 layers, 32 heads / 8 KV heads,
 FFN 8192, vocab 32768, T 1024); ``tiny`` proves the script on CPU (gloo) in seconds.
 
@@ -23,6 +31,7 @@ Rows go to ``results/fsdp_ws1_vs_plain.jsonl``; the overhead is ``1 - fsdp / pla
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -70,15 +79,25 @@ def main() -> None:
         rows = []
         for name, fsdp in (("plain", False), ("fsdp", True)):
             cfg = config(args.preset, work / name, data, fsdp=fsdp, cuda=cuda, batch=args.batch, steps=args.steps)
-            m = _runs.train(cfg, work / f"cfg-{name}", nproc=1 if fsdp else None, peak_flops=args.peak_flops)
+            trace = work / f"kernels-{name}.json"
+            m = _runs.train(cfg, work / f"cfg-{name}", nproc=None, one_rank=fsdp, peak_flops=args.peak_flops,
+                            kernels=trace)
+            kernels = json.loads(trace.read_text(encoding="utf-8"))
+            tokens_per_step = cfg["batch_size"] * cfg["data"]["seq_len"]
             rows.append({"bench": "fsdp_ws1_vs_plain", "path": name, "preset": args.preset,
                          "tokens_per_s": m["tokens_per_s"], "mfu": m.get("mfu"), "peak_mem_mb": m.get("peak_mem_mb"),
-                         "ms_per_step": m.get("ms_per_step"), "batch": cfg["batch_size"],
+                         # the same window as tokens_per_s (metrics.csv's ms_per_step is one step's host time)
+                         "ms_per_step": 1e3 * tokens_per_step / m["tokens_per_s"], "batch": cfg["batch_size"],
                          "seq_len": cfg["data"]["seq_len"], "precision": cfg["precision"],
+                         "kernels": {f"{k['kernel']}[{k['dtype']}]": k["impl"] for k in kernels},
+                         "dtensor_args": sorted({k["kernel"] for k in kernels if "DTensor" in k["tensor_types"]}),
                          "device": _runs.device_name(), "date": _runs.now()})
             mfu = f"{m['mfu']:.4f}" if m.get("mfu") is not None else "-"
-            print(f"{name:>6}: {m['tokens_per_s']:>12,.0f} tok/s  mfu {mfu}  peak {m.get('peak_mem_mb', 0):,.0f} MB",
-                  flush=True)
+            print(f"{name:>6}: {m['tokens_per_s']:>12,.0f} tok/s  {rows[-1]['ms_per_step']:.1f} ms/step  mfu {mfu}  "
+                  f"peak {m.get('peak_mem_mb', 0):,.0f} MB", flush=True)
+            print("        kernels: " + ", ".join(f"{k}={v}" for k, v in rows[-1]["kernels"].items()), flush=True)
+            if rows[-1]["dtensor_args"]:
+                print(f"        DTensor arguments reached: {', '.join(rows[-1]['dtensor_args'])}", flush=True)
         overhead = 1 - rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
         for row in rows:
             row["fsdp_overhead"] = overhead

@@ -33,7 +33,6 @@ def test_valid_plans_give_their_mesh():
     ({"strategy": "fsdp+tp", "tp_size": 2}, {"moe": {"num_experts": 4, "top_k": 2}}, 4, "$.dist.strategy",
      "mixtures of experts"),
     ({"strategy": "ddp", "backend": "nccl"}, {}, 2, "$.dist.backend", "needs CUDA"),
-    ({"strategy": "fsdp", "async_save": True}, {}, 2, "$.dist.async_save", "not available"),
 ])
 def test_impossible_plans_are_refused_with_field_value_and_fix(dist, model, world, path, words):
     with pytest.raises(ConfigError) as info:

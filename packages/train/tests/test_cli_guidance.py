@@ -84,6 +84,26 @@ def test_model_card_is_filled_and_settable(prepared: Path, tmp_path: Path, tiny_
     assert (card["name"], card["license"], card["description"]) == ("bard", "MIT", "a test model")
 
 
+
+def test_the_config_card_table_sets_the_model_card(prepared: Path, tmp_path: Path, tiny_config,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A TOML ``[card]`` table names, licenses and describes the model; an empty field stays derived, and the
+    command line's ``--name`` still wins over the table."""
+    cfg = tmp_path / "train.toml"
+    dump_config(tiny_config(prepared, tmp_path / "my-run", steps=2, eval_every=0, checkpoint_every=0,
+                            card={"name": "bard-small", "license": "Apache-2.0"}), cfg)
+    assert "[card]" in cfg.read_text()  # the table a user writes
+    assert main(["train", str(cfg), "--no-progress", "--no-tensorboard"]) == 0
+    assert "model id bard-small" in capsys.readouterr().out  # the next commands name the served model
+    ckpt = tmp_path / "my-run" / "checkpoints" / "step-000002"
+    card = json.loads((ckpt / "model_card.json").read_text())
+    assert (card["name"], card["license"]) == ("bard-small", "Apache-2.0")
+    assert "2 of 2 steps" in card["description"]  # not set: derived from the run
+    assert main(["train", str(cfg), "--no-progress", "--no-tensorboard", "--overwrite", "--name", "bard",
+                 "--description", "set here"]) == 0
+    card = json.loads((ckpt / "model_card.json").read_text())
+    assert (card["name"], card["license"], card["description"]) == ("bard", "Apache-2.0", "set here")
+
 def test_shipped_nanogpt_recipe(capsys: pytest.CaptureFixture[str]) -> None:
     from plyx.model import TransformerLM
 

@@ -26,6 +26,8 @@ def test_log_line_format() -> None:
                                  "mfu": 0.31}, eta=130)
     assert line == "step 120 | loss 2.3100 | lr 1.20e-03 | 41 ms | 25.1k tok/s | mfu 31% | eta 0:02:10"
     assert format_log_line(3, {"loss": 1.0}) == "step 3 | loss 1.0000"
+    shared = format_log_line(4, {"loss": 1.0, "tokens_per_s": 900.0, "allreduce_share": 0.125})
+    assert shared == "step 4 | loss 1.0000 | 900 tok/s | comm 12%"
 
 
 def test_bar_only_on_a_terminal() -> None:

@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -46,11 +47,12 @@ from plyx.train._checkpoint import (
 )
 from safetensors.torch import load_file, save_file
 
-__all__ = ["save_sharded", "load_into", "consolidate", "SHARDED_FORMAT", "FAULT_ENV"]
+__all__ = ["save_sharded", "finish_pending", "PendingSave", "load_into", "consolidate", "SHARDED_FORMAT", "FAULT_ENV"]
 
 SHARDED_FORMAT = "dcp"
-#: fault injection for tests: ``STEP:RANK:MARKER`` makes rank RANK stop inside the save of STEP, after its
-#: shards are written and before the commit, write its pid to MARKER and wait there to be killed
+#: fault injection for tests: ``STEP:RANK:MARKER`` makes rank RANK stop inside the save of STEP, write its pid to
+#: MARKER and wait there to be killed: after its shards are written and before the commit (synchronous saves),
+#: or in the background thread before its shards are written (``dist.async_save``)
 FAULT_ENV = "PLYX_DIST_FAULT_IN_SAVE"
 
 
@@ -76,9 +78,44 @@ def _fault(step: int, rank: int) -> None:
             time.sleep(0.5)
 
 
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer; with ``fault`` and ``FAULT_ENV`` set, the chosen rank stops inside its shard writes
+    (the async save's background thread), so a test can kill it while the checkpoint is half-written."""
+
+    def __init__(self, path: Path, step: int, rank: int, *, fault: bool) -> None:
+        super().__init__(str(path))
+        self._step, self._rank, self._fault = step, rank, fault
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        if self._fault:
+            _fault(self._step, self._rank)
+        return super().write_data(plan, planner)
+
+
+@attrs.define
+class PendingSave:
+    """An asynchronous save in flight: DCP's future, and what rank 0 writes once it completes."""
+
+    step: int
+    tmp: Path
+    final: Path
+    future: Any  # concurrent.futures.Future of dcp.async_save
+    manager: CheckpointManager
+    doc: dict[str, Any] | None  # rank 0: trainer_state.json, captured when the save started
+
+
 def save_sharded(strategy: Any, manager: CheckpointManager, step: int, module: torch.nn.Module, optimizer: Any,
                  scheduler: Any, *, state: dict[str, Any], card_fields: dict[str, Any], tokenizer_file: Any) -> Path:
-    """Write the checkpoint of ``step`` from every rank; rank 0 commits it. Returns its directory."""
+    """Write the checkpoint of ``step`` from every rank; rank 0 commits it. Returns its directory.
+
+    With ``dist.async_save`` the shards are staged to CPU memory here and written by DCP's background
+    thread, whose collectives run on the strategy's own gloo group (``checkpoint_group``), never
+    interleaved with training's; the previous asynchronous save is waited for (and committed) first, and
+    this one is committed by ``finish_pending`` once its future completes: ``trainer_state.json`` is
+    written and the directory renamed only then, so a kill at any moment before leaves no checkpoint
+    that resume picks up.
+    """
+    finish_pending(strategy, wait=True)  # one save in flight at a time, committed in order
     rank = strategy.rank
     final = manager.path_for(step)
     tmp = manager.root / f".tmp-{final.name}"
@@ -93,32 +130,76 @@ def save_sharded(strategy: Any, manager: CheckpointManager, step: int, module: t
     tensors_path, json_path = _rng_files(tmp, rank)
     save_file(rng_tensors, str(tensors_path))
     json_path.write_text(json.dumps(rng_json) + "\n", encoding="utf-8")
-
-    def commit() -> None:
-        _fault(step, rank)
-        strategy._collective(lambda: dist.barrier(), "barrier before the checkpoint commit")
-        if rank == 0:
-            if tokenizer_file is not None and Path(tokenizer_file).is_file():
-                shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
-            save_file(rng_tensors, str(tmp / STATE_TENSORS))
-            doc = {
-                "format": 1,
-                **state,
-                "step": step,
-                "rng": rng_json,
-                "optimizer": None,  # in dcp/
-                "scheduler": scheduler.state_dict(),
-                "card": card_fields,
-                "sharded": {"format": SHARDED_FORMAT, "world_size": strategy.world_size, "strategy": strategy.name,
-                            "mesh": dict(zip(strategy.plan.mesh_names, strategy.plan.mesh_shape))},
-            }
-            (tmp / STATE_JSON).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")  # written last
-            manager.commit(tmp, step)
-        strategy._collective(lambda: dist.barrier(), "barrier after the checkpoint commit")
-
-    dcp.save(sd, checkpoint_id=str(tmp / "dcp"))
-    commit()
+    doc = None
+    if rank == 0:  # everything but trainer_state.json, which marks the checkpoint complete and comes last
+        if tokenizer_file is not None and Path(tokenizer_file).is_file():
+            shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
+        save_file(rng_tensors, str(tmp / STATE_TENSORS))
+        doc = {
+            "format": 1,
+            **state,
+            "step": step,
+            "rng": rng_json,
+            "optimizer": None,  # in dcp/
+            "scheduler": scheduler.state_dict(),
+            "card": card_fields,
+            "sharded": {"format": SHARDED_FORMAT, "world_size": strategy.world_size, "strategy": strategy.name,
+                        "mesh": dict(zip(strategy.plan.mesh_names, strategy.plan.mesh_shape))},
+        }
+    asynchronous = strategy.checkpoint_group is not None
+    writer = _Writer(tmp / "dcp", step, rank, fault=asynchronous)
+    if asynchronous:
+        # staging (a CPU copy of this rank's shards) happens before async_save returns: training may
+        # update the parameters at once; the rng files above were written before DCP's first collective,
+        # so rank 0's future completing means every rank's files are on disk
+        future = dcp.async_save(sd, storage_writer=writer, process_group=strategy.checkpoint_group)
+        strategy.pending_save = PendingSave(step, tmp, final, future, manager, doc)
+        return final
+    dcp.save(sd, storage_writer=writer)
+    _fault(step, rank)
+    strategy._collective(lambda: dist.barrier(), "barrier before the checkpoint commit")
+    if doc is not None:
+        _commit(manager, tmp, step, doc)
+    strategy._collective(lambda: dist.barrier(), "barrier after the checkpoint commit")
     return final
+
+
+def _commit(manager: CheckpointManager, tmp: Path, step: int, doc: dict[str, Any]) -> Path:
+    (tmp / STATE_JSON).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")  # written last
+    return manager.commit(tmp, step)
+
+
+def finish_pending(strategy: Any, *, wait: bool) -> list[Path]:
+    """Commit the asynchronous save in flight once its DCP future completes (rank 0 renames it into place).
+
+    Args:
+        strategy: the ``DistStrategy`` (its ``pending_save``).
+        wait: block until the save completes; False returns at once when it is still being written.
+
+    Returns:
+        the checkpoints committed by this call (rank 0; other ranks get the same paths, written by rank 0).
+
+    Raises:
+        RankFailure: the background write failed (most often a peer died during it); nothing is committed.
+    """
+    pending = strategy.pending_save
+    if pending is None or (not wait and not pending.future.done()):
+        return []
+    strategy.pending_save = None
+    try:
+        pending.future.result()
+    except Exception as exc:  # noqa: BLE001 - any failure of the background write means: do not commit
+        from plyx.dist._strategy import RankFailure
+
+        raise RankFailure(
+            f"rank {strategy.rank}: the asynchronous save of step {pending.step} failed "
+            f"({str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); it was not committed and "
+            f"{pending.tmp.name} is never resumed (another rank probably died during the write)"
+        ) from None
+    if pending.doc is not None:
+        _commit(pending.manager, pending.tmp, pending.step, pending.doc)
+    strategy.committed.append(pending.final)  # for the Trainer's plyx_on_checkpoint_saved (committed_checkpoints)
+    return [pending.final]
 
 
 def _read_doc(path: Path) -> dict[str, Any]:
@@ -145,10 +226,12 @@ def load_into(strategy: Any, path: Any, module: torch.nn.Module, optimizer: Any)
             return json.loads(json_path.read_text(encoding="utf-8")), load_file(str(tensors_path))
         return None
     # a plain single-process checkpoint: every rank reads the full tensors and keeps its shards
-    from plyx.model import load_checkpoint
+    from plyx.model import open_checkpoint
 
-    loaded = load_checkpoint(path, device="cpu")
-    full = loaded.state_dict() if isinstance(loaded, torch.nn.Module) else loaded.load_state_dict("cpu")
+    # the stored tensors as they are (an adapted model's ``lora_*`` tensors included); set_state_dict checks names
+    ckpt = open_checkpoint(path)
+    ckpt.verify()
+    full = dict(ckpt.load_state_dict("cpu"))
     tensors = load_file(str(path / STATE_TENSORS))
     optim_full = _optimizer_by_name(module, optimizer, optimizer_from_flat(doc["optimizer"], tensors))
     set_state_dict(module, optimizer, model_state_dict=full, optim_state_dict=optim_full,

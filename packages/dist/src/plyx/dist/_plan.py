@@ -70,11 +70,6 @@ def plan(config: TrainConfig, world_size: int, local_world_size: int, *, cuda: b
                           "activation checkpointing is asked twice (activation_checkpointing = true as well)",
                           value=d.activation_checkpointing,
                           fix="set one of them: the top-level flag means dist.activation_checkpointing = 'full'")
-    if d.async_save:
-        # dcp.async_save deadlocked against the commit barriers on gloo in this release's tests: refused
-        # before any work rather than shipped untested
-        raise ConfigError("$.dist.async_save", "asynchronous checkpoint writes are not available in this plyx-dist",
-                          value=True, fix="set dist.async_save = false (checkpoints are written synchronously)")
     if d.strategy == "ddp":
         return Plan("ddp", (world_size,), ("dp",), world_size, 1, backend)
     if d.strategy == "fsdp":

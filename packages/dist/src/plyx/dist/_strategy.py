@@ -13,8 +13,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
-import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -26,6 +24,7 @@ from plyx.specs import TrainConfig
 from plyx.train import init_model
 from torch import nn
 
+from plyx.dist._comm import CommClock, CommSampler, timed_allreduce
 from plyx.dist._parallelize import apply_activation_checkpointing, apply_fsdp, apply_tp, materialize
 from plyx.dist._plan import Plan, plan
 
@@ -84,9 +83,20 @@ class DistStrategy:
         else:
             self.data_rank = self.rank
         self.data_world_size = self.plan.dp
+        # dist.async_save: DCP's background thread runs its collectives on a group of its own (gloo: a CPU
+        # backend, which async_save needs even under NCCL), so they never interleave with training's on the
+        # default group; every rank creates it here, in the same order
+        self.checkpoint_group: Any = None
+        if config.dist.async_save:
+            self.checkpoint_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.dist.timeout_s))
+        self.pending_save: Any = None  # the asynchronous save in flight (plyx.dist._checkpoint.PendingSave)
+        self.committed: list[Any] = []  # asynchronous saves committed, not yet handed to the Trainer
         self._in_loss_parallel = False
         self.module: nn.Module | None = None
-        self._comm = _CommClock()
+        self._comm = CommClock()
+        # FSDP / HSDP / FSDP + TP: no hook sees their collectives' completion, a profiled step does
+        self._sampler = CommSampler(cuda=self.plan.backend == "nccl") if self.sharded and self.world_size > 1 else None
+        self._step_open = False  # inside a step (between its first micro-batch and the end of its last)
 
     # -- model -------------------------------------------------------------------------
     def build_model(self, build: Callable[[str], nn.Module], seed: int) -> nn.Module:
@@ -104,8 +114,18 @@ class DistStrategy:
             apply_tp(module, self.mesh["tp"])
         apply_activation_checkpointing(module, ac)
         dp_mesh = self.mesh if self.name == "hsdp" else self.mesh[self.plan.mesh_names[0]]
-        apply_fsdp(module, dp_mesh, param_dtype=_DTYPES[d.param_dtype], reduce_dtype=_DTYPES[d.reduce_dtype],
-                   reshard_after_forward=d.reshard_after_forward, shard_head=self.plan.tp > 1)
+        reshard, reduce_dtype = d.reshard_after_forward, _DTYPES[d.reduce_dtype]
+        if dp_mesh.size() == 1:
+            # one rank holds every parameter whole: resharding after the forward frees only the param_dtype
+            # copies and costs a second copy-in/copy-out per block in the backward; and the "reduction" sums
+            # one gradient, so reducing in param_dtype gives the same float32 gradient bit for bit (a bf16 value
+            # cast up is exact) without the cast pass, unless micro-batches accumulate (FSDP2 accumulates
+            # unsynchronised gradients in reduce_dtype)
+            reshard = False
+            if self.config.grad_accum == 1:
+                reduce_dtype = _DTYPES[d.param_dtype]
+        apply_fsdp(module, dp_mesh, param_dtype=_DTYPES[d.param_dtype], reduce_dtype=reduce_dtype,
+                   reshard_after_forward=reshard, shard_head=self.plan.tp > 1)
         if meta:
             materialize(module, device, seed)
         self.module = module
@@ -119,17 +139,26 @@ class DistStrategy:
         ids = [self.local_rank] if self.plan.backend == "nccl" else None
         ddp = DDP(module, device_ids=ids, process_group=self.mesh.get_group())
         self._comm.group = self.mesh.get_group()
-        ddp.register_comm_hook(self._comm, _timed_allreduce)
+        ddp.register_comm_hook(self._comm, timed_allreduce)
         return ddp
 
     def comm_share(self) -> float:
-        """Fraction of the wall time since the last call during which a gradient all-reduce was in flight
-        (DDP: measured by its communication hook, overlap with the backward included); 0 for FSDP."""
+        """Fraction of the wall time with a collective in flight, overlap with compute included.
+
+        DDP: every gradient all-reduce since the last call, timed by its communication hook. FSDP, HSDP
+        and FSDP + TP: all-gathers, reduce-scatters and TP all-reduces of one profiled step per call (the
+        first step after the previous call; see ``plyx.dist._comm.CommSampler``).
+        """
+        if self._sampler is not None:
+            return self._sampler.share()
         return self._comm.share()
 
     # -- the step ----------------------------------------------------------------------
     @contextlib.contextmanager
     def micro_batch(self, model: nn.Module, *, last: bool) -> Iterator[None]:
+        if self._sampler is not None and not self._step_open:
+            self._sampler.step_started()  # the first micro-batch of a step: the sampled step's window opens
+        self._step_open = not last
         with contextlib.ExitStack() as stack:
             if self.name == "ddp" and not last:
                 stack.enter_context(model.no_sync())  # type: ignore[operator]
@@ -225,7 +254,29 @@ class DistStrategy:
 
         return load_into(self, path, module, optimizer)
 
+    def committed_checkpoints(self, *, wait: bool = False) -> list[Any]:
+        """Checkpoints whose asynchronous save completed and was committed since the last call (rank 0
+        commits; every rank gets the paths). ``wait``: block for the save in flight (the end of a run).
+        Synchronous saves are committed inside ``save_checkpoint`` and never listed here."""
+        from plyx.dist._checkpoint import finish_pending
+
+        finish_pending(self, wait=wait)
+        done, self.committed = self.committed, []
+        return done
+
+    @property
+    def async_checkpoints(self) -> bool:
+        """Whether ``save_checkpoint`` returns before its checkpoint is committed (``dist.async_save``)."""
+        return self.checkpoint_group is not None
+
     def close(self) -> None:
+        if self.pending_save is not None:  # at exit, an asynchronous save in flight is completed or dropped
+            import sys
+
+            try:
+                self.committed_checkpoints(wait=True)
+            except RankFailure as exc:
+                print(f"plyx-dist: {exc}", file=sys.stderr)
         if self._owns_group and dist.is_initialized():
             try:  # leave together: a rank tearing down its gloo pairs while a peer still talks aborts the peer
                 dist.barrier()
@@ -241,44 +292,3 @@ def _loss_parallel() -> Iterator[None]:
 
     with loss_parallel():
         yield
-
-
-class _CommClock:
-    """Union of the intervals during which a DDP bucket's all-reduce was in flight, per measuring window."""
-
-    def __init__(self) -> None:
-        self.group: Any = None  # the data-parallel process group (set by ``wrap``)
-        self.window_start = time.perf_counter()
-        self.intervals: list[tuple[float, float]] = []
-        self.lock = threading.Lock()
-
-    def add(self, start: float, end: float) -> None:
-        with self.lock:
-            self.intervals.append((start, end))
-
-    def share(self) -> float:
-        now = time.perf_counter()
-        with self.lock:
-            spans, self.intervals = sorted(self.intervals), []
-        busy, cursor = 0.0, self.window_start
-        for start, end in spans:
-            start = max(start, cursor)
-            if end > start:
-                busy += end - start
-                cursor = end
-        wall, self.window_start = now - self.window_start, now
-        return busy / wall if wall > 0 else 0.0
-
-
-def _timed_allreduce(clock, bucket):  # type: ignore[no-untyped-def]  # DDP rejects non-GradBucket annotations
-    """torch's default DDP hook (``allreduce_hook``), timed from launch to completion."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    start = time.perf_counter()
-    future = allreduce_hook(clock.group, bucket)
-
-    def done(fut: Any) -> Any:
-        clock.add(start, time.perf_counter())
-        return fut.value()
-
-    return future.then(done)

@@ -26,7 +26,7 @@ from plyx.specs.plugins import components, get_plugin_manager, plugin_report, re
 _LAZY = {
     "Batch": "batch",
     "Checkpoint": "checkpoint", "ModelCard": "checkpoint", "TensorEntry": "checkpoint",
-    **dict.fromkeys(("ConfigBase", "DataConfig", "DistConfig", "KernelConfig", "ModelConfig", "OptimizerConfig", "RopeScaling",
+    **dict.fromkeys(("CardConfig", "ConfigBase", "DataConfig", "DistConfig", "KernelConfig", "ModelConfig", "OptimizerConfig", "RopeScaling",
                      "ScheduleConfig", "ServeConfig", "TrainConfig", "dump_config", "load_config", "migration"),
                     "config"),
     **dict.fromkeys(("Candidate", "Capability", "KernelImpl", "KernelNotFoundError", "KernelQuery", "KernelRegistry",
@@ -44,6 +44,7 @@ __all__ = [
     "CacheUsage",
     "Candidate",
     "Capability",
+    "CardConfig",
     "Checkpoint",
     "CliCommand",
     "Component",

@@ -71,7 +71,7 @@ def _objects() -> dict[str, dict[str, Any]]:
             name: getattr(config, name)
             for name in (
                 "ConfigBase", "ModelConfig", "RopeScaling", "TrainConfig", "DataConfig", "OptimizerConfig",
-                "ScheduleConfig", "ServeConfig", "KernelConfig", "DistConfig", "load_config", "dump_config", "migration",
+                "ScheduleConfig", "ServeConfig", "KernelConfig", "DistConfig", "CardConfig", "load_config", "dump_config", "migration",
             )
         },
         "tensorspec": {"TensorSpec": tensorspec.TensorSpec, "bind": tensorspec.bind, "dtype_name": tensorspec.dtype_name},

@@ -173,15 +173,16 @@ def run_train(args: argparse.Namespace) -> int:
     if result.sample:
         print("sample:\n" + result.sample)
     if result.checkpoint is not None:
-        print("next:\n" + next_commands(Path(result.checkpoint)))
+        print("next:\n" + next_commands(Path(result.checkpoint), model_id=args.name or config.card.name or None))
     return 0
 
 
-def next_commands(checkpoint: Path) -> str:
+def next_commands(checkpoint: Path, *, model_id: str | None = None) -> str:
     """The commands a user runs after training, with this run's real paths (indented, one per line).
 
     Args:
         checkpoint: the checkpoint just written (``<out_dir>/checkpoints/step-N``).
+        model_id: the model card's name (``--name`` or the config's ``[card] name``); default: the run's name.
 
     Returns:
         the lines.
@@ -196,7 +197,7 @@ def next_commands(checkpoint: Path) -> str:
     q = shlex.quote
     return "\n".join([
         f"  plyx model inspect {q(str(checkpoint))}",
-        f"  plyx serve {q(str(served))} --port 8000        # OpenAI API; model id {q(run.name)}",
+        f"  plyx serve {q(str(served))} --port 8000        # OpenAI API; model id {q(model_id or run.name)}",
         f"  plyx export {q(str(served))} --format onnx --out {q(str(Path('exports') / run.name))}",
         f"  plyx governance verify {q(str(Path('exports') / run.name))}",
     ])

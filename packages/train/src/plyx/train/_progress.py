@@ -53,7 +53,7 @@ def _clock(seconds: float | None) -> str:
 
 
 def format_speed(metrics: Mapping[str, float]) -> str:
-    """``41 ms | 25.1k tok/s | mfu 31%`` of a logged step's metrics (the bar shows it beside the loss)."""
+    """``41 ms | 25.1k tok/s | mfu 31% | comm 12%`` of a logged step's metrics (the bar shows it beside the loss)."""
     parts = []
     if "ms_per_step" in metrics:
         parts.append(f"{metrics['ms_per_step']:.0f} ms")
@@ -61,6 +61,9 @@ def format_speed(metrics: Mapping[str, float]) -> str:
         parts.append(f"{_si(metrics['tokens_per_s'])} tok/s")
     if "mfu" in metrics:
         parts.append(f"mfu {metrics['mfu'] * 100:.0f}%")
+    share = metrics.get("allreduce_share")
+    if share is not None and share == share:  # distributed runs: wall time with a collective in flight (NaN: unknown)
+        parts.append(f"comm {metrics['allreduce_share'] * 100:.0f}%")
     return " | ".join(parts)
 
 

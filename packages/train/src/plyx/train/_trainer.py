@@ -117,8 +117,9 @@ class TrainOptions:
         data_cache: where the bundled corpus is prepared (default: ``$PLYX_DATA_DIR``, else
             ``$PLYX_CACHE_DIR/data``, else ~/.cache/plyx/data).
         print_fn: where progress lines go when the bar is off (None: silent).
-        name / license / description: the model card's fields (default: the run directory's name,
-            ``NOASSERTION``, a summary of model, data, steps and losses).
+        name / license / description: the model card's fields; they override the config's ``[card]``
+            table (``TrainConfig.card``), whose empty fields default to the run directory's name,
+            ``NOASSERTION`` and a summary of model, data, steps and losses.
     """
 
     resume: str | None = None
@@ -226,6 +227,21 @@ def _checkpoint_layers(model: nn.Module) -> int:
     return len(layers)
 
 
+def _clip_on_device(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` without a host sync; the total norm as a plain 0-dim tensor.
+
+    Parameters sharded on one rank (FSDP2 at world size 1) are DTensors: their norm is a DTensor,
+    made a plain tensor (``full_tensor``: no communication on one rank) before it scales the
+    gradients, as torchtitan does. Plain parameters take exactly ``clip_grad_norm_``'s path.
+    """
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], 2.0)
+    full = getattr(norm, "full_tensor", None)
+    if full is not None:
+        norm = full()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
 class Trainer:
     """Trains ``config.model`` on ``config.data`` (see the module docstring).
 
@@ -310,6 +326,7 @@ class Trainer:
         self.data_position = 0
         self.last_checkpoint: Path | None = None
         self._saved_step = -1
+        self._in_flight: dict[str, tuple[int, dict[str, Any]]] = {}  # asynchronous saves not yet committed
         self._restored_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         if resume_from is not None:
             self._load(resume_from)
@@ -446,10 +463,14 @@ class Trainer:
                 f"{doc['sharded'].get('world_size')} ranks); resume it with plyx-dist (`plyx train CONFIG --nproc N`, "
                 f"any N) or make it a plain checkpoint first with `plyx dist consolidate {path} OUT`"
             )
-        from plyx.model import load_checkpoint
+        # the stored tensors go straight into the module being trained: an adapted model (LoRA, DoRA) holds
+        # ``lora_*`` tensors that plyx-model's load_checkpoint, which builds the bare architecture of the card,
+        # rejects as unexpected; strict loading into our module checks every name and shape instead
+        from plyx.model import open_checkpoint
 
-        loaded = load_checkpoint(path, device="cpu")
-        state = loaded.state_dict() if isinstance(loaded, nn.Module) else loaded.load_state_dict("cpu")
+        ckpt = open_checkpoint(path)
+        ckpt.verify()  # sizes and sha256 digests first: a damaged shard is named before any tensor is read
+        state = ckpt.load_state_dict("cpu")
         try:
             self.module.load_state_dict(state, strict=True)
         except RuntimeError as exc:
@@ -483,7 +504,9 @@ class Trainer:
         # each step's loss and grad norm reach the host a step late on CUDA (no sync inside the step) when the
         # optimizer can skip a non-finite update on the device (fused); otherwise they are read at once
         deferred = opts.async_stats if opts.async_stats is not None else self.device.type == "cuda"
-        local = st.world_size == 1 and not st.sharded  # ranks must agree on each step's loss and on stopping at once
+        # ranks must agree on each step's loss and on stopping at once; one rank alone (a sharded strategy at
+        # world size 1 included: FSDP2 on one GPU) needs no agreement, so its step has no host sync either
+        local = st.world_size == 1
         stats = StepStats(self.device, lookahead=1 if deferred and local and can_skip_update(self.optimizer) else 0)
 
         def emit(p: PendingStep) -> dict[str, float]:
@@ -544,7 +567,7 @@ class Trainer:
                     step_losses = torch.stack(micro)
                     loss_mean = step_losses.mean()
                     if stats.lookahead:  # the device skips a non-finite update; the host learns of it a step later
-                        grad_norm_t = torch.nn.utils.clip_grad_norm_(params, clip)
+                        grad_norm_t = _clip_on_device(params, clip)
                         skip_update(self.optimizer, loss_mean, grad_norm_t)
                     else:
                         loss_value = float(loss_mean)  # a CPU-GPU sync point, once per step
@@ -595,10 +618,12 @@ class Trainer:
                         t_save = time.perf_counter()
                         self.save(last)
                         window_t += time.perf_counter() - t_save  # nor is checkpointing
+                    self._collect_checkpoints(wait=False)  # an asynchronous save that completed meanwhile
                 for pending in stats.ready(flush=True):
                     last.update(emit(pending))
                 if self._saved_step != self.step:  # the final (or interrupted) state, unless just saved
                     self.save(last)
+                self._collect_checkpoints(wait=True)  # the run ends with its last checkpoint committed
                 if self._stop is not None:
                     self._say(bar, f"{self._stop}: checkpoint {self.last_checkpoint} written at step {self.step}")
             finally:
@@ -687,7 +712,12 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------
     def save(self, metrics: dict[str, float] | None = None) -> Path | None:
         """Checkpoint the current step atomically (rank 0, or every rank with a strategy's sharded
-        checkpoint) and fire ``plyx_on_checkpoint_saved`` (rank 0)."""
+        checkpoint) and fire ``plyx_on_checkpoint_saved`` (rank 0).
+
+        Returns the checkpoint's directory. A strategy that saves in the background
+        (``async_checkpoints``: plyx-dist's ``dist.async_save``) returns before the directory exists; the
+        hook fires and ``last_checkpoint`` moves when it is committed (``fit`` ends with it committed).
+        """
         local = isinstance(self.strategy, LocalStrategy)
         if local and not self.is_main:
             return None
@@ -720,22 +750,49 @@ class Trainer:
             path = self.strategy.save_checkpoint(self.checkpoints, self.step, self.module, self.optimizer,
                                                  self.scheduler, state=state, card_fields=card,
                                                  tokenizer_file=tokenizer_file)
-        self.last_checkpoint = path
         self._saved_step = self.step
-        if not self.is_main:
+        if getattr(self.strategy, "async_checkpoints", False):
+            # written in the background (plyx-dist's dist.async_save): the checkpoint exists, and its hook
+            # fires, once the strategy has committed it (_collect_checkpoints)
+            meta = self._metadata(metrics) if self.is_main else {}
+            if self.is_main:
+                meta["outputs"] = {**meta["outputs"], "checkpoint": str(path)}
+            self._in_flight[str(path)] = (self.step, meta)
+            self._collect_checkpoints(wait=False)  # the previous save, which the strategy committed first
             return path
-        meta = self._metadata(metrics)
-        meta["outputs"] = {"checkpoint": str(path), **meta["outputs"]}
-        get_plugin_manager().hook.plyx_on_checkpoint_saved(path=str(path), step=self.step, metadata=meta)
-        mark_hooked(path)  # a kill before this line gets the hook re-run on resume (_recovery)
+        self.last_checkpoint = path
+        meta = self._metadata(metrics) if self.is_main else {}
+        if self.is_main:
+            meta["outputs"] = {"checkpoint": str(path), **meta["outputs"]}
+        self._committed(path, self.step, meta)
         return path
 
+    def _committed(self, path: Path, step: int, meta: dict[str, Any]) -> None:
+        """A checkpoint is in place: it is the one to fall back to, and rank 0 fires ``plyx_on_checkpoint_saved``."""
+        self.last_checkpoint = path
+        if not self.is_main:
+            return
+        get_plugin_manager().hook.plyx_on_checkpoint_saved(path=str(path), step=step, metadata=meta)
+        mark_hooked(path)  # a kill before this line gets the hook re-run on resume (_recovery)
+
+    def _collect_checkpoints(self, *, wait: bool) -> None:
+        """Hand the strategy's asynchronously written checkpoints that it committed since the last call to
+        ``_committed`` (``wait``: block for the one in flight, at the end of ``fit``)."""
+        collect = getattr(self.strategy, "committed_checkpoints", None)
+        if collect is None or not self._in_flight:
+            return
+        for path in collect(wait=wait):
+            step, meta = self._in_flight.pop(str(path), (self.step, {}))  # (its save's step and metadata)
+            self._committed(Path(path), step, meta or self._metadata({}))
+
     def _card(self, metrics: dict[str, float]) -> dict[str, Any]:
-        o = self.options
+        """The card's fields: ``TrainOptions`` (the command line) first, then the config's ``[card]``, then derived."""
+        o, card = self.options, self.config.card
         return card_fields(
             run_name=self.out_dir.resolve().name, config=self.config, num_params=self.module_params(),
             step=self.step, metrics=metrics, data_dir=self.data_dir, source=self.shards.manifest.get("source", {}),
-            name=o.name, license=o.license, description=o.description,
+            name=o.name or card.name or None, license=o.license or card.license or None,
+            description=o.description or card.description or None,
         )
 
     def module_params(self) -> int:
@@ -814,7 +871,7 @@ class Trainer:
             if self._signal is not None and signum == signal.SIGINT:
                 raise KeyboardInterrupt
             self._signal = signal.Signals(signum).name
-            if isinstance(self.strategy, LocalStrategy):
+            if isinstance(self.strategy, LocalStrategy) or self.strategy.world_size == 1:
                 self._stop = self._signal  # alone: stop at the next step boundary
 
         previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}

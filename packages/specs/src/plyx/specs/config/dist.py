@@ -58,8 +58,9 @@ class DistConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=Tr
     timeout_s: Pos = 300
     """Process-group timeout: a collective that waits longer (a dead or stuck rank) fails the run."""
     async_save: bool = False
-    """Reserved: write checkpoints with ``torch.distributed.checkpoint.async_save`` (plyx-dist 1.1
-    refuses true with a ConfigError; checkpoints are written synchronously)."""
+    """Write checkpoints with ``torch.distributed.checkpoint.async_save``: shards are staged to CPU memory
+    and written in the background while training continues; the checkpoint is committed once written
+    (plyx-dist >= 1.2; 1.1 refused true)."""
 
     def check(self) -> None:
         if self.strategy != "fsdp+tp" and self.tp_size != 1:

@@ -10,7 +10,7 @@ from plyx.specs.config.dist import DistConfig
 from plyx.specs.config.model import ModelConfig
 from plyx.specs.errors import ConfigError
 
-__all__ = ["TrainConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig"]
+__all__ = ["TrainConfig", "CardConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig"]
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -61,6 +61,18 @@ class ScheduleConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     """(wsd) fraction of the run spent decaying at the end."""
 
 
+class CardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The model card of the checkpoints a run writes (``ModelCard`` fields); an empty field is derived
+    from the run. ``plyx train --name/--license/--description`` override these."""
+
+    name: str = ""
+    """The model's name (``plyx serve``'s model id); empty: the run directory's name."""
+    license: str = ""
+    """SPDX licence id of the weights (``Apache-2.0``, ``MIT``...); empty: ``NOASSERTION``."""
+    description: str = ""
+    """One paragraph for people; empty: architecture, size, data, steps and final losses."""
+
+
 class TrainConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Everything a training run needs; ``plyx train`` runs on these defaults."""
 
@@ -106,6 +118,8 @@ class TrainConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
     neftune_alpha: PosFloat | None = None
     """NEFTune: uniform noise of scale alpha / sqrt(seq_len * d_model) on the input embeddings while
     training (Jain et al. 2023; 5 to 15 is usual); None: off."""
+    card: CardConfig = msgspec.field(default_factory=CardConfig)
+    """The model card's name, licence and description (empty fields are derived from the run)."""
     dist: DistConfig = msgspec.field(default_factory=DistConfig)
     """How a distributed run (``plyx train --nproc N``, ``torchrun``) is parallelised; batch_size
     stays per data-parallel rank, so the global batch is batch_size x grad_accum x data ranks."""
