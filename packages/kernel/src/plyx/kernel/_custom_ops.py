@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPS", "traceable"]
+__all__ = ["OPS", "reached_under_compile", "traceable"]
 
 _LIB = "plyx"
 
@@ -154,6 +154,10 @@ def _define(name: str) -> Any:
     schema, call, diff, n_out = _SPECS[name]
     returns = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
 
+    # the implementations never run under Dynamo: where one is called while Dynamo's frame hook is active
+    # (code between two graphs of a graph break), Dynamo would otherwise start tracing it as a frame of its
+    # own and reach the registry's Triton kernel
+    @torch.compiler.disable
     def forward(*args: Any) -> Any:
         with torch.no_grad():
             return _own(call(*args), args)
@@ -161,6 +165,7 @@ def _define(name: str) -> Any:
     op = torch.library.custom_op(f"{_LIB}::{name}", forward, mutates_args=(), schema=f"({schema}) -> {returns}")
     op.register_fake(_FAKES[name])
 
+    @torch.compiler.disable
     def backward_impl(grads: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
         """Gradients of the differentiable arguments (an empty tensor for an absent optional one)."""
         with _with_autograd(), torch.enable_grad():
@@ -266,6 +271,43 @@ _CALLS: dict[str, Callable[..., Any]] = {
     "cross_entropy": _cross_entropy_call,
     "linear_cross_entropy": _linear_cross_entropy_call,
 }
+
+
+def reached_under_compile(name: str, load: Callable[[], Callable[..., Any]], args: Sequence[Any],
+                          kwargs: dict[str, Any]) -> Any:
+    """What a Triton implementation does when Dynamo traces a call to it: the call as kernel ``name``'s custom op.
+
+    Model code asks for ``traceable(name)`` under ``torch.compile``, but a Triton implementation can still be
+    reached by Dynamo: a callable fetched from the registry before tracing began (a cached or bound kernel),
+    or code Dynamo traces as a frame of its own after a graph break, where the eager branch was taken. Tracing
+    into it would wrap its Triton launch (``triton_kernel_wrapper_mutation``, whose mutation analysis fails on
+    inline PTX: the H100 run's ``tt.elementwise_inline_asm``). Instead:
+
+    - a kernel with a custom op (``rmsnorm``, ``swiglu``, ``rope``, ``attention``, ``cross_entropy``,
+      ``linear_cross_entropy``) becomes that op (one opaque node; the registry chooses the implementation
+      inside it at run time, for the same inputs);
+    - any other kernel (inference-only ones, ``matmul``, the MoE kernels) runs eagerly behind
+      ``torch.compiler.disable``: a graph break, never a traced Triton launch;
+    - under ``torch.export`` the implementation is traced as before (an exported program holds its ops).
+
+    Args:
+        name: the kernel name; load: returns the implementation (imports it on first use);
+        args, kwargs: the call's arguments (the kernel name's documented signature).
+
+    Returns:
+        What the implementation returns.
+    """
+    if torch.compiler.is_exporting():
+        return load()(*args, **kwargs)
+    op = _CALLS.get(name)
+    if op is not None:
+        return op(*args, **kwargs)
+    return _eagerly(load, args, kwargs)
+
+
+@torch.compiler.disable
+def _eagerly(load: Callable[[], Callable[..., Any]], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    return load()(*args, **kwargs)
 
 
 def traceable(name: str) -> Callable[..., Any] | None:
