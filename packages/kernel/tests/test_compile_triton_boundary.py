@@ -26,7 +26,7 @@ from plyx.specs.kernels import Capability, KernelImpl
 from .conftest import TRITON_DEVICE
 
 #: every kernel the training forward and backward reach, Triton on the test device
-TRAINING = ("rmsnorm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy")
+TRAINING = ("rmsnorm", "swiglu", "rope", "rope_qk", "cross_entropy", "linear_cross_entropy")
 
 
 def _registry() -> Registry:
@@ -96,7 +96,7 @@ def test_a_kernel_without_custom_op_runs_eagerly_behind_a_graph_break() -> None:
     torch.testing.assert_close(got, ((a + 1) @ b) * 2, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", ["attention", "rope", "cross_entropy", "linear_cross_entropy"])
+@pytest.mark.parametrize("kernel", ["attention", "rope", "rope_qk", "cross_entropy", "linear_cross_entropy"])
 def test_every_training_kernel_reached_directly_is_opaque(kernel: str) -> None:
     reg = _registry()
     g = torch.Generator().manual_seed(1)
@@ -113,6 +113,11 @@ def test_every_training_kernel_reached_directly_is_opaque(kernel: str) -> None:
 
         cos, sin = rope_tables(torch.arange(4), 8, 10000.0)
         args, kwargs = (r(2, 4, 3, 8), cos.to(TRITON_DEVICE), sin.to(TRITON_DEVICE)), {}
+    elif kernel == "rope_qk":
+        from plyx.kernel import rope_tables
+
+        cos, sin = rope_tables(torch.arange(4), 8, 10000.0)
+        args, kwargs = (r(2, 4, 3, 8), r(2, 4, 1, 8), cos.to(TRITON_DEVICE), sin.to(TRITON_DEVICE)), {}
     elif kernel == "cross_entropy":
         args, kwargs = (r(6, 11), torch.randint(0, 11, (6,), generator=g).to(TRITON_DEVICE)), {}
     else:

@@ -50,7 +50,7 @@ def test_compiled_training_step_never_traces_a_triton_kernel(monkeypatch: pytest
     from plyx.train import lm_loss
 
     reg = default.populate(Registry())
-    for name in ("rmsnorm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy"):
+    for name in ("rmsnorm", "swiglu", "rope", "rope_qk", "cross_entropy", "linear_cross_entropy"):
         reg.register(KernelImpl(name, "triton-anywhere", _lazy(name, name), capability=Capability(), priority=100))
     reg.register(KernelImpl("attention", "triton-anywhere", attention_triton,
                             capability=Capability(dtypes={"bfloat16"}, shape_in={"head_dim": {64}}), priority=100))
@@ -87,7 +87,7 @@ def test_compiled_training_step_never_traces_a_triton_kernel(monkeypatch: pytest
     got, got_grads = step(torch.compile(module, backend=backend))
     assert seen.count("graph") == 1, "a graph break in the compiled forward"
     assert not [t for t in seen if "triton_kernel_wrapper" in t], sorted(set(seen))
-    for op in ("rmsnorm", "rmsnorm_residual", "rope", "attention", "swiglu"):
+    for op in ("rmsnorm", "rmsnorm_residual", "rope_qk", "attention", "swiglu"):
         assert f"plyx.{op}.default" in seen and f"plyx.{op}_backward.default" in seen, (op, sorted(set(seen)))
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     for name, g in want_grads.items():

@@ -54,6 +54,8 @@ _OPS: dict[str, tuple[int, dict[str, Any], str]] = {
     "rmsnorm": (10, {"shape_limits": {"hidden": (1, 65536)}}, "Triton fused RMSNorm (+ residual add), one row per program"),
     "swiglu": (10, {}, "Triton fused silu(gate) * up, forward and backward"),
     "rope": (10, {"shape_limits": {"head_dim": (2, 1024)}}, "Triton RoPE, rotate-half or interleaved, partial rotary, per-batch position tables"),
+    "rope_qk": (10, {"shape_limits": {"head_dim": (2, 1024)}},
+                "Triton RoPE of q and k in one launch (GQA head counts), forward and backward"),
     # no backward: with grad required the registry falls back to the reference, which explains the error
     "rope_store_kv": (10, {"shape_limits": {"head_dim": (2, 1024)}, "backward": False},
                       "Triton RoPE of q and k, k and v stored at cache slots, one launch (inference only)"),
