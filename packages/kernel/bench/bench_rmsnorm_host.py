@@ -89,8 +89,8 @@ def main() -> int:
             if residual:
                 kw["residual"] = rg
             paths = {
-                "kernel": lambda kw=kw: op.rmsnorm(xg, wg, **kw),
-                "module": lambda kw=kw: reg.get("rmsnorm", xg, wg, hidden=d)(xg, wg, **kw),
+                "kernel": lambda kw=kw, xg=xg, wg=wg: op.rmsnorm(xg, wg, **kw),
+                "module": lambda kw=kw, xg=xg, wg=wg: reg.get("rmsnorm", xg, wg)(xg, wg, **kw),
             }
             for path, fn in paths.items():
                 with torch.enable_grad() if grad else torch.no_grad():
