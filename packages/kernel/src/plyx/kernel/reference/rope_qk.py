@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from plyx.kernel._errors import KernelInputError, shape_str
-from plyx.kernel.reference.rope import check_rope, rope
+from plyx.kernel.reference.rope import check_rope, half_tables, rope, rotate
 
 __all__ = ["rope_qk", "check_rope_qk"]
 
@@ -31,5 +31,8 @@ def check_rope_qk(kernel: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tens
 def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
             interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rope(q, cos, sin), rope(k, cos, sin))``: new tensors, q's and k's shapes and dtype."""
-    check_rope_qk("rope_qk:reference", q, k, cos, sin)
-    return rope(q, cos, sin, interleaved=interleaved), rope(k, cos, sin, interleaved=interleaved)
+    rotary = check_rope_qk("rope_qk:reference", q, k, cos, sin)
+    if interleaved:
+        return rope(q, cos, sin, interleaved=True), rope(k, cos, sin, interleaved=True)
+    tables = half_tables(cos, sin, torch.promote_types(q.dtype, torch.float32))  # built once for q and k
+    return rotate(q, rotary, tables), rotate(k, rotary, tables)
