@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     wall: dict[str, list[float]] = {s: [] for s in sides}
     cpu: dict[str, list[float]] = {s: [] for s in sides}
     per_round: list[float] = []
-    for name, (fn, opt, params) in sides.items():
+    for fn, opt, params in sides.values():
         for i in range(args.warmup):
             ids, targets = batches[i % len(batches)]
             _step(fn, opt, params, ids, targets, clip)
