@@ -2,7 +2,8 @@
 
 Every provider gets q and k as the projections produce them, ``[B, T, H, Dh]``
 contiguous (torch and Liger see the ``[B, H, T, Dh]`` transposed view, as in
-Hugging Face's attention); plyx rotates q and k with one call each.
+Hugging Face's attention); ``plyx`` rotates q and k in one launch (``rope_qk``, what the model calls),
+``plyx (rope x2)`` with one ``rope`` launch each (before plyx-kernel 1.4).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ def _torch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def cases() -> list[Case]:
     from plyx.kernel import rope_tables
     from plyx.kernel.triton_ops.rope import rope
+    from plyx.kernel.triton_ops.rope_qk import rope_qk
 
     b, t, h, kv, d = BATCH, SEQ, HEADS, KV_HEADS, HEAD_DIM
 
@@ -44,7 +46,8 @@ def cases() -> list[Case]:
     compiled = torch.compile(_torch)
     size = (b * t * h * d + b * t * kv * d) * 2
     return [Case("rope q+k", f"{b}x{t}x({h}+{kv})x{d}", inputs, {
-        "plyx": lambda i: lambda: (rope(i["q"], i["cos"], i["sin"]), rope(i["k"], i["cos"], i["sin"])),
+        "plyx": lambda i: lambda: rope_qk(i["q"], i["k"], i["cos"], i["sin"]),
+        "plyx (rope x2)": lambda i: lambda: (rope(i["q"], i["cos"], i["sin"]), rope(i["k"], i["cos"], i["sin"])),
         "torch": lambda i: lambda: _torch(i["q"].transpose(1, 2), i["k"].transpose(1, 2), i["cos_full"], i["sin_full"]),
         "torch.compile": lambda i: lambda: compiled(i["q"].transpose(1, 2), i["k"].transpose(1, 2), i["cos_full"], i["sin_full"]),
         "liger": liger,

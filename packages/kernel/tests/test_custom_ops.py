@@ -31,6 +31,7 @@ def _inputs() -> dict[str, tuple[tuple[object, ...], dict[str, object]]]:
         "rmsnorm_residual": ((r(2, 5, 12), r(12)), {"eps": 1e-5, "residual": r(2, 5, 12)}),
         "swiglu": ((r(3, 7), r(3, 7)), {}),
         "rope": ((r(2, 5, 3, 8), cos.double(), sin.double()), {}),
+        "rope_qk": ((r(2, 5, 4, 8), r(2, 5, 2, 8), cos.double(), sin.double()), {"interleaved": True}),
         "attention": ((r(2, 5, 4, 8), r(2, 5, 2, 8), r(2, 5, 2, 8)), {"causal": True}),
         "attention_docs": ((r(2, 5, 4, 8), r(2, 5, 2, 8), r(2, 5, 2, 8)),
                            {"document_ids": torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]]), "window": 3}),
@@ -84,6 +85,8 @@ def test_opcheck(case: str) -> None:
         positional = args
     elif op == "rope":
         positional = (*args, False)
+    elif op == "rope_qk":
+        positional = (*args, True)
     elif op == "attention":
         positional = (*args, kwargs.get("mask"), kwargs.get("document_ids"), True, None, kwargs.get("window"))
     elif op == "cross_entropy":
@@ -100,7 +103,8 @@ def _block(x: torch.Tensor, w: torch.Tensor, wq: torch.Tensor, head: torch.Tenso
     h = traceable("rmsnorm")(x, w, eps=1e-5)
     q = (h @ wq).view(B, T, 4, D // 4)  # (B, T, H, Dh)
     q = traceable("rope")(q, cos, sin)
-    a = traceable("attention")(q, q[:, :, :2], q[:, :, 2:], causal=True).reshape(B, T, D)
+    q, k = traceable("rope_qk")(q, q[:, :, :2] * 0.5, cos, sin)
+    a = traceable("attention")(q, k, q[:, :, 2:], causal=True).reshape(B, T, D)
     y, h = traceable("rmsnorm")(a, w, eps=1e-5, residual=x)
     m = traceable("swiglu")(y, y * 0.5) + h
     flat = m.reshape(B * T, D)

@@ -29,6 +29,10 @@ GRADCHECKS = {
     "rmsnorm residual": lambda: (reference.rmsnorm, (_rand(3, 7), _rand(7)), {"eps": 1e-5, "residual": _rand(3, 7)}),
     "swiglu": lambda: (reference.swiglu, (_rand(4, 6), _rand(4, 6)), {}),
     "rope": lambda: (reference.rope, (_rand(2, 3, 2, 8), *rope_tables(torch.arange(3), 6, 100.0, dtype=torch.float64)), {}),
+    "rope full rotary": lambda: (reference.rope, (_rand(2, 3, 2, 8), *rope_tables(torch.arange(3), 8, 100.0,
+                                                                             dtype=torch.float64)), {}),
+    "rope_qk GQA": lambda: (reference.rope_qk, (_rand(2, 3, 4, 8), _rand(2, 3, 2, 8),
+                                               *rope_tables(torch.arange(3), 8, 100.0, dtype=torch.float64)), {}),
     "rope interleaved": lambda: (reference.rope, (_rand(2, 3, 2, 8), *rope_tables(torch.arange(3), 8, 100.0, dtype=torch.float64)),
                                  {"interleaved": True}),
     "cross_entropy": lambda: (reference.cross_entropy, (_rand(5, 9), _targets(5, 9)),
@@ -71,7 +75,8 @@ def test_every_builtin_conforms_on_cpu():
     """The kit's oracles (in plyx-specs) agree with every built-in; Triton ones through the interpreter."""
     triton_too = INTERPRETING and HAVE_TRITON
     reports = check_registry(_builtins(), device="cpu", dtypes=("float32", "bfloat16"), ignore_predicates=triton_too)
-    assert {r.name for r in reports} == {"matmul", "rmsnorm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy",
+    assert {r.name for r in reports} == {"matmul", "rmsnorm", "swiglu", "rope", "rope_qk", "cross_entropy",
+                                         "linear_cross_entropy",
                                          "moe_permute", "moe_unpermute", "grouped_gemm"}
     assert all(r.checked >= 4 for r in reports)
     assert [f for r in reports for f in r.failures] == []

@@ -38,7 +38,7 @@ def test_compiled_forward_backward_equals_eager(packed: bool) -> None:
     explain = torch._dynamo.explain(_loss)(model, ids, targets, docs)
     assert explain.graph_break_count == 0, explain.break_reasons
     ops = {str(n.target) for g in explain.graphs for n in g.graph.nodes if n.op == "call_function"}
-    assert {"plyx.rmsnorm.default", "plyx.rope.default", "plyx.attention.default", "plyx.swiglu.default",
+    assert {"plyx.rmsnorm.default", "plyx.rope_qk.default", "plyx.attention.default", "plyx.swiglu.default",
             "plyx.linear_cross_entropy.default"} <= ops, sorted(o for o in ops if "plyx" in o)
 
     compiled = torch.compile(_loss, backend="aot_eager", fullgraph=True)

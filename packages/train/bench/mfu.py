@@ -35,6 +35,7 @@ import json
 import math
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -244,10 +245,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     date = datetime.date.today().isoformat()
+    torch._dynamo.config.verbose = True  # a failed compile reports Dynamo's internal stack too (TORCHDYNAMO_VERBOSE)
     print(f"{name}, torch {torch.__version__}, {date}: shape {args.shape if not args.tiny else 'tiny'} {shape}")
     rows = []
+    failed = []
     for v in variants:
-        r = run_variant(v, shape, device, args.steps, args.warmup)
+        try:
+            r = run_variant(v, shape, device, args.steps, args.warmup)
+        except Exception as exc:  # one variant's failure (a compile crash) is reported whole; the others still run
+            # the full traceback, chained causes included, on stdout (the log) and stderr: the H100 log of
+            # 2026-11-24 kept only the last lines of Dynamo's warnings, not the exception that stopped the run
+            text = "".join(traceback.format_exception(exc))
+            print(f"{v:>15}: FAILED ({type(exc).__name__})\n{text}", flush=True)
+            print(f"{v}: FAILED\n{text}", file=sys.stderr, flush=True)
+            failed.append(v)
+            rows.append({"variant": v, "error": f"{type(exc).__name__}: {exc}"[:2000], "device": name, "date": date,
+                         "torch": torch.__version__, "shape": args.shape if not args.tiny else "tiny"})
+            gc.collect()
+            continue
         r["mfu"] = r["tokens_per_s"] * r["flops_per_token"] / peak if peak else None
         r.update(device=name, date=date, torch=torch.__version__, shape=args.shape if not args.tiny else "tiny", **{
             f"shape_{k}": val for k, val in shape.items()})
@@ -267,7 +282,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
         print(f"appended {len(rows)} rows to {path}")
-    return 0
+    if failed:
+        print(f"failed variants: {', '.join(failed)} (tracebacks above)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

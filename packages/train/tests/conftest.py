@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton's interpreter for the test that runs the Triton kernels on CPU (test_compile.py); read when triton
+    # is first imported (plyx-train's imports below may import it), so before them
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from plyx.specs import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TrainConfig
 from plyx.train import prepare_corpus
 

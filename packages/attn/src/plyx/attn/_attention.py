@@ -113,8 +113,8 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            rope = kernel("rope", q, cos, sin, head_dim=self.head_dim)
-            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            # q and k rotated in one kernel call (one launch on CUDA, whatever their head counts)
+            q, k = kernel("rope_qk", q, k, cos, sin, head_dim=self.head_dim)(q, k, cos, sin)
         if step is None:
             if key_mask is not None:  # the kernels take [B|1, H|1, T, S]: a broadcast view, no copy
                 key_mask = key_mask.expand(B, 1, T, key_mask.shape[-1])
@@ -140,8 +140,8 @@ class Attention(nn.Module):
         v = qkv[:, :, H + KV:]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(qkv[:, :, :H]), self.k_norm(qkv[:, :, H:H + KV])
-            rope = kernel("rope", q, cos, sin, head_dim=Dh)
-            return rope(q, cos, sin), rope(k, cos, sin), v
+            q, k = kernel("rope_qk", q, k, cos, sin, head_dim=Dh)(q, k, cos, sin)
+            return q, k, v
         qk = qkv[:, :, :H + KV]
         qk = kernel("rope", qk, cos, sin, head_dim=Dh)(qk, cos, sin)  # (B, T, H + KV, Dh)
         return qk[:, :, :H], qk[:, :, H:], v

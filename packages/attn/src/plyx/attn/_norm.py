@@ -23,10 +23,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        fn = kernel("rmsnorm", x, self.weight, hidden=self.weight.shape[0])
+        # the parameter read once (each module attribute read is a dictionary walk in nn.Module.__getattr__);
+        # the registry reads the width (``hidden``) off x's last dim, which the kernels require to be the weight's
+        weight = self.weight
+        fn = kernel("rmsnorm", x, weight)
         if residual is None:
-            return fn(x, self.weight, eps=self.eps)
-        return fn(x, self.weight, eps=self.eps, residual=residual)
+            return fn(x, weight, eps=self.eps)
+        return fn(x, weight, eps=self.eps, residual=residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -5,7 +5,7 @@ Public surface:
 - ``registry()``: the process's ``KernelRegistry``; ``registry().get(name, *tensors)``
   returns the implementation chosen for their device, dtype and sizes.
 - ``configure(KernelConfig)``, ``reset_registry()``, ``Registry`` (a private registry).
-- one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``,
+- one dispatching function per kernel name (``rmsnorm``, ``swiglu``, ``rope``, ``rope_qk``,
   ``rope_store_kv``, ``rmsnorm_linear``, ``swiglu_linear``, ``gemv``, ``moe_permute``, ``moe_unpermute``, ``grouped_gemm``, ``cross_entropy``, ``linear_cross_entropy``, ``matmul``, ``paged_attention``; ``attention``
   is the callable subpackage ``plyx.kernel.attention``) and ``rope_tables``.
 - ``traceable(name)``: the kernel as a ``torch.library`` custom op (``plyx::<name>``), for code under
@@ -37,6 +37,7 @@ __all__ = [
     "rmsnorm",
     "rmsnorm_linear",
     "rope",
+    "rope_qk",
     "rope_store_kv",
     "rope_tables",
     "swiglu",

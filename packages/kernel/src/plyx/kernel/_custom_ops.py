@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OPS", "traceable"]
+__all__ = ["OPS", "reached_under_compile", "traceable"]
 
 _LIB = "plyx"
 
@@ -93,6 +93,10 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bo
     return _select("rope", x, cos, sin, head_dim=int(x.shape[-1]))(x, cos, sin, interleaved=interleaved)
 
 
+def _rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> Any:
+    return _select("rope_qk", q, k, cos, sin, head_dim=int(q.shape[-1]))(q, k, cos, sin, interleaved=interleaved)
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                document_ids: torch.Tensor | None, causal: bool, scale: float | None, window: int | None) -> Any:
     fn = _select("attention", q, k, v, head_dim=int(q.shape[-1]))
@@ -127,6 +131,7 @@ _FAKES: dict[str, Callable[..., Any]] = {
     "rmsnorm_residual": lambda x, w, r, eps: (torch.empty_like(x), torch.empty_like(x)),
     "swiglu": lambda g, u: torch.empty_like(g),
     "rope": lambda x, c, s, il: torch.empty_like(x),
+    "rope_qk": lambda q, k, c, s, il: (torch.empty_like(q), torch.empty_like(k)),
     # o [B, T, H, Dv]: q's batch, tokens and heads, v's head dim
     "attention": lambda q, k, v, *_: q.new_empty((*q.shape[:-1], v.shape[-1])),
     "cross_entropy": lambda z, t, ii, ls, zl, red: _loss_fake(z, red),
@@ -139,6 +144,7 @@ _SPECS: dict[str, tuple[str, Callable[..., Any], tuple[int, ...], int]] = {
     "rmsnorm_residual": ("Tensor x, Tensor weight, Tensor residual, float eps", _rmsnorm_residual, (0, 1, 2), 2),
     "swiglu": ("Tensor gate, Tensor up", _swiglu, (0, 1), 1),
     "rope": ("Tensor x, Tensor cos, Tensor sin, bool interleaved", _rope, (0,), 1),
+    "rope_qk": ("Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved", _rope_qk, (0, 1), 2),
     "attention": ("Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? document_ids, bool causal, float? scale, "
                   "SymInt? window", _attention, (0, 1, 2), 1),
     "cross_entropy": ("Tensor logits, Tensor targets, SymInt ignore_index, float label_smoothing, float z_loss, "
@@ -154,6 +160,10 @@ def _define(name: str) -> Any:
     schema, call, diff, n_out = _SPECS[name]
     returns = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
 
+    # the implementations never run under Dynamo: where one is called while Dynamo's frame hook is active
+    # (code between two graphs of a graph break), Dynamo would otherwise start tracing it as a frame of its
+    # own and reach the registry's Triton kernel
+    @torch.compiler.disable
     def forward(*args: Any) -> Any:
         with torch.no_grad():
             return _own(call(*args), args)
@@ -161,6 +171,7 @@ def _define(name: str) -> Any:
     op = torch.library.custom_op(f"{_LIB}::{name}", forward, mutates_args=(), schema=f"({schema}) -> {returns}")
     op.register_fake(_FAKES[name])
 
+    @torch.compiler.disable
     def backward_impl(grads: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
         """Gradients of the differentiable arguments (an empty tensor for an absent optional one)."""
         with _with_autograd(), torch.enable_grad():
@@ -188,13 +199,16 @@ def _define(name: str) -> Any:
         ctx.tensor_pos = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
         ctx.save_for_backward(*[inputs[i] for i in ctx.tensor_pos])
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in inputs]
+        outs = output if isinstance(output, tuple) else (output,)
+        ctx.out_shapes = [o.shape for o in outs]  # an unused output's gradient is zeros of its shape
 
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         args = list(ctx.others)
         for i, t in zip(ctx.tensor_pos, ctx.saved_tensors, strict=True):
             args[i] = t
-        # an unused output's gradient arrives as None; rmsnorm_residual's two outputs have x's shape
-        filled = [g if g is not None else torch.zeros_like(args[0]) for g in grads]
+        # an unused output's gradient arrives as None (rope_qk's k has its own shape)
+        filled = [g if g is not None else args[0].new_zeros(shape)
+                  for g, shape in zip(grads, ctx.out_shapes, strict=True)]
         got = bwd(filled, *args)
         result: list[torch.Tensor | None] = [None] * len(args)
         for i, g in zip(diff, got, strict=True):
@@ -231,6 +245,11 @@ def _rope_call(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interle
     return _op("rope")(x, cos, sin, bool(interleaved))
 
 
+def _rope_qk_call(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                  interleaved: bool = False) -> Any:
+    return _op("rope_qk")(q, k, cos, sin, bool(interleaved))
+
+
 def _attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
                     scale: float | None = None, mask: torch.Tensor | None = None,
                     document_ids: torch.Tensor | None = None, window: int | None = None,
@@ -262,10 +281,48 @@ _CALLS: dict[str, Callable[..., Any]] = {
     "rmsnorm": _rmsnorm_call,
     "swiglu": _swiglu_call,
     "rope": _rope_call,
+    "rope_qk": _rope_qk_call,
     "attention": _attention_call,
     "cross_entropy": _cross_entropy_call,
     "linear_cross_entropy": _linear_cross_entropy_call,
 }
+
+
+def reached_under_compile(name: str, load: Callable[[], Callable[..., Any]], args: Sequence[Any],
+                          kwargs: dict[str, Any]) -> Any:
+    """What a Triton implementation does when Dynamo traces a call to it: the call as kernel ``name``'s custom op.
+
+    Model code asks for ``traceable(name)`` under ``torch.compile``, but a Triton implementation can still be
+    reached by Dynamo: a callable fetched from the registry before tracing began (a cached or bound kernel),
+    or code Dynamo traces as a frame of its own after a graph break, where the eager branch was taken. Tracing
+    into it would wrap its Triton launch (``triton_kernel_wrapper_mutation``, whose mutation analysis fails on
+    inline PTX: the H100 run's ``tt.elementwise_inline_asm``). Instead:
+
+    - a kernel with a custom op (``rmsnorm``, ``swiglu``, ``rope``, ``rope_qk``, ``attention``, ``cross_entropy``,
+      ``linear_cross_entropy``) becomes that op (one opaque node; the registry chooses the implementation
+      inside it at run time, for the same inputs);
+    - any other kernel (inference-only ones, ``matmul``, the MoE kernels) runs eagerly behind
+      ``torch.compiler.disable``: a graph break, never a traced Triton launch;
+    - under ``torch.export`` the implementation is traced as before (an exported program holds its ops).
+
+    Args:
+        name: the kernel name; load: returns the implementation (imports it on first use);
+        args, kwargs: the call's arguments (the kernel name's documented signature).
+
+    Returns:
+        What the implementation returns.
+    """
+    if torch.compiler.is_exporting():
+        return load()(*args, **kwargs)
+    op = _CALLS.get(name)
+    if op is not None:
+        return op(*args, **kwargs)
+    return _eagerly(load, args, kwargs)
+
+
+@torch.compiler.disable
+def _eagerly(load: Callable[[], Callable[..., Any]], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    return load()(*args, **kwargs)
 
 
 def traceable(name: str) -> Callable[..., Any] | None:

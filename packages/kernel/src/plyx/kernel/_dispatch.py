@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from plyx.kernel._default import registry
 
-__all__ = ["grouped_gemm", "moe_permute", "moe_unpermute", "matmul", "rmsnorm", "rmsnorm_linear", "swiglu", "swiglu_linear", "gemv", "rope", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
+__all__ = ["grouped_gemm", "moe_permute", "moe_unpermute", "matmul", "rmsnorm", "rmsnorm_linear", "swiglu", "swiglu_linear", "gemv", "rope", "rope_qk", "rope_store_kv", "cross_entropy", "linear_cross_entropy", "paged_attention"]
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -32,6 +32,13 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:
     """Rotate the first ``2 * cos.shape[-1]`` dims of ``x [B, T, H, Dh]``."""
     return registry().get("rope", x, cos, sin)(x, cos, sin, interleaved=interleaved)
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+            interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rope(q), rope(k))`` of ``q [B, T, H, Dh]`` and ``k [B, T, KV, Dh]`` (one launch on CUDA)."""
+    fn = registry().get("rope_qk", q, k, cos, sin, head_dim=int(q.shape[-1]))
+    return fn(q, k, cos, sin, interleaved=interleaved)  # type: ignore[no-any-return]
 
 
 def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,

@@ -17,6 +17,7 @@ from plyx.kernel._dispatch import (
     rmsnorm,
     rmsnorm_linear,
     rope,
+    rope_qk,
     rope_store_kv,
     swiglu,
     swiglu_linear,

@@ -19,6 +19,7 @@ _REFERENCES = {
     "rmsnorm": "PyTorch RMSNorm, float32 statistics, optional fused residual add",
     "swiglu": "PyTorch silu(gate) * up in float32",
     "rope": "PyTorch RoPE, rotate-half or interleaved, partial rotary",
+    "rope_qk": "PyTorch RoPE of q and k (rope twice), rotate-half or interleaved, partial rotary, GQA",
     "rope_store_kv": "PyTorch RoPE of q and k, k and v stored at cache slots",
     "rmsnorm_linear": "PyTorch RMSNorm (+ residual) then the projection (+ SwiGLU)",
     "swiglu_linear": "PyTorch silu(gate) * up of a packed gate/up output, then the down projection",
@@ -35,7 +36,9 @@ _REFERENCES = {
 def plyx_register_kernels(registry: Any) -> None:
     """The pure-PyTorch references (priority 0, any device) and the Triton kernels (CUDA)."""
     from plyx.kernel import reference
+    from plyx.kernel._cases import add_kernel_cases
 
+    add_kernel_cases()  # the conformance cases of the names plyx-kernel adds (rope_qk)
     for name, description in _REFERENCES.items():
         registry.register(KernelImpl(name, "reference", getattr(reference, name), priority=0, description=description))
     from plyx.kernel.triton_ops import register as register_triton

@@ -547,7 +547,7 @@ def default_sizes(name: str, tensors: tuple[Any, ...]) -> dict[str, int]:
     if not t or not t[0].dim():
         return {}
     last = int(t[0].shape[-1])
-    if name == "rope" or name.endswith("attention"):
+    if name in ("rope", "rope_qk") or name.endswith("attention"):
         return {"head_dim": last}
     if name == "cross_entropy":
         return {"vocab": last}

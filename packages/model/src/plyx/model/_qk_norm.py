@@ -40,8 +40,7 @@ class ProjectionQKNormAttention(Attention):
         q = self.q_norm(self.q_proj(x)).view(B, T, H, Dh)  # (B, T, H, Dh)
         k = self.k_norm(self.k_proj(x)).view(B, T, KV, Dh)  # (B, T, KV, Dh)
         v = self.v_proj(x).view(B, T, KV, Dh)
-        rope = _kernel("rope", q, cos, sin, head_dim=Dh)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k = _kernel("rope_qk", q, k, cos, sin, head_dim=Dh)(q, k, cos, sin)  # one kernel call for both
         if step is None:
             if key_mask is not None:  # the kernels take [B|1, H|1, T, S]: a broadcast view, no copy
                 key_mask = key_mask.expand(B, 1, T, key_mask.shape[-1])

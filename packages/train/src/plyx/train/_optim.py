@@ -14,7 +14,7 @@ import torch
 from plyx.specs import OptimizerConfig, components
 from torch import nn
 
-__all__ = ["param_groups", "build_optimizer", "available_optimizers", "adamw", "sgd"]
+__all__ = ["param_groups", "build_optimizer", "available_optimizers", "adafactor", "adamw", "sgd"]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -65,6 +65,20 @@ def sgd(groups: list[dict[str, Any]], config: OptimizerConfig) -> torch.optim.Op
         weight_decay=config.weight_decay,
         fused=_fused_ok(groups) or None,
     )
+
+
+def adafactor(groups: list[dict[str, Any]], config: OptimizerConfig) -> torch.optim.Optimizer:
+    """``torch.optim.Adafactor``: a factored second moment (Shazeer & Stern 2018), no first moment.
+
+    A matrix ``[R, C]`` keeps a row and a column mean of the squared gradients (``R + C`` values) instead
+    of AdamW's two ``R x C`` moments; vectors keep a full second moment. The step is torch's: the update
+    is scaled by ``max(eps2, RMS(param)) * min(lr, 1/sqrt(t))`` (relative step sizes), so ``optimizer.lr``
+    is an upper bound of the relative step, ~1e-2 (torch's default), not an AdamW learning rate; weight
+    decay is decoupled (``param *= 1 - lr * weight_decay``), per group (none on norms and biases).
+    ``betas`` and ``eps`` (Adam's) are not used: Adafactor's ``beta2_decay`` -0.8 and ``eps`` (None, 1e-3)
+    keep torch's defaults.
+    """
+    return torch.optim.Adafactor(groups, lr=config.lr, weight_decay=config.weight_decay)
 
 
 def available_optimizers() -> list[str]:

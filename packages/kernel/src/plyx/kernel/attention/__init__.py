@@ -24,6 +24,7 @@ import sys
 import types
 from typing import Any
 
+from plyx.kernel._registry import _tracing
 from plyx.kernel.attention._reference import attention_reference, paged_attention_reference
 from plyx.kernel.attention._sdpa import attention_sdpa
 
@@ -37,18 +38,41 @@ __all__ = [
 ]
 
 
-def attention_triton(*args: Any, **kwargs: Any) -> Any:
-    """The Triton flash attention (``attention`` contract); imports Triton on first call."""
+def _load_flash() -> Any:
     from plyx.kernel.attention._flash import flash_attention
 
-    return flash_attention(*args, **kwargs)
+    return flash_attention
+
+
+def _load_paged() -> Any:
+    from plyx.kernel.attention._paged import paged_attention
+
+    return paged_attention
+
+
+def attention_triton(*args: Any, **kwargs: Any) -> Any:
+    """The Triton flash attention (``attention`` contract); imports Triton on first call.
+
+    Reached by Dynamo (``torch.compile`` tracing a call to it), it is the ``plyx::attention`` custom op
+    instead: Dynamo never traces a Triton launch (``plyx.kernel._custom_ops.reached_under_compile``).
+    """
+    if _tracing():
+        from plyx.kernel._custom_ops import reached_under_compile
+
+        return reached_under_compile("attention", _load_flash, args, kwargs)
+    return _load_flash()(*args, **kwargs)
 
 
 def paged_attention_triton(*args: Any, **kwargs: Any) -> Any:
-    """The Triton paged decode attention (``paged_attention`` contract); imports Triton on first call."""
-    from plyx.kernel.attention._paged import paged_attention
+    """The Triton paged decode attention (``paged_attention`` contract); imports Triton on first call.
 
-    return paged_attention(*args, **kwargs)
+    Reached by Dynamo it runs eagerly behind ``torch.compiler.disable`` (no custom op: inference only).
+    """
+    if _tracing():
+        from plyx.kernel._custom_ops import reached_under_compile
+
+        return reached_under_compile("paged_attention", _load_paged, args, kwargs)
+    return _load_paged()(*args, **kwargs)
 
 
 def register(registry: Any) -> None:

@@ -14,8 +14,9 @@ from plyx.kernel.reference.moe_unpermute import moe_unpermute
 from plyx.kernel.reference.rmsnorm import rmsnorm
 from plyx.kernel.reference.rmsnorm_linear import rmsnorm_linear
 from plyx.kernel.reference.rope import rope
+from plyx.kernel.reference.rope_qk import rope_qk
 from plyx.kernel.reference.rope_store_kv import rope_store_kv
 from plyx.kernel.reference.swiglu import swiglu
 from plyx.kernel.reference.swiglu_linear import swiglu_linear
 
-__all__ = ["cross_entropy", "gemv", "grouped_gemm", "linear_cross_entropy", "matmul", "moe_permute", "moe_unpermute", "rmsnorm", "rmsnorm_linear", "rope", "rope_store_kv", "swiglu", "swiglu_linear"]
+__all__ = ["cross_entropy", "gemv", "grouped_gemm", "linear_cross_entropy", "matmul", "moe_permute", "moe_unpermute", "rmsnorm", "rmsnorm_linear", "rope", "rope_qk", "rope_store_kv", "swiglu", "swiglu_linear"]

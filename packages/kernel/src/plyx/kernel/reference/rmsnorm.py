@@ -10,6 +10,8 @@ its next residual stream from the same call.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
 
@@ -36,13 +38,43 @@ def check_rmsnorm(kernel: str, x: torch.Tensor, weight: torch.Tensor, residual: 
         raise KernelInputError(kernel, "eps", f"must be >= 0, got {eps!r}", "use 1e-6 (Llama) or 1e-5")
 
 
+class _Norm(torch.autograd.Function):
+    """``xhat * w`` with ``xhat = h * rstd``, ``rstd = 1 / sqrt(mean(h^2) + eps)``, and its gradient in closed form::
+
+        g = dy * w
+        dh = rstd * (g - xhat * mean(g * xhat))
+        dw = sum over rows of dy * xhat
+
+    The same values as autograd through the ops (``gradcheck``-tested in float64), in about half the
+    time on CPU: autograd's chain through pow, mean, rsqrt and two products is ten passes over h, this
+    backward four (nanoGPT's CPU recipe, issue 20). Once differentiable (no double backward).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + eps)  # [..., 1]
+        xhat = h * rstd
+        ctx.save_for_backward(xhat, weight, rstd)
+        return xhat * weight
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        xhat, weight, rstd = ctx.saved_tensors
+        dh = dw = None
+        if ctx.needs_input_grad[0]:
+            g = dy * weight
+            dh = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd
+        if ctx.needs_input_grad[1]:
+            dw = (dy * xhat).reshape(-1, xhat.shape[-1]).sum(0)
+        return dh, dw, None
+
+
 def rmsnorm(
     x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     check_rmsnorm("rmsnorm:reference", x, weight, residual, eps)
     compute = torch.promote_types(x.dtype, torch.float32)
     h = x if residual is None else (x.to(compute) + residual.to(compute)).to(x.dtype)
-    hf = h.to(compute)  # [..., D]
-    rstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1]
-    y = (hf * rstd * weight.to(compute)).to(x.dtype)
+    y = _Norm.apply(h.to(compute), weight.to(compute), float(eps)).to(x.dtype)  # [..., D]
     return y if residual is None else (y, h)

@@ -6,6 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from plyx.kernel._registry import _tracing
 from plyx.specs.kernels import Capability, KernelImpl
 
 __all__ = ["register_all", "TRITON_CAPABILITY"]
@@ -27,10 +28,20 @@ def _lazy(module: str, attr: str) -> Callable[..., Any]:
         return _LAZY[(module, attr)]
     target: list[Callable[..., Any]] = []
 
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def load() -> Callable[..., Any]:
         if not target:
             target.append(getattr(importlib.import_module(f"plyx.kernel.triton_ops.{module}"), attr))
-        return target[0](*args, **kwargs)
+        return target[0]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _tracing():
+            # Dynamo reached the Triton implementation itself (a callable fetched from the registry outside
+            # the traced region, or a frame Dynamo started after a graph break): never trace a Triton launch
+            # (Inductor's mutation analysis fails on inline PTX); the kernel's custom op instead
+            from plyx.kernel._custom_ops import reached_under_compile
+
+            return reached_under_compile(module, load, args, kwargs)
+        return load()(*args, **kwargs)
 
     call.__name__ = call.__qualname__ = attr
     call.__doc__ = f"plyx.kernel.triton_ops.{module}.{attr} (imported on first call)"
@@ -43,6 +54,8 @@ _OPS: dict[str, tuple[int, dict[str, Any], str]] = {
     "rmsnorm": (10, {"shape_limits": {"hidden": (1, 65536)}}, "Triton fused RMSNorm (+ residual add), one row per program"),
     "swiglu": (10, {}, "Triton fused silu(gate) * up, forward and backward"),
     "rope": (10, {"shape_limits": {"head_dim": (2, 1024)}}, "Triton RoPE, rotate-half or interleaved, partial rotary, per-batch position tables"),
+    "rope_qk": (10, {"shape_limits": {"head_dim": (2, 1024)}},
+                "Triton RoPE of q and k in one launch (GQA head counts), forward and backward"),
     # no backward: with grad required the registry falls back to the reference, which explains the error
     "rope_store_kv": (10, {"shape_limits": {"head_dim": (2, 1024)}, "backward": False},
                       "Triton RoPE of q and k, k and v stored at cache slots, one launch (inference only)"),

@@ -36,7 +36,7 @@ _MAX_BLOCK = 65536
 
 @triton.jit
 def _rmsnorm_fwd(X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, D, eps,
-                 HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+                 HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr, SAVE_RSTD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -51,7 +51,8 @@ def _rmsnorm_fwd(X, R, W, Y, H, RSTD, stride_x, stride_r, stride_y, stride_h, D,
         tl.store(H + row * stride_h + cols, h_low, mask=mask)
         h = h_low.to(tl.float32)  # statistics of the rounded stream, as the reference
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
-    tl.store(RSTD + row, rstd)
+    if SAVE_RSTD:  # only a call that will run the backward keeps it
+        tl.store(RSTD + row, rstd)
     tl.store(Y + row * stride_y + cols, (h * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
@@ -82,31 +83,56 @@ def _rmsnorm_bwd(DY, H, W, RSTD, DHO, DX, DW, stride_dy, stride_h, stride_dho, s
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``[..., D]`` -> ``[N, D]`` (a view whenever the layout allows it)."""
-    return t.reshape(-1, t.shape[-1])
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+#: launch sizes per hidden size: (BLOCK, num_warps), computed once per D (the eager path's host cost)
+_META: dict[int, tuple[int, int]] = {}
+
+
+def _meta(d: int) -> tuple[int, int]:
+    meta = _META.get(d)
+    if meta is None:
+        block = next_power_of_2(d)
+        meta = _META[d] = (block, min(max(block // 256, 1), 16))
+    return meta
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float,
+             save_rstd: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One launch: ``(y, h, rstd)`` with y and h shaped like x (h is x itself without a residual), rstd
+    ``[N]`` float32 when ``save_rstd`` (the backward's), else None."""
+    d = x.shape[-1]
+    x2 = _rows(x)
+    n = x2.shape[0]
+    block, warps = _meta(d)
+    device = x.device
+    y = empty(x.shape, dtype=x.dtype, device=device)  # contiguous: row stride d
+    rstd = empty((n,), dtype=torch.float32, device=device) if save_rstd else None
+    if residual is None:
+        r2, h = x2, x
+        stride_h = x2.stride(0)
+    else:
+        r2 = _rows(residual)
+        h = empty(x.shape, dtype=x.dtype, device=device)
+        stride_h = d
+    if n:
+        gdc = pdl(device)
+        _rmsnorm_fwd[(n,)](x2, r2, weight, y, h, rstd if rstd is not None else y, x2.stride(0), r2.stride(0), d,
+                           stride_h, d, eps, HAS_RES=residual is not None, BLOCK=block, USE_GDC=gdc,
+                           SAVE_RSTD=save_rstd, num_warps=warps, launch_pdl=gdc)
+    return y, h, rstd
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float) -> Any:
-        shape = x.shape
-        x2 = _rows(x)
-        n, d = x2.shape
-        block = next_power_of_2(d)
-        y = empty((n, d), dtype=x.dtype, device=x.device)
-        rstd = empty((n,), dtype=torch.float32, device=x.device)
-        r2 = None if residual is None else _rows(residual)
-        h = x2 if r2 is None else empty((n, d), dtype=x.dtype, device=x.device)
-        gdc = pdl(x.device)
-        if n:
-            _rmsnorm_fwd[(n,)](x2, r2 if r2 is not None else x2, weight, y, h, rstd, x2.stride(0),
-                               (r2 if r2 is not None else x2).stride(0), y.stride(0), h.stride(0), d, eps,
-                               HAS_RES=r2 is not None, BLOCK=block, USE_GDC=gdc,
-                               num_warps=min(max(block // 256, 1), 16), launch_pdl=gdc)
-        ctx.save_for_backward(h, weight, rstd)
-        ctx.shape, ctx.has_res = shape, residual is not None
+        y, h, rstd = _forward(x, weight, residual, eps, save_rstd=True)
+        ctx.save_for_backward(_rows(h), weight, rstd)
+        ctx.shape, ctx.has_res = x.shape, residual is not None
         if residual is None:
-            return y.view(shape)
-        return y.view(shape), h.view(shape)
+            return y
+        return y, h
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, dh_out: torch.Tensor | None = None) -> Any:
@@ -135,14 +161,40 @@ class _RMSNorm(torch.autograd.Function):
         return dx, dw, (dx if ctx.has_res else None), None
 
 
+_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _plain(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float) -> bool:
+    """The common call, recognised in a few attribute reads: float x, a unit-stride weight of x's width on
+    x's device, unit-stride rows, a residual like x. Anything else takes the full checks (which raise with
+    the argument and the fix, or pass and copy a strided weight)."""
+    d = x.shape[-1] if x.dim() else 0
+    return (x.dtype in _DTYPES and weight.dtype in _DTYPES and weight.device == x.device and weight.dim() == 1
+            and weight.shape[0] == d and weight.stride(0) == 1 and 0 < d <= _MAX_BLOCK and x.stride(-1) == 1
+            and eps >= 0
+            and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                      and residual.device == x.device and residual.stride(-1) == 1)))
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6, residual: torch.Tensor | None = None) -> Any:
-    """Triton RMSNorm; same contract as ``plyx.kernel.reference.rmsnorm``."""
-    check_rmsnorm(_NAME, x, weight, residual, eps)
-    check_last_dim_contiguous(_NAME, "x", x)
-    if residual is not None:
-        check_last_dim_contiguous(_NAME, "residual", residual)
-    if x.shape[-1] > _MAX_BLOCK:
-        raise KernelInputError(_NAME, "x", f"hidden size {x.shape[-1]} above {_MAX_BLOCK}", "use the reference implementation")
-    if not weight.is_contiguous():
-        weight = weight.contiguous()
-    return _RMSNorm.apply(x, weight, residual, float(eps))
+    """Triton RMSNorm; same contract as ``plyx.kernel.reference.rmsnorm``.
+
+    The eager call's host path is kept short (issue 19: 0.66x Liger in eager time at equal graph time): a
+    fast argument check, launch sizes cached per width, and without gradients no autograd Function, no
+    saved statistics and one launch straight away.
+    """
+    if not _plain(x, weight, residual, eps):
+        check_rmsnorm(_NAME, x, weight, residual, eps)
+        check_last_dim_contiguous(_NAME, "x", x)
+        if residual is not None:
+            check_last_dim_contiguous(_NAME, "residual", residual)
+        if x.shape[-1] > _MAX_BLOCK:
+            raise KernelInputError(_NAME, "x", f"hidden size {x.shape[-1]} above {_MAX_BLOCK}",
+                                   "use the reference implementation")
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (residual is not None and residual.requires_grad)):
+        return _RMSNorm.apply(x, weight, residual, float(eps))
+    y, h, _ = _forward(x, weight, residual, float(eps), save_rstd=False)
+    return y if residual is None else (y, h)

@@ -1,0 +1,206 @@
+"""Per-iteration time of ``plyx train shakespeare-char``'s step against nanoGPT's own model, interleaved, CPU.
+
+Issue 20 measured plyx 1.06-1.14x slower per iteration than nanoGPT itself on the char-level Tiny
+Shakespeare recipe (0.80M parameters, 12 x 64 tokens, CPU). ``nanogpt_cpu.py`` compares plyx's Trainer with a
+plain loop of *plyx's* model; this one compares the training step of the shipped recipe's model with
+nanoGPT's GPT (``model.py`` written out below: GPT-2 block, LayerNorm without bias, GELU MLP of 4 x 128,
+learned positions, tied head, ``F.scaled_dot_product_attention``, dropout 0), same batches, same optimizer
+settings (fused AdamW, nanoGPT's param groups, clipping 1.0):
+
+- ``plyx``: ``TransformerLM`` of ``configs/shakespeare-char.toml`` + ``lm_loss`` (the kernel registry's
+  RMSNorm, RoPE, SwiGLU, attention and fused linear cross-entropy) + ``build_optimizer``;
+- ``nanogpt``: ``GPT(ids)`` + ``F.cross_entropy`` on the full logits + ``torch.optim.AdamW(fused=True)``.
+
+The machine is shared and loaded: the two steps alternate in chunks of ``--chunk`` iterations for
+``--rounds`` rounds; each side's per-iteration time is the median over all its iterations, and the ratio
+is also taken per round (median of the rounds' ratios). CPU time (``process_time``) is reported beside wall.
+
+    python packages/train/bench/step_vs_nanogpt.py [--rounds 15 --chunk 20 --threads 2] [--out DIR]
+
+Appends a JSON line to ``<out>/step-vs-nanogpt-cpu-<date>.jsonl`` (default: bench/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+
+
+# -- nanoGPT's model.py (Karpathy), the parts the recipe uses --------------------------------------
+
+class _LayerNorm(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, None, 1e-5)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.h = h
+        self.ln_1, self.ln_2 = _LayerNorm(d), _LayerNorm(d)
+        self.c_attn = nn.Linear(d, 3 * d, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+        self.c_fc = nn.Linear(d, 4 * d, bias=False)
+        self.mlp_proj = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q = q.view(B, T, self.h, C // self.h).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.h, C // self.h).transpose(1, 2)
+        v = v.view(B, T, self.h, C // self.h).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    """nanoGPT's GPT at the recipe's size (bias=False, dropout=0, weight tying, its init)."""
+
+    def __init__(self, vocab: int, block: int, n_layer: int, n_head: int, d: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.h = nn.ModuleList(_Block(d, n_head) for _ in range(n_layer))
+        self.ln_f = _LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.wte.weight = self.lm_head.weight  # weight tying
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02
+                torch.nn.init.normal_(p, 0.0, std)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.wte(ids) + self.wpe(pos)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _nanogpt_optimizer(model: nn.Module, lr: float, wd: float, betas: tuple[float, float]) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+
+
+# -- the two steps ---------------------------------------------------------------------------------
+
+def _sides(config: Any) -> dict[str, tuple[Any, Any, list[torch.Tensor]]]:
+    from plyx.model import TransformerLM
+    from plyx.specs import Batch
+    from plyx.train import build_optimizer, lm_loss
+
+    m, o = config.model, config.optimizer
+    torch.manual_seed(1337)
+    plyx_model = TransformerLM(m)
+    plyx_opt = build_optimizer(plyx_model, o)
+
+    def plyx_loss(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(plyx_model, Batch(input_ids=ids, targets=targets))
+
+    torch.manual_seed(1337)
+    gpt = GPT(65, m.max_seq_len, m.n_layers, m.n_heads, m.d_model)  # nanoGPT's 65 characters
+    gpt_opt = _nanogpt_optimizer(gpt, o.lr, o.weight_decay, tuple(o.betas))
+    return {"plyx": (plyx_loss, plyx_opt, list(plyx_model.parameters())),
+            "nanogpt": (gpt, gpt_opt, list(gpt.parameters()))}
+
+
+def _step(loss_fn: Any, opt: torch.optim.Optimizer, params: list[torch.Tensor], ids: torch.Tensor,
+          targets: torch.Tensor, clip: float) -> None:
+    loss = loss_fn(ids, targets)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--chunk", type=int, default=20, help="iterations of one side before switching")
+    p.add_argument("--warmup", type=int, default=10, help="untimed iterations of each side first")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--label", default="", help="recorded with the result (e.g. the commit)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from plyx.specs import TrainConfig, load_config
+    from plyx.train._cli import shipped_configs
+
+    config = load_config(TrainConfig, shipped_configs()["shakespeare-char"])
+    B, T = config.batch_size, config.model.max_seq_len
+    sides = _sides(config)
+    gen = torch.Generator().manual_seed(0)
+    # the same batches for both sides: random character ids (the step's cost does not depend on the text)
+    windows = [torch.randint(0, 65, (B, T + 1), generator=gen) for _ in range(args.chunk)]
+    batches = [(w[:, :-1].contiguous(), w[:, 1:].contiguous()) for w in windows]  # (ids, targets), as get_batch
+    clip = config.optimizer.grad_clip
+    wall: dict[str, list[float]] = {s: [] for s in sides}
+    cpu: dict[str, list[float]] = {s: [] for s in sides}
+    per_round: list[float] = []
+    for fn, opt, params in sides.values():
+        for i in range(args.warmup):
+            ids, targets = batches[i % len(batches)]
+            _step(fn, opt, params, ids, targets, clip)
+    for r in range(args.rounds):
+        order = list(sides) if r % 2 == 0 else list(sides)[::-1]  # alternate who goes first
+        medians = {}
+        for name in order:
+            fn, opt, params = sides[name]
+            times = []
+            for ids, targets in batches:
+                t0, c0 = time.perf_counter(), time.process_time()
+                _step(fn, opt, params, ids, targets, clip)
+                times.append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+            wall[name] += times
+            medians[name] = statistics.median(times)
+        per_round.append(medians["plyx"] / medians["nanogpt"])
+    date = datetime.date.today().isoformat()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    row = {
+        "date": date, "device": "cpu", "machine": platform.machine(), "torch": torch.__version__,
+        "threads": args.threads, "load_average": load, "label": args.label, "batch": B, "seq_len": T,
+        "params": {"plyx": sum(p.numel() for p in sides["plyx"][2]),
+                   "nanogpt": sum(p.numel() for p in sides["nanogpt"][2])},
+        "ms_per_iter_median": {s: 1e3 * statistics.median(v) for s, v in wall.items()},
+        "cpu_ms_per_iter_median": {s: 1e3 * statistics.median(v) for s, v in cpu.items()},
+        "ratio_wall_median": statistics.median(wall["plyx"]) / statistics.median(wall["nanogpt"]),
+        "ratio_cpu_median": statistics.median(cpu["plyx"]) / statistics.median(cpu["nanogpt"]),
+        "ratio_per_round_median": statistics.median(per_round),
+        "rounds": args.rounds, "chunk": args.chunk,
+    }
+    print(f"cpu ({platform.machine()}), torch {torch.__version__}, {args.threads} threads, {date}, load {load}")
+    for s in sides:
+        print(f"{s:>8}: {row['ms_per_iter_median'][s]:7.2f} ms/iter wall, {row['cpu_ms_per_iter_median'][s]:7.2f} "
+              f"CPU ms/iter, {row['params'][s]:,} params")
+    print(f"plyx / nanoGPT: {row['ratio_wall_median']:.3f} wall, {row['ratio_cpu_median']:.3f} CPU, "
+          f"{row['ratio_per_round_median']:.3f} median of {args.rounds} paired rounds")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with (args.out / f"step-vs-nanogpt-cpu-{date}.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
