@@ -10,6 +10,8 @@ from typing import Any
 
 __all__ = [
     "DPO_LOSS_TYPES",
+    "GRPO_LOSS_TYPES",
+    "GRPOLoss",
     "TASK_KINDS",
     "AdapterSettings",
     "ChatTemplate",
@@ -32,6 +34,8 @@ __all__ = [
     "default_beta",
     "dpo_loss",
     "greedy_answers",
+    "group_advantages",
+    "grpo_loss",
     "kto_loss",
     "load_chat_template",
     "load_tokenizer_and_template",

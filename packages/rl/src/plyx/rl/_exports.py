@@ -18,6 +18,7 @@ from plyx.rl._data import (
     tokenize_pairs,
     tokenize_sft,
 )
+from plyx.rl._grpo_losses import GRPO_LOSS_TYPES, GRPOLoss, group_advantages, grpo_loss
 from plyx.rl._logprobs import sequence_logps, token_logps
 from plyx.rl._losses import (
     DPO_LOSS_TYPES,
