@@ -383,7 +383,7 @@ def grpo(config: GRPOConfig, *, model: nn.Module | None = None, tokenizer: Any =
                         optimizer.zero_grad(set_to_none=True)
                         counters["nan_updates"] += 1
                         counters["nan_in_a_row"] += 1
-                        print_fn(f"step {step + 1}, update {it + 1}: the loss is not finite ({float(out.loss)}): "
+                        print_fn(f"step {step + 1}, update {it + 1}: the loss is not finite ({float(out.loss.detach())}): "
                                  f"update skipped ({counters['nan_in_a_row']} in a row)")
                         if counters["nan_in_a_row"] >= config.max_nan_steps:
                             raise FloatingPointError(
