@@ -116,7 +116,7 @@ def main() -> None:
             fn(share)
         for _ in range(args.repeats):
             for share in (True, False):
-                times[share].append(_time(lambda: fn(share), device))
+                times[share].append(_time(lambda fn=fn, share=share: fn(share), device))
         shared, unshared = statistics.median(times[True]), statistics.median(times[False])
         results[label] = {"shared_ms": shared * 1e3, "unshared_ms": unshared * 1e3, "speedup": unshared / shared}
         print(f"{label:16s} shared {shared * 1e3:9.1f} ms   per-completion prompt {unshared * 1e3:9.1f} ms   "
@@ -141,7 +141,7 @@ def main() -> None:
             generate(share)
         for _ in range(args.repeats):
             for share in (True, False):
-                times[share].append(_time(lambda: generate(share), device))
+                times[share].append(_time(lambda share=share: generate(share), device))
         shared, unshared = statistics.median(times[True]), statistics.median(times[False])
         results["generation"] = {"shared_ms": shared * 1e3, "unshared_ms": unshared * 1e3,
                                  "speedup": unshared / shared}

@@ -58,7 +58,6 @@ def env():
 
 def test_resume_after_kill_is_bitwise_exact(tmp_path, env):
     from plyx.model import save_checkpoint
-
     from plyx.rl._demo import build_tokenizer
 
     _, _, data = setup_run(tmp_path, n_prompts=10)

@@ -344,7 +344,7 @@ def grpo(config: GRPOConfig, *, model: nn.Module | None = None, tokenizer: Any =
                 chunks = [range(s, min(s + mb, len(kept.prompts))) for s in range(0, len(kept.prompts), mb)]
                 advantages = torch.tensor(kept.advantages, dtype=torch.float32, device=device)
 
-                def logps_of(m: nn.Module, ch: range) -> tuple[torch.Tensor, torch.Tensor]:
+                def logps_of(m: nn.Module, ch: range, kept: _Samples = kept) -> tuple[torch.Tensor, torch.Tensor]:
                     with autocast:
                         return groups_token_logps(m, [kept.prompts[g] for g in ch],
                                                   kept.completions[ch.start * G:ch.stop * G], G, pad=pad,

@@ -233,7 +233,7 @@ def score_completions(rewards: Sequence[tuple[str, float, RewardFn]], prompts: l
             values = _valid(fn(prompts, completions, **columns), n, label)
         except RewardError:
             raise
-        except Exception as exc:  # noqa: BLE001 - a plugin's failure is data here, counted and reported
+        except Exception as exc:
             if strict:
                 raise RewardError(f"reward {label!r} raised {type(exc).__name__}: {exc} (strict mode; without "
                                   "--strict the failing samples are scored None and counted)") from exc
@@ -245,7 +245,7 @@ def score_completions(rewards: Sequence[tuple[str, float, RewardFn]], prompts: l
                     values += _valid(fn([prompts[i]], [completions[i]], **cols), 1, label)
                 except RewardError:
                     raise
-                except Exception:  # noqa: BLE001 - counted below
+                except Exception:
                     values.append(math.nan)
                     errors[label] = errors.get(label, 0) + 1
         per[label] = values
