@@ -18,6 +18,7 @@ import platform
 import tempfile
 from pathlib import Path
 
+import attrs
 import torch
 from plyx.rl._demo import DemoSizes
 from plyx.rl._grpo_demo import GRPODemoSizes, run_grpo_demo
@@ -42,20 +43,19 @@ def main() -> None:
         sizes = GRPODemoSizes(base=DemoSizes(d_model=64, n_layers=2, train_tasks=800, test_tasks=100, dpo_pairs=200,
                                              pretrain_steps=60, sft_steps=60, batch_size=16, control=False,
                                              seed=args.seed),
-                              grpo_prompts=200, grpo_steps=10, prompts_per_step=4, num_generations=4,
+                              grpo_prompts=200, task_tests=100, grpo_steps=10, prompts_per_step=4, num_generations=4,
                               max_new_tokens=12, control=not args.no_control)
     elif cuda:
         # the same recipe on a model ~40x larger (12.6M parameters), bf16 autocast, more of everything
         sizes = GRPODemoSizes(base=DemoSizes(d_model=512, n_layers=8, n_heads=8, train_tasks=8000, test_tasks=400,
                                              dpo_pairs=2000, pretrain_steps=1500, sft_steps=600, batch_size=64,
                                              pretrain_lr=1e-3, sft_lr=3e-4, control=False, seed=args.seed),
-                              grpo_prompts=2000, grpo_steps=200, prompts_per_step=32, num_generations=8, lr=1e-5,
+                              grpo_prompts=2000, grpo_steps=200, prompts_per_step=32, num_generations=8, lr=3e-5,
                               control=not args.no_control, device=args.device, precision="bf16-autocast")
     else:
         sizes = GRPODemoSizes(base=DemoSizes(control=False, seed=args.seed), control=not args.no_control)
     if args.steps is not None:
-        sizes = GRPODemoSizes(**{**{f.name: getattr(sizes, f.name) for f in sizes.__attrs_attrs__},
-                                 "grpo_steps": args.steps})
+        sizes = attrs.evolve(sizes, grpo_steps=args.steps)
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
     device = (f"cuda ({torch.cuda.get_device_name(0)})" if cuda
               else f"cpu ({platform.processor() or platform.machine()}, {args.threads} thread(s))")
@@ -63,10 +63,12 @@ def main() -> None:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="plyx-rl-grpo-demo-"))
     result = run_grpo_demo(out, sizes, progress=True)
     acc = result["accuracy"]
-    print(f"held-out accuracy ({result['test_tasks']} tasks): after SFT {acc['after_sft']['accuracy']:.3f}, "
-          f"after GRPO {acc['after_grpo']['accuracy']:.3f}"
-          + (f"; control (SFT on the GRPO prompts' answers) {acc['control_sft_on_answers']['accuracy']:.3f}"
-             if "control_sft_on_answers" in acc else ""))
+    kinds = "/".join(sizes.grpo_kinds)
+    for key, name in (("after_sft", "after SFT"), ("after_grpo", "after GRPO"),
+                      ("control_sft_on_answers", "control (SFT on the GRPO prompts' answers)")):
+        if key in acc:
+            print(f"held-out accuracy {name}: {acc[key]['task']:.3f} on {result['task_tests']} {kinds} tasks, "
+                  f"{acc[key]['accuracy']:.3f} on {result['test_tasks']} mixed tasks")
     record = {"bench": "grpo_demo", "date": started, "device": device, "torch": torch.__version__,
               "quick": args.quick, **result}
     if not args.no_record:

@@ -81,25 +81,26 @@ def test_runs_each_variant_and_logs_the_metrics(tmp_path, test_rewards, loss_typ
     assert (result.model_dir / "model.safetensors").exists() or any(result.model_dir.glob("*.safetensors"))
 
 
-def test_engine_samples_the_updated_policy(tmp_path, test_rewards):
+def test_engine_samples_the_updated_policy(tmp_path, test_rewards, monkeypatch):
     """After the run the engine's weights are the policy's (synced in place, no reload)."""
+    import copy
+
     from plyx.rl import _grpo
 
     tok, template, data = setup_run(tmp_path)
     seen = {}
-    real = _grpo.grpo.__globals__["copy"].deepcopy
+    real = copy.deepcopy
 
     def spy(obj, *a):
         out = real(obj, *a)
-        seen.setdefault("engine_model", out)  # the first deep copy is the engine's model
+        seen.setdefault("engine_model", out)  # the run's first deep copy is the engine's model
         return out
 
-    _grpo.copy.deepcopy, restore = spy, real
-    try:
-        result = grpo(_config(tmp_path, data), model=tiny_model(), tokenizer=tok, template=template,
-                      print_fn=lambda s: None)
-    finally:
-        _grpo.copy.deepcopy = restore
+    monkeypatch.setattr(_grpo.copy, "deepcopy", spy)
+    result = grpo(_config(tmp_path, data), model=tiny_model(), tokenizer=tok, template=template,
+                  print_fn=lambda s: None)
+    monkeypatch.undo()
+    assert result.history[-1]["groups_trained"] > 0 or any(r["groups_trained"] for r in result.history)
     for (name, p), q in zip(seen["engine_model"].named_parameters(), result.model.parameters()):
         assert torch.equal(p, q), name
 

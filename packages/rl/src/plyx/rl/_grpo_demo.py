@@ -4,9 +4,11 @@ Stages (everything generated here, as in ``plyx.rl._demo``):
 
 1. pretrain a small Llama-style plyx model on the tasks as plain text, then SFT it on chat conversations
    (``plyx.rl._demo``'s stages 1-3, same sizes): the starting point;
-2. held-out accuracy of the SFT model (greedy, exact match, 100 tasks per kind);
+2. held-out accuracy of the SFT model (greedy, exact match): on the demo's 400 mixed tasks and on
+   ``task_tests`` held-out tasks of the GRPO stage's kind (``grpo_kinds``, default ``sort``: the kind the SFT
+   model gets partly right, so groups of samples disagree and carry a signal);
 3. GRPO (``plyx rl grpo``'s loop: engine sampling, exact-match reward, group advantages, clipped updates,
-   in-place weight sync) on training prompts the SFT stage never saw, accuracy again;
+   in-place weight sync) on training prompts of that kind the SFT stage never saw, accuracy again;
 4. the control: the SFT model trained further with plain SFT on the same prompts' correct answers for the
    same number of optimizer steps and learning rate (what more supervised data alone gives), accuracy again.
 
@@ -36,8 +38,12 @@ class GRPODemoSizes:
 
     base: DemoSizes = DemoSizes(control=False)
     """The pretrain and SFT stages (``plyx.rl._demo.DemoSizes``; its DPO fields are unused)."""
+    grpo_kinds: tuple[str, ...] = ("sort",)
+    """Task kinds of the GRPO stage's prompts (training split, none seen by SFT) and of its held-out test."""
     grpo_prompts: int = 1000
-    """Training prompts of the GRPO stage (the part of the training split SFT did not use)."""
+    """Training prompts of the GRPO stage."""
+    task_tests: int = 400
+    """Held-out tasks of ``grpo_kinds`` the stages are scored on (besides the 400 mixed ones)."""
     grpo_steps: int = 120
     prompts_per_step: int = 16
     num_generations: int = 8
@@ -69,16 +75,22 @@ def run_grpo_demo(out_dir: str | Path, sizes: GRPODemoSizes = GRPODemoSizes(), *
     template = ChatTemplate(CHATML, eos_token=tok.eos_token, name="chatml")
     train = make_tasks(b.train_tasks, split="train", seed=b.seed)
     test = make_tasks(b.test_tasks, split="test", seed=b.seed)
-    # the DPO demo's split: the first dpo_pairs tasks are kept out of SFT; GRPO takes its prompts from them
-    sft_tasks, rl_tasks = train[b.dpo_pairs:], train[: min(b.dpo_pairs, sizes.grpo_prompts)]
+    sft_tasks = train[b.dpo_pairs:]  # the DPO demo's SFT data
+    seen = {x.prompt for x in sft_tasks}
+    # GRPO's prompts: training-split tasks of grpo_kinds the SFT stage never saw (another seed's draw)
+    rl_tasks = [x for x in make_tasks(sizes.grpo_prompts * 3, split="train", seed=b.seed + 1, kinds=sizes.grpo_kinds)
+                if x.prompt not in seen][: sizes.grpo_prompts]
+    task_test = make_tasks(sizes.task_tests, split="test", seed=b.seed, kinds=sizes.grpo_kinds)
     vocab = (tok.vocab_size + 63) // 64 * 64
     device = sizes.device
     model = _model(b, vocab).to(device)
     common: dict[str, Any] = {"batch_size": b.batch_size, "seed": b.seed, "device": device, "max_length": 64,
                               "log_every": 25, "precision": sizes.precision}
 
-    def accuracy(m: Any) -> dict[str, float]:
-        return score(greedy_answers(m, tok, template, test), test)
+    def accuracy(m: Any) -> dict[str, Any]:
+        mixed = score(greedy_answers(m, tok, template, test), test)
+        mixed["task"] = score(greedy_answers(m, tok, template, task_test), task_test)["accuracy"]
+        return mixed
 
     t = time.perf_counter()
     write_jsonl(root / "pretrain.jsonl", [{"text": f"{x.prompt} = {x.answer}\n"} for x in train])
@@ -96,7 +108,8 @@ def run_grpo_demo(out_dir: str | Path, sizes: GRPODemoSizes = GRPODemoSizes(), *
                 print_fn=print_fn)
     times["sft_s"] = time.perf_counter() - t
     after_sft = accuracy(tuned.model)
-    print_fn(f"held-out accuracy after SFT: {after_sft['accuracy']:.3f}")
+    print_fn(f"held-out accuracy after SFT: {after_sft['accuracy']:.3f} (mixed), {after_sft['task']:.3f} "
+             f"({'/'.join(sizes.grpo_kinds)})")
     sft_state = copy.deepcopy(tuned.model.state_dict())
 
     # GRPO on prompts SFT never saw
@@ -114,7 +127,8 @@ def run_grpo_demo(out_dir: str | Path, sizes: GRPODemoSizes = GRPODemoSizes(), *
         print_fn=print_fn)
     times["grpo_s"] = time.perf_counter() - t
     after_grpo = accuracy(result.model)
-    print_fn(f"held-out accuracy after GRPO: {after_grpo['accuracy']:.3f}")
+    print_fn(f"held-out accuracy after GRPO: {after_grpo['accuracy']:.3f} (mixed), {after_grpo['task']:.3f} "
+             f"({'/'.join(sizes.grpo_kinds)})")
     hist = result.history
     grpo_summary = {
         "updates": sum(1 for r in hist if r["groups_trained"] > 0),
@@ -143,14 +157,15 @@ def run_grpo_demo(out_dir: str | Path, sizes: GRPODemoSizes = GRPODemoSizes(), *
         times["control_s"] = time.perf_counter() - t
         control_acc = accuracy(control.model)
         print_fn(f"held-out accuracy after the control (SFT on the GRPO prompts' answers): "
-                 f"{control_acc['accuracy']:.3f}")
+                 f"{control_acc['accuracy']:.3f} (mixed), {control_acc['task']:.3f}")
     out = {
         "accuracy": {"after_sft": after_sft, "after_grpo": after_grpo,
                      **({"control_sft_on_answers": control_acc} if control_acc is not None else {})},
         "grpo": grpo_summary, "times_s": times,
         "sizes": {**attrs.asdict(sizes), "base": attrs.asdict(b)},
         "params": sum(p.numel() for p in result.model.parameters()),
-        "test_tasks": len(test), "grpo_prompts": len(rl_tasks), "sft_tasks": len(sft_tasks),
+        "test_tasks": len(test), "task_tests": len(task_test), "grpo_prompts": len(rl_tasks),
+        "sft_tasks": len(sft_tasks),
     }
     (root / "results.json").write_text(json.dumps(out, indent=2, default=float) + "\n", encoding="utf-8")
     return out
