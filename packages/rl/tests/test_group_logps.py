@@ -35,3 +35,24 @@ def test_several_groups_and_one_token_completions():
     b, mb = groups_token_logps(model, prompts, comps, 4, pad=0, share_prompt=False)
     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
     assert a.shape == (8, 3) and torch.equal(ma, mb)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton flash attention's backward with "
+                    "queries fewer than keys)")
+def test_shared_prompt_matches_on_cuda_under_bf16_autocast():
+    model = tiny_model(5, d_model=64, n_layers=2).cuda()
+    prompt = list(range(3, 300))
+    completions = [list(range(10 + g, 30 + g)) for g in range(8)]
+    grads = []
+    outs = []
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lp, mask = group_token_logps(model, prompt, completions, pad=0, share_prompt=share)
+        lp.sum().backward()
+        outs.append(lp.detach())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    # bf16 rounding of two different association orders: compare at bf16's resolution
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    for x, y in zip(*grads):
+        torch.testing.assert_close(x, y, rtol=5e-2, atol=5e-3 * float(y.abs().max()) + 1e-6)
