@@ -397,7 +397,7 @@ def grpo(config: GRPOConfig, *, model: nn.Module | None = None, tokenizer: Any =
                     optimizer.step()
                     scheduler.step()
                     losses.append(loss_sum)
-                    kls.append(kl_sum)
+                    kls.append(kl_sum if reference is not None else math.nan)  # no reference (beta 0): no KL
                     clips.append(clip_sum)
                     clip_lo.append(lo_sum)
                     clip_hi.append(hi_sum)
