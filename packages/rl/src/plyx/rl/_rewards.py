@@ -48,7 +48,7 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 def _column(columns: Mapping[str, Any], name: str, n: int, who: str) -> list[Any]:
     values = columns.get(name)
     if values is None:
-        raise KeyError(f"reward {who!r} needs the column {name!r} in every record (e.g. {{\"prompt\": ..., "
+        raise ValueError(f"reward {who!r} needs the column {name!r} in every record (e.g. {{\"prompt\": ..., "
                        f"\"{name}\": ...}}); the data has: {', '.join(sorted(columns)) or 'no extra columns'}")
     if len(values) != n:
         raise ValueError(f"column {name!r} has {len(values)} values for {n} completions")
