@@ -46,7 +46,7 @@ def main() -> None:
                               grpo_prompts=200, task_tests=100, grpo_steps=10, prompts_per_step=4, num_generations=4,
                               max_new_tokens=12, control=not args.no_control)
     elif cuda:
-        # the same recipe on a model ~40x larger (12.6M parameters), bf16 autocast, more of everything
+        # the same recipe on a model 40x larger (25.3M parameters), bf16 autocast, more of everything
         sizes = GRPODemoSizes(base=DemoSizes(d_model=512, n_layers=8, n_heads=8, train_tasks=8000, test_tasks=400,
                                              dpo_pairs=2000, pretrain_steps=1500, sft_steps=600, batch_size=64,
                                              pretrain_lr=1e-3, sft_lr=3e-4, control=False, seed=args.seed),
