@@ -50,7 +50,7 @@ def _config(tmp_path, data, **kw):
     return GRPOConfig.from_dict(base) if isinstance(base["optimizer"], dict) else GRPOConfig(**base)
 
 
-@pytest.mark.parametrize("loss_type,extra", [("grpo", {"beta": 0.04}), ("dr_grpo", {}),
+@pytest.mark.parametrize("loss_type,extra", [("grpo", {"beta": 0.04}), ("dr_grpo", {"share_prompt": False}),
                                              ("dapo", {"num_iterations": 2})])
 def test_runs_each_variant_and_logs_the_metrics(tmp_path, test_rewards, loss_type, extra):
     tok, template, data = setup_run(tmp_path)
