@@ -29,3 +29,28 @@ def test_demo_pipeline_runs_every_stage_and_records_results(tmp_path):
     assert all(p["chosen"] != p["rejected"] for p in pairs)
     for stage in ("pretrain", "sft", "dpo", "control"):
         assert (tmp_path / stage / "model" / "model_card.json").is_file()
+
+
+def test_grpo_demo_pipeline_runs_every_stage(tmp_path):
+    from plyx.rl._grpo_demo import GRPODemoSizes, run_grpo_demo
+
+    sizes = GRPODemoSizes(base=DemoSizes(d_model=32, n_layers=1, n_heads=2, train_tasks=120, test_tasks=16,
+                                         dpo_pairs=40, pretrain_steps=4, sft_steps=4, batch_size=8, control=False),
+                          grpo_prompts=40, task_tests=8, grpo_steps=2, prompts_per_step=2, num_generations=2,
+                          max_new_tokens=6)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = run_grpo_demo(tmp_path, sizes, print_fn=lambda *_: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert set(result["accuracy"]) == {"after_sft", "after_grpo", "control_sft_on_answers"}
+    assert result["grpo_prompts"] == 40 and result["grpo"]["final"]["step"] == 2
+    assert all(0 <= a["task"] <= 1 for a in result["accuracy"].values())
+    prompts = [json.loads(line)["prompt"][0]["content"] for line in (tmp_path / "grpo.jsonl").read_text().splitlines()]
+    sft_prompts = {json.loads(line)["messages"][0]["content"] for line in (tmp_path / "sft.jsonl").read_text().splitlines()}
+    assert all(p.startswith("sort ") for p in prompts) and not set(prompts) & sft_prompts
+    rows = [json.loads(line) for line in (tmp_path / "grpo" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "accuracy" in rows[0]
+    for stage in ("sft", "grpo", "control"):
+        assert (tmp_path / stage / "model" / "model_card.json").is_file()

@@ -1,37 +1,52 @@
-"""plyx-rl: post-training for plyx models: SFT and preference optimisation (DPO family, ORPO, SimPO, KTO).
+"""plyx-rl: post-training for plyx models: SFT, preference optimisation (DPO family, ORPO, SimPO, KTO) and GRPO.
 
 Python API: ``sft(SFTConfig(...))``, ``preference(PreferenceConfig(method="dpo", ...))``; the losses
 (``dpo_loss``, ``orpo_loss``, ``simpo_loss``, ``kto_loss``) work on any sequence log-probs; chat templates
 (``ChatTemplate``, ``load_chat_template``) render with Hugging Face ``apply_chat_template`` semantics;
-``make_tasks`` generates verifiable tasks with a fixed held-out split.
+``make_tasks`` generates verifiable tasks with a fixed held-out split; ``grpo(GRPOConfig(...))`` runs online
+GRPO / Dr. GRPO / DAPO with reward plugins, sampling with plyx-serve's engine.
 """
 
 from typing import Any
 
 __all__ = [
     "DPO_LOSS_TYPES",
+    "GRPO_LOSS_TYPES",
     "TASK_KINDS",
     "AdapterSettings",
     "ChatTemplate",
     "ChatTemplateError",
     "DataError",
     "DataReport",
+    "GradKVCache",
+    "GRPOConfig",
+    "GRPOLoss",
     "KTOExample",
     "PairExample",
     "PreferenceConfig",
     "PreferenceLoss",
+    "PromptRecord",
     "RenderedChat",
+    "RewardError",
+    "RewardScores",
+    "RewardSpec",
     "RunConfig",
     "RunResult",
     "SFTConfig",
     "SFTExample",
     "Task",
+    "build_rewards",
     "collate_sft",
     "completion_rows",
     "corrupt",
     "default_beta",
     "dpo_loss",
     "greedy_answers",
+    "group_advantages",
+    "group_token_logps",
+    "groups_token_logps",
+    "grpo",
+    "grpo_loss",
     "kto_loss",
     "load_chat_template",
     "load_tokenizer_and_template",
@@ -41,16 +56,19 @@ __all__ = [
     "preference",
     "preference_metrics",
     "read_jsonl",
+    "reward_components",
     "score",
+    "score_completions",
     "sequence_logps",
     "sft",
     "simpo_loss",
     "split_of",
     "strip_generation_tags",
+    "token_logps",
     "tokenize_kto",
     "tokenize_pairs",
+    "tokenize_prompts",
     "tokenize_sft",
-    "token_logps",
 ]
 
 

@@ -1,4 +1,4 @@
-"""``plyx rl sft|dpo|orpo|simpo|kto CONFIG``, contributed through ``plyx_cli_commands``."""
+"""``plyx rl sft|dpo|orpo|simpo|kto|grpo CONFIG``, contributed through ``plyx_cli_commands``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from plyx.train import set_overrides
 
 __all__ = ["configure_rl", "run_rl"]
 
-_METHODS = ("sft", "dpo", "orpo", "simpo", "kto")
+_METHODS = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")
 
 
 def configure_rl(parser: argparse.ArgumentParser) -> None:
@@ -21,11 +21,13 @@ def configure_rl(parser: argparse.ArgumentParser) -> None:
              "dpo": "direct preference optimisation (loss_type sigmoid | ipo | hinge | robust; reference_free)",
              "orpo": "odds-ratio preference optimisation (no reference model)",
              "simpo": "simple preference optimisation (length-normalised, no reference model)",
-             "kto": "Kahneman-Tversky optimisation on unpaired desirable/undesirable examples"}
+             "kto": "Kahneman-Tversky optimisation on unpaired desirable/undesirable examples",
+             "grpo": "online GRPO with verifiable rewards (loss_type grpo | dr_grpo | dapo), sampling with "
+                     "plyx-serve's engine"}
     for name in _METHODS:
         p = sub.add_parser(name, help=helps[name])
-        p.add_argument("config", help=f"{'SFTConfig' if name == 'sft' else 'PreferenceConfig'} file "
-                       "(TOML, JSON or YAML)")
+        schema = {"sft": "SFTConfig", "grpo": "GRPOConfig"}.get(name, "PreferenceConfig")
+        p.add_argument("config", help=f"{schema} file (TOML, JSON or YAML)")
         p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field, dotted for nested ones: --set steps=200 --set adapter.r=16")
         p.add_argument("--out-dir", help="shortcut for --set out_dir=DIR")
@@ -33,12 +35,16 @@ def configure_rl(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--overwrite", action="store_true", help="replace the results of a previous run in out_dir")
         p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
         p.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
+        if name == "grpo":
+            p.add_argument("--resume", action="store_true",
+                           help="continue from out_dir/state (policy, optimizer, RNG, sampler, data position)")
 
 
 def _load(args: argparse.Namespace) -> Any:
     from plyx.rl._config import PreferenceConfig, SFTConfig
+    from plyx.rl._grpo_config import GRPOConfig
 
-    cls = SFTConfig if args.rl_command == "sft" else PreferenceConfig
+    cls = {"sft": SFTConfig, "grpo": GRPOConfig}.get(args.rl_command, PreferenceConfig)
     config = load_config(cls, args.config)
     doc = config.to_dict()
     overrides = list(args.overrides)
@@ -67,17 +73,23 @@ def run_rl(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
-    run = sft if args.rl_command == "sft" else preference
     try:
-        result = run(config, overwrite=args.overwrite, progress=not args.no_progress)
+        if args.rl_command == "grpo":
+            from plyx.rl._grpo import grpo
+
+            result = grpo(config, overwrite=args.overwrite, resume=args.resume, progress=not args.no_progress)
+        else:
+            run = sft if args.rl_command == "sft" else preference
+            result = run(config, overwrite=args.overwrite, progress=not args.no_progress)
     except (DataError, ChatTemplateError, FileExistsError, FileNotFoundError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (PlyxError, FloatingPointError, ValueError) as exc:
+    except (PlyxError, FloatingPointError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     last = result.metrics
-    shown = {k: v for k, v in last.items() if k in ("loss", "rewards/accuracies", "rewards/margins", "kl")}
+    shown = {k: v for k, v in last.items() if k in ("loss", "rewards/accuracies", "rewards/margins", "kl", "reward",
+                                                    "accuracy")}
     print(f"step {result.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
     if result.model_dir:
         print(f"model: {result.model_dir}")

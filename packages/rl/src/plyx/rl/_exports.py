@@ -18,6 +18,10 @@ from plyx.rl._data import (
     tokenize_pairs,
     tokenize_sft,
 )
+from plyx.rl._group_logps import GradKVCache, group_token_logps, groups_token_logps
+from plyx.rl._grpo import PromptRecord, grpo, tokenize_prompts
+from plyx.rl._grpo_config import GRPOConfig, RewardSpec
+from plyx.rl._grpo_losses import GRPO_LOSS_TYPES, GRPOLoss, group_advantages, grpo_loss
 from plyx.rl._logprobs import sequence_logps, token_logps
 from plyx.rl._losses import (
     DPO_LOSS_TYPES,
@@ -28,5 +32,6 @@ from plyx.rl._losses import (
     preference_metrics,
     simpo_loss,
 )
+from plyx.rl._rewards import RewardError, RewardScores, build_rewards, reward_components, score_completions
 from plyx.rl._run import RunResult, load_tokenizer_and_template, preference, sft
 from plyx.rl._tasks import TASK_KINDS, Task, corrupt, greedy_answers, make_tasks, score, split_of

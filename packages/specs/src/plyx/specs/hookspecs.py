@@ -127,6 +127,19 @@ def plyx_tool_parsers() -> list[Any]:
 
 
 @hookspec
+def plyx_reward_functions() -> list[Any]:
+    """Reward functions of online RL (plyx-rl's GRPO ships ``exact_match``, ``numeric_match``, ``regex_format``,
+    ``length_penalty`` and ``reward_model``).
+
+    :return: a list of ``Component``; ``factory(**options)`` takes the reward's table of the run config
+        (``[[rewards]] args``) as keyword arguments and returns a reward function with TRL's batch signature
+        ``fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]``: ``columns``
+        carries the task's extra fields (``answer=[...]``) and ``completion_ids``; None skips a sample.
+        A GRPO run's ``rewards = [{name = ...}]`` selects it by the Component's name.
+    """
+
+
+@hookspec
 def plyx_cli_commands() -> list[Any]:
     """Subcommands of the ``plyx`` command.
 

@@ -17,6 +17,7 @@ from plyx.serve.engine._async import AsyncEngine, RequestStream
 from plyx.serve.engine._config import EngineConfig
 from plyx.serve.engine._engine import Engine, EngineOutput, EngineStats, QueueFullError
 from plyx.serve.engine._prefix_cache import PrefixCache
+from plyx.serve.engine._weight_sync import sync_weights
 
 __all__ = [
     "AsyncEngine",
@@ -28,4 +29,5 @@ __all__ = [
     "PrefixCache",
     "QueueFullError",
     "RequestStream",
+    "sync_weights",
 ]

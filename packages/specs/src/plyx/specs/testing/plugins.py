@@ -30,6 +30,7 @@ LIST_HOOKS: dict[str, type] = {
     "plyx_redteam_probes": Component,
     "plyx_adapter_variants": Component,
     "plyx_tool_parsers": Component,
+    "plyx_reward_functions": Component,
     "plyx_cli_commands": CliCommand,
 }
 
