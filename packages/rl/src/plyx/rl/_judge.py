@@ -1,0 +1,6 @@
+"""placeholder"""
+import argparse
+
+
+def configure_judge(parser: argparse.ArgumentParser) -> None:
+    pass
