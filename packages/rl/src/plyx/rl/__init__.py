@@ -1,14 +1,18 @@
-"""plyx-rl: post-training for plyx models: SFT and preference optimisation (DPO family, ORPO, SimPO, KTO).
+"""plyx-rl: post-training for plyx models: SFT, preference optimisation (DPO family, ORPO, SimPO, KTO),
+distillation, reward models and pairwise-judge rankings.
 
 Python API: ``sft(SFTConfig(...))``, ``preference(PreferenceConfig(method="dpo", ...))``; the losses
 (``dpo_loss``, ``orpo_loss``, ``simpo_loss``, ``kto_loss``) work on any sequence log-probs; chat templates
 (``ChatTemplate``, ``load_chat_template``) render with Hugging Face ``apply_chat_template`` semantics;
-``make_tasks`` generates verifiable tasks with a fixed held-out split.
+``make_tasks`` generates verifiable tasks with a fixed held-out split; ``distill(DistillConfig(...))`` with the
+chunked ``distill_loss``; ``train_reward_model`` / ``reward_model_reward`` (a GRPO reward function);
+``rank_models`` / ``position_bias`` over judge verdicts.
 """
 
 from typing import Any
 
 __all__ = [
+    "DISTILL_LOSSES",
     "DPO_LOSS_TYPES",
     "TASK_KINDS",
     "AdapterSettings",
@@ -16,41 +20,59 @@ __all__ = [
     "ChatTemplateError",
     "DataError",
     "DataReport",
+    "DistillConfig",
+    "DistillLossError",
+    "JudgeRanking",
     "KTOExample",
     "PairExample",
     "PreferenceConfig",
     "PreferenceLoss",
     "RenderedChat",
+    "RewardModel",
+    "RewardModelConfig",
     "RunConfig",
     "RunResult",
     "SFTConfig",
     "SFTExample",
     "Task",
+    "Verdict",
+    "bradley_terry_loss",
     "collate_sft",
+    "collect_verdicts",
     "completion_rows",
     "corrupt",
     "default_beta",
+    "distill",
+    "distill_loss",
+    "distill_loss_logits",
     "dpo_loss",
     "greedy_answers",
     "kto_loss",
     "load_chat_template",
+    "load_reward_model",
     "load_tokenizer_and_template",
     "make_tasks",
     "orpo_loss",
     "pack_sft",
+    "position_bias",
     "preference",
     "preference_metrics",
+    "rank_models",
     "read_jsonl",
+    "read_verdicts",
+    "reward_model_reward",
     "score",
     "sequence_logps",
     "sft",
     "simpo_loss",
     "split_of",
     "strip_generation_tags",
+    "token_divergence",
+    "token_logps",
     "tokenize_kto",
     "tokenize_pairs",
     "tokenize_sft",
-    "token_logps",
+    "train_reward_model",
 ]
 
 

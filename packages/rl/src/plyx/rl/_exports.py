@@ -18,6 +18,9 @@ from plyx.rl._data import (
     tokenize_pairs,
     tokenize_sft,
 )
+from plyx.rl._distill import DISTILL_LOSSES, DistillLossError, distill_loss, distill_loss_logits, token_divergence
+from plyx.rl._distill_run import DistillConfig, distill
+from plyx.rl._judge import JudgeRanking, Verdict, collect_verdicts, position_bias, rank_models, read_verdicts
 from plyx.rl._logprobs import sequence_logps, token_logps
 from plyx.rl._losses import (
     DPO_LOSS_TYPES,
@@ -27,6 +30,14 @@ from plyx.rl._losses import (
     orpo_loss,
     preference_metrics,
     simpo_loss,
+)
+from plyx.rl._reward_model import (
+    RewardModel,
+    RewardModelConfig,
+    bradley_terry_loss,
+    load_reward_model,
+    reward_model_reward,
+    train_reward_model,
 )
 from plyx.rl._run import RunResult, load_tokenizer_and_template, preference, sft
 from plyx.rl._tasks import TASK_KINDS, Task, corrupt, greedy_answers, make_tasks, score, split_of
