@@ -160,3 +160,17 @@ def test_bad_inputs_are_named():
     with pytest.raises(DistillLossError, match="different tokens"):
         distill_loss(hs, ws, ht[:3], wt)
     assert set(DISTILL_LOSSES) == {"forward_kl", "reverse_kl", "jsd", "topk"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("loss,options", [("forward_kl", {}), ("jsd", {"beta": 0.5}), ("reverse_kl", {})])
+def test_cuda_bf16_fused_against_float64(loss, options):
+    hs, ws, ht, wt, mask = _inputs(300, 4099, 64, 96, torch.bfloat16, seed=9)
+    want, want_gh, want_gw = _naive(hs, ws, ht, wt, mask, loss=loss, **options)
+    hs, ws = hs.cuda().requires_grad_(), ws.cuda().requires_grad_()
+    got = distill_loss(hs, ws, ht.cuda(), wt.cuda(), loss=loss, mask=mask.cuda(), chunk_size=64, **options)
+    got.backward()
+    tol = 2e-2  # bf16 matmuls, as in the CPU bf16 test
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol * 1e-2)
+    torch.testing.assert_close(hs.grad.double().cpu(), want_gh, rtol=tol, atol=tol * float(want_gh.abs().max()))
+    torch.testing.assert_close(ws.grad.double().cpu(), want_gw, rtol=tol, atol=tol * float(want_gw.abs().max()))

@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import attrs
 import msgspec
@@ -64,6 +64,8 @@ class DistillConfig(RunConfig, kw_only=True, frozen=True, forbid_unknown_fields=
     """(on-policy) most tokens sampled per completion."""
     sample_temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     """(on-policy) the student's sampling temperature (0: greedy)."""
+    teacher_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The teacher's parameter dtype (bfloat16 halves its memory; the loss still runs its softmax in float32)."""
     chunk_size: NonNeg = 0
     """Tokens per loss chunk (0: about 8M logits per chunk)."""
     eval_data: str = ""
@@ -100,7 +102,7 @@ def _split(examples: Sequence[SFTExample]) -> _Rows:
     return _Rows(prompts, completions)
 
 
-def load_teacher(path: str, device: torch.device) -> nn.Module:
+def load_teacher(path: str, device: torch.device, dtype: str = "float32") -> nn.Module:
     """The teacher from a plyx or Hugging Face checkpoint directory, frozen, in eval mode."""
     from plyx.model import load_checkpoint
 
@@ -108,7 +110,7 @@ def load_teacher(path: str, device: torch.device) -> nn.Module:
         raise DataError("no teacher: set `teacher` to a plyx or Hugging Face checkpoint directory")
     if not Path(path).exists():
         raise FileNotFoundError(f"teacher checkpoint {path!r} not found; set `teacher` to a checkpoint directory")
-    return load_checkpoint(path, device=device, dtype="float32")
+    return load_checkpoint(path, device=device, dtype=dtype)
 
 
 def _check_vocab(student: nn.Module, teacher: nn.Module) -> None:
@@ -184,7 +186,7 @@ def distill(config: DistillConfig, *, model: nn.Module | None = None, teacher: n
     check_distill_options(config.loss, beta=config.beta, temperature=config.temperature, top_k=config.top_k)
     device = _device(config.device)
     if teacher is None:
-        teacher = load_teacher(config.teacher, device)
+        teacher = load_teacher(config.teacher, device, config.teacher_dtype)
     teacher = teacher.to(device).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
@@ -210,7 +212,6 @@ def distill(config: DistillConfig, *, model: nn.Module | None = None, teacher: n
     stops = _stop_ids(tokenizer, template)
     coin = random.Random(config.seed + 7)
     gen = torch.Generator(device="cpu").manual_seed(config.seed + 11)
-    timing = {"generate_s": 0.0}
 
     before = distill_eval(student, teacher, held_out, config, pad) if held_out else None
     if before is not None:
@@ -222,7 +223,6 @@ def distill(config: DistillConfig, *, model: nn.Module | None = None, teacher: n
         room = int(student.config.max_seq_len) - max(len(p) for p in prompts)
         params = SamplingParams(max_new_tokens=max(1, min(config.max_new_tokens, room)),
                                 temperature=config.sample_temperature)
-        t = time.perf_counter()
         was = student.training
         student.eval()
         try:
@@ -230,18 +230,20 @@ def distill(config: DistillConfig, *, model: nn.Module | None = None, teacher: n
                 outs = generate(student, [list(p) for p in prompts], params, eos_token_id=stops, generator=gen)
         finally:
             student.train(was)
-        timing["generate_s"] += time.perf_counter() - t
         return [tuple(o.outputs[0].token_ids) for o in outs]
 
     def step_fn(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
         prompts = [rows.prompts[i] for i in idx]
         on_policy = coin.random() < config.on_policy_fraction
+        t = time.perf_counter()
         completions = sample(prompts) if on_policy else [rows.completions[i] for i in idx]
+        generate_s = time.perf_counter() - t if on_policy else 0.0
         batch = completion_rows(prompts, completions, pad).to(student_device)
         loss = _pair_loss(student, teacher, batch, config)
+        # metrics are averaged over a step's micro-batches; generate_s is the sampling time per micro-batch
         return loss, {"loss": float(loss.detach()), "on_policy": float(on_policy),
                       "completion_tokens": float((batch.targets != -100).sum()) / len(idx),
-                      "generate_s": timing["generate_s"]}
+                      "generate_s": generate_s}
 
     student_device = next(student.parameters()).device
     step, history, stopped = _fit(student, config, len(examples), step_fn, out_dir, progress=progress,
