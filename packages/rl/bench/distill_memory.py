@@ -2,6 +2,7 @@
 
     python packages/rl/bench/distill_memory.py                    # CUDA when present (bf16), else CPU (float32)
     python packages/rl/bench/distill_memory.py --tokens 256       # smaller
+    python packages/rl/bench/distill_memory.py --chunk 1024       # larger chunks (fewer passes over the weights)
 
 The setup: ``tokens`` positions, a 128k vocabulary (131072, Llama-3's is 128256), student hidden ``d_student``
 and teacher hidden ``d_teacher`` wide, the two LM heads; the loss is ``--loss`` (default ``jsd``, the one with
@@ -51,7 +52,11 @@ def _sync(device: torch.device) -> None:
 
 def child(args: argparse.Namespace) -> dict:
     """One mode, in this process: returns its row."""
-    from plyx.rl._distill import distill_loss, distill_loss_logits
+    try:
+        from plyx.rl._distill import distill_loss, distill_loss_logits
+    except ImportError:  # tools/gpu_run.py installs the GPU planes only: the loss module needs torch alone
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+        from plyx.rl._distill import distill_loss, distill_loss_logits
 
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
@@ -110,6 +115,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--out", type=Path, help="also append the rows to OUT/distill_memory.jsonl (tools/gpu_run.py)")
     parser.add_argument("--mode", help=argparse.SUPPRESS)  # internal: run one mode in this process
     parser.add_argument("--device", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
@@ -143,9 +149,10 @@ def main() -> None:
                   "d_teacher": args.d_teacher, "loss": args.loss, "chunk": args.chunk or "default",
                   "logits_block_mib": round(logits_mib, 1), **row}
         print(json.dumps(record))
-        if not args.no_record:
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            with RESULTS.open("a", encoding="utf-8") as fh:
+        targets = ([] if args.no_record else [RESULTS]) + ([args.out / RESULTS.name] if args.out else [])
+        for target in targets:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with target.open("a", encoding="utf-8") as fh:
                 fh.write(json.dumps(record) + "\n")
 
 
