@@ -84,22 +84,13 @@ class DistillConfig(RunConfig, kw_only=True, frozen=True, forbid_unknown_fields=
                               fix="set top_k, e.g. top_k = 64")
 
 
-@attrs.frozen
-class _Rows:
-    """Prompt / completion ids of the examples (the prompt: the tokens before the first loss token)."""
-
-    prompts: list[tuple[int, ...]]
-    completions: list[tuple[int, ...]]
-
-
-def _split(examples: Sequence[SFTExample]) -> _Rows:
-    prompts, completions = [], []
+def _prompts(examples: Sequence[SFTExample]) -> list[tuple[int, ...]]:
+    """Each example's prompt for on-policy sampling: its tokens before the first loss token (at least one)."""
+    out = []
     for ex in examples:
         first = next((i for i, m in enumerate(ex.loss_mask) if m), len(ex.ids))
-        first = max(first, 1)  # position 0 is never predicted: a prompt has at least one token
-        prompts.append(ex.ids[:first])
-        completions.append(ex.ids[first:])
-    return _Rows(prompts, completions)
+        out.append(ex.ids[: max(first, 1)])
+    return out
 
 
 def load_teacher(path: str, device: torch.device, dtype: str = "float32") -> nn.Module:
@@ -208,7 +199,7 @@ def distill(config: DistillConfig, *, model: nn.Module | None = None, teacher: n
                                                          print_fn)
     pad = int(tokenizer.eos_id)
     examples: list[SFTExample] = data.examples
-    rows = _split(examples)
+    prompt_ids = _prompts(examples)
     stops = _stop_ids(tokenizer, template)
     coin = random.Random(config.seed + 7)
     gen = torch.Generator(device="cpu").manual_seed(config.seed + 11)
@@ -233,12 +224,14 @@ def distill(config: DistillConfig, *, model: nn.Module | None = None, teacher: n
         return [tuple(o.outputs[0].token_ids) for o in outs]
 
     def step_fn(idx: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
-        prompts = [rows.prompts[i] for i in idx]
+        prompts = [prompt_ids[i] for i in idx]
         on_policy = coin.random() < config.on_policy_fraction
         t = time.perf_counter()
-        completions = sample(prompts) if on_policy else [rows.completions[i] for i in idx]
+        if on_policy:  # the student's samples after each prompt; every sampled token is taught
+            batch = completion_rows(prompts, sample(prompts), pad).to(student_device)
+        else:  # the dataset's completions, where the example's loss mask says (assistant turns only)
+            batch = collate_sft([examples[i] for i in idx], pad).to(student_device)
         generate_s = time.perf_counter() - t if on_policy else 0.0
-        batch = completion_rows(prompts, completions, pad).to(student_device)
         loss = _pair_loss(student, teacher, batch, config)
         # metrics are averaged over a step's micro-batches; generate_s is the sampling time per micro-batch
         return loss, {"loss": float(loss.detach()), "on_policy": float(on_policy),
