@@ -70,6 +70,37 @@ def test_bradley_terry_loss_is_the_published_formula():
     assert float(bradley_terry_loss(rc, rr, 1.0)) > float(bradley_terry_loss(rc, rr))
 
 
+@pytest.mark.parametrize("center", [None, 0.01])
+@pytest.mark.parametrize("with_margin", [False, True])
+def test_bradley_terry_loss_matches_trl_reward_trainer(center, with_margin):
+    """TRL's ``RewardTrainer.compute_loss`` (the oracle) on the same rewards: values and gradients."""
+    pytest.importorskip("trl")
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trl import RewardTrainer
+
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.randn(12, generator=g, dtype=torch.float64).requires_grad_()  # chosen 6, then rejected 6
+    margin = torch.rand(6, generator=g, dtype=torch.float64)
+    trainer = object.__new__(RewardTrainer)
+    trainer.model = SimpleNamespace(training=False)
+    trainer.args = SimpleNamespace(center_rewards_coefficient=center)
+    trainer.accelerator = SimpleNamespace(gather=lambda x: x, gather_for_metrics=lambda x: x)
+    trainer._metrics = {"eval": defaultdict(list)}
+    trainer._total_train_tokens = 0
+    inputs = {"input_ids": torch.zeros(12, 3, dtype=torch.long), "attention_mask": torch.ones(12, 3)}
+    if with_margin:
+        inputs["margin"] = margin
+    expected = trainer.compute_loss(lambda **_: SimpleNamespace(logits=rewards[:, None]), inputs)
+    (g_expected,) = torch.autograd.grad(expected, rewards)
+    ours = bradley_terry_loss(rewards[:6], rewards[6:], margin if with_margin else None,
+                              center_rewards_coefficient=center or 0.0)
+    (g_ours,) = torch.autograd.grad(ours, rewards)
+    torch.testing.assert_close(ours, expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(g_ours, g_expected, rtol=1e-12, atol=1e-14)
+
+
 def test_reward_model_learns_a_preference_and_scores_as_a_reward_function(setup, tmp_path):
     root = setup
     cfg = RewardModelConfig(model=str(root / "base"), data=str(root / "train.jsonl"),
