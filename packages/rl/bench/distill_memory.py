@@ -111,6 +111,8 @@ def main() -> None:
     parser.add_argument("--d-teacher", type=int, help="default: 4096 on CUDA, 512 on CPU")
     parser.add_argument("--loss", default="jsd", choices=("forward_kl", "reverse_kl", "jsd", "topk"))
     parser.add_argument("--chunk", type=int, default=0, help="tokens per chunk (0: the default, ~8M logits)")
+    parser.add_argument("--chunks", default="", help="comma-separated chunk sizes: the chunked modes once per size "
+                        "(e.g. 0,512,2048; overrides --chunk)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
@@ -135,7 +137,9 @@ def main() -> None:
     print(f"device: {device} ({name}); date: {date}; torch {torch.__version__}; {args.tokens} tokens x vocab "
           f"{args.vocab}; student {args.d_student}, teacher {args.d_teacher} wide; {dtype}; loss {args.loss}; "
           f"one float32 [tokens, V] block = {logits_mib:.0f} MiB")
-    for mode in args.modes.split(","):
+    chunks = [int(c) for c in args.chunks.split(",") if c.strip()] if args.chunks else [args.chunk]
+    runs = [(m, c) for m in args.modes.split(",") for c in (chunks if m != "naive" else [0])]
+    for mode, args.chunk in runs:
         cmd = [sys.executable, __file__, "--mode", mode, "--device", device, "--dtype", dtype]
         for key in ("tokens", "vocab", "d_student", "d_teacher", "loss", "chunk", "repeats", "warmup"):
             cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
