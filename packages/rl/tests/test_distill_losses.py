@@ -133,12 +133,18 @@ def test_chunked_low_precision_inputs_against_float64(dtype, tol, loss, options)
     torch.testing.assert_close(ws.grad.double(), want_gw, rtol=tol, atol=tol * float(want_gw.abs().max()))
 
 
-def test_no_gradient_pass_and_empty_mask():
+def test_no_gradient_pass_and_empty_mask(monkeypatch):
+    import plyx.rl._distill as mod
+
     hs, ws, ht, wt, mask = _inputs(10, 20, 4, 4, torch.float32)
-    with torch.no_grad():
-        a = distill_loss(hs, ws, ht, wt, loss="jsd", chunk_size=3)
-    torch.testing.assert_close(a, distill_loss_logits(hs @ ws.T, ht @ wt.T, loss="jsd"))
     ws.requires_grad_()
+    asked = []
+    real = mod._chunk_terms
+    monkeypatch.setattr(mod, "_chunk_terms", lambda *a: asked.append(a[-1]) or real(*a))
+    with torch.no_grad():  # evaluation: no gradient is formed although ws requires one
+        a = distill_loss(hs, ws, ht, wt, loss="jsd", chunk_size=3)
+    assert asked == [False] * 4
+    torch.testing.assert_close(a, distill_loss_logits(hs @ ws.T, ht @ wt.T, loss="jsd").detach())
     zero = distill_loss(hs, ws, ht, wt, mask=torch.zeros(10, dtype=torch.bool))
     zero.backward()
     assert float(zero.detach()) == 0.0 and float(ws.grad.abs().sum()) == 0.0

@@ -173,12 +173,13 @@ class _FusedDistill(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor, kind: str,
-                beta: float, tau: float, top_k: int, chunk: int) -> torch.Tensor:
+                beta: float, tau: float, top_k: int, chunk: int, track: bool) -> torch.Tensor:
         # matmuls run in the inputs' dtype (bf16 tensor cores accumulate in float32), the softmax algebra in
         # float32 (float64 for float64 inputs); the weight gradient accumulates across chunks in that precision
         compute = torch.promote_types(hs.dtype, torch.float32)
         n = hs.shape[0]
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad says requires_grad even under no_grad (evaluation): ``track`` is the caller's grad mode
+        need_h, need_w = track and ctx.needs_input_grad[0], track and ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=compute, device=hs.device)
         d_h = torch.empty(hs.shape, dtype=compute, device=hs.device) if need_h else None
         d_w = torch.zeros(ws.shape, dtype=compute, device=hs.device) if need_w else None
@@ -214,7 +215,7 @@ class _FusedDistill(torch.autograd.Function):
                 out.append(None)
             else:
                 out.append((stored if unit else stored * grad.to(stored.dtype)).to(dtype))
-        return out[0], out[1], None, None, None, None, None, None, None
+        return out[0], out[1], None, None, None, None, None, None, None, None
 
 
 def _chunk_sum(hs: torch.Tensor, ws: torch.Tensor, ht: torch.Tensor, wt: torch.Tensor, kind: str, beta: float,
@@ -281,7 +282,7 @@ def distill_loss(student_hidden: torch.Tensor, student_weight: torch.Tensor, tea
     chunk = chunk_size or _default_chunk(n, student_weight.shape[0])
     if impl == "fused":
         return _FusedDistill.apply(hs, student_weight, ht, wt, kind, float(beta), float(temperature), int(top_k),
-                                   int(chunk))
+                                   int(chunk), torch.is_grad_enabled())
     if impl != "checkpoint":
         raise DistillLossError(f"unknown impl {impl!r}; choose fused or checkpoint")
     total = None
