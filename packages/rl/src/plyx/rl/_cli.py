@@ -1,4 +1,9 @@
+<<<<<<< ours
 """``plyx rl sft|dpo|orpo|simpo|kto|grpo CONFIG``, contributed through ``plyx_cli_commands``."""
+=======
+"""``plyx rl sft|dpo|orpo|simpo|kto|distill|rm CONFIG`` and ``plyx rl judge``, contributed through
+``plyx_cli_commands``."""
+>>>>>>> theirs
 
 from __future__ import annotations
 
@@ -12,7 +17,25 @@ from plyx.train import set_overrides
 
 __all__ = ["configure_rl", "run_rl"]
 
+<<<<<<< ours
 _METHODS = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")
+=======
+_METHODS = ("sft", "dpo", "orpo", "simpo", "kto")
+#: commands run by other modules: name -> (help, config class path, run function path)
+_EXTRA = {
+    "distill": ("knowledge distillation from a teacher (forward_kl | reverse_kl | jsd | topk; off- or on-policy)",
+                "plyx.rl._distill_run:DistillConfig", "plyx.rl._distill_run:distill"),
+    "rm": ("reward model: a scalar head trained on preference pairs (Bradley-Terry loss, margin option)",
+           "plyx.rl._reward_model:RewardModelConfig", "plyx.rl._reward_model:train_reward_model"),
+}
+
+
+def _resolve(path: str) -> Any:
+    import importlib
+
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+>>>>>>> theirs
 
 
 def configure_rl(parser: argparse.ArgumentParser) -> None:
@@ -35,16 +58,40 @@ def configure_rl(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--overwrite", action="store_true", help="replace the results of a previous run in out_dir")
         p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
         p.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
+<<<<<<< ours
         if name == "grpo":
             p.add_argument("--resume", action="store_true",
                            help="continue from out_dir/state (policy, optimizer, RNG, sampler, data position)")
+=======
+    for name, (text, cls_path, _) in _EXTRA.items():
+        p = sub.add_parser(name, help=text)
+        p.add_argument("config", help=f"{cls_path.rpartition(':')[2]} file (TOML, JSON or YAML)")
+        p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a field, dotted for nested ones: --set steps=200")
+        p.add_argument("--out-dir", help="shortcut for --set out_dir=DIR")
+        p.add_argument("--strict", action="store_true", help="raise on the first record that would be skipped")
+        p.add_argument("--overwrite", action="store_true", help="replace the results of a previous run in out_dir")
+        p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
+        p.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
+    from plyx.rl._judge import configure_judge
+
+    configure_judge(sub.add_parser("judge", help="rank models from pairwise judge verdicts (Bradley-Terry, "
+                                   "bootstrap intervals, position-bias check)"))
+>>>>>>> theirs
 
 
 def _load(args: argparse.Namespace) -> Any:
     from plyx.rl._config import PreferenceConfig, SFTConfig
     from plyx.rl._grpo_config import GRPOConfig
 
+<<<<<<< ours
     cls = {"sft": SFTConfig, "grpo": GRPOConfig}.get(args.rl_command, PreferenceConfig)
+=======
+    if args.rl_command in _EXTRA:
+        cls = _resolve(_EXTRA[args.rl_command][1])
+    else:
+        cls = SFTConfig if args.rl_command == "sft" else PreferenceConfig
+>>>>>>> theirs
     config = load_config(cls, args.config)
     doc = config.to_dict()
     overrides = list(args.overrides)
@@ -65,6 +112,10 @@ def run_rl(args: argparse.Namespace) -> int:
     from plyx.rl._data import DataError
     from plyx.rl._run import preference, sft
 
+    if args.rl_command == "judge":
+        from plyx.rl._judge import run_judge
+
+        return run_judge(args)
     try:
         config = _load(args)
     except (ConfigError, FileNotFoundError) as exc:
@@ -73,6 +124,13 @@ def run_rl(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
+<<<<<<< ours
+=======
+    if args.rl_command in _EXTRA:
+        run = _resolve(_EXTRA[args.rl_command][2])
+    else:
+        run = sft if args.rl_command == "sft" else preference
+>>>>>>> theirs
     try:
         if args.rl_command == "grpo":
             from plyx.rl._grpo import grpo
@@ -88,8 +146,14 @@ def run_rl(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     last = result.metrics
+<<<<<<< ours
     shown = {k: v for k, v in last.items() if k in ("loss", "rewards/accuracies", "rewards/margins", "kl", "reward",
                                                     "accuracy")}
+=======
+    shown = {k: v for k, v in last.items() if k in ("loss", "rewards/accuracies", "rewards/margins", "kl",
+                                                     "accuracy", "eval/accuracy", "eval/divergence_before",
+                                                     "eval/divergence_after")}
+>>>>>>> theirs
     print(f"step {result.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
     if result.model_dir:
         print(f"model: {result.model_dir}")

@@ -106,6 +106,8 @@ class PairExample:
     prompt: tuple[int, ...]
     chosen: tuple[int, ...]
     rejected: tuple[int, ...]
+    margin: float = 0.0
+    """The record's optional ``margin`` (how much better chosen is; reward-model training uses it)."""
 
 
 @attrs.frozen
@@ -330,6 +332,9 @@ def tokenize_pairs(path: str | os.PathLike[str], tokenizer: Any, template: ChatT
         prompt = _need(record, "prompt", where)
         chosen = _need(record, "chosen", where)
         rejected = _need(record, "rejected", where)
+        margin = record.get("margin", 0.0)
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or margin != margin:
+            raise DataError(f"{where}: 'margin' must be a number (got {margin!r}); drop it or write e.g. 1.5")
         if chosen == rejected:
             report.skip(number, "chosen_equals_rejected")
             if strict:
@@ -347,7 +352,7 @@ def tokenize_pairs(path: str | os.PathLike[str], tokenizer: Any, template: ChatT
         if c == r:
             report.skip(number, "chosen_equals_rejected_after_truncation")
             continue
-        out.append(PairExample(tuple(p), tuple(c), tuple(r)))
+        out.append(PairExample(tuple(p), tuple(c), tuple(r), float(margin)))
     report.kept = len(out)
     _check_not_empty(report)
     return TokenizedData(out, report)
