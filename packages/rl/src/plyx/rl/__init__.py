@@ -1,21 +1,13 @@
-<<<<<<< ours
-"""plyx-rl: post-training for plyx models: SFT, preference optimisation (DPO family, ORPO, SimPO, KTO) and GRPO.
-=======
-"""plyx-rl: post-training for plyx models: SFT, preference optimisation (DPO family, ORPO, SimPO, KTO),
+"""plyx-rl: post-training for plyx models: SFT, preference optimisation (DPO family, ORPO, SimPO, KTO), GRPO,
 distillation, reward models and pairwise-judge rankings.
->>>>>>> theirs
 
 Python API: ``sft(SFTConfig(...))``, ``preference(PreferenceConfig(method="dpo", ...))``; the losses
 (``dpo_loss``, ``orpo_loss``, ``simpo_loss``, ``kto_loss``) work on any sequence log-probs; chat templates
 (``ChatTemplate``, ``load_chat_template``) render with Hugging Face ``apply_chat_template`` semantics;
-<<<<<<< ours
 ``make_tasks`` generates verifiable tasks with a fixed held-out split; ``grpo(GRPOConfig(...))`` runs online
-GRPO / Dr. GRPO / DAPO with reward plugins, sampling with plyx-serve's engine.
-=======
-``make_tasks`` generates verifiable tasks with a fixed held-out split; ``distill(DistillConfig(...))`` with the
-chunked ``distill_loss``; ``train_reward_model`` / ``reward_model_reward`` (a GRPO reward function);
+GRPO / Dr. GRPO / DAPO with reward plugins, sampling with plyx-serve's engine; ``distill(DistillConfig(...))``
+with the chunked ``distill_loss``; ``train_reward_model`` / ``reward_model_reward`` (a GRPO reward function);
 ``rank_models`` / ``position_bias`` over judge verdicts.
->>>>>>> theirs
 """
 
 from typing import Any
@@ -30,40 +22,31 @@ __all__ = [
     "ChatTemplateError",
     "DataError",
     "DataReport",
-<<<<<<< ours
     "GradKVCache",
     "GRPOConfig",
     "GRPOLoss",
-=======
     "DistillConfig",
     "DistillLossError",
     "JudgeRanking",
->>>>>>> theirs
     "KTOExample",
     "PairExample",
     "PreferenceConfig",
     "PreferenceLoss",
     "PromptRecord",
     "RenderedChat",
-<<<<<<< ours
     "RewardError",
     "RewardScores",
     "RewardSpec",
-=======
     "RewardModel",
     "RewardModelConfig",
->>>>>>> theirs
     "RunConfig",
     "RunResult",
     "SFTConfig",
     "SFTExample",
     "Task",
-<<<<<<< ours
     "build_rewards",
-=======
     "Verdict",
     "bradley_terry_loss",
->>>>>>> theirs
     "collate_sft",
     "collect_verdicts",
     "completion_rows",
@@ -91,12 +74,9 @@ __all__ = [
     "preference_metrics",
     "rank_models",
     "read_jsonl",
-<<<<<<< ours
     "reward_components",
-=======
     "read_verdicts",
     "reward_model_reward",
->>>>>>> theirs
     "score",
     "score_completions",
     "sequence_logps",
@@ -104,19 +84,13 @@ __all__ = [
     "simpo_loss",
     "split_of",
     "strip_generation_tags",
-<<<<<<< ours
-=======
     "token_divergence",
->>>>>>> theirs
     "token_logps",
     "tokenize_kto",
     "tokenize_pairs",
     "tokenize_prompts",
     "tokenize_sft",
-<<<<<<< ours
-=======
     "train_reward_model",
->>>>>>> theirs
 ]
 
 

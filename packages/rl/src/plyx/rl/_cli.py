@@ -1,9 +1,5 @@
-<<<<<<< ours
-"""``plyx rl sft|dpo|orpo|simpo|kto|grpo CONFIG``, contributed through ``plyx_cli_commands``."""
-=======
-"""``plyx rl sft|dpo|orpo|simpo|kto|distill|rm CONFIG`` and ``plyx rl judge``, contributed through
+"""``plyx rl sft|dpo|orpo|simpo|kto|grpo|distill|rm CONFIG`` and ``plyx rl judge``, contributed through
 ``plyx_cli_commands``."""
->>>>>>> theirs
 
 from __future__ import annotations
 
@@ -17,10 +13,7 @@ from plyx.train import set_overrides
 
 __all__ = ["configure_rl", "run_rl"]
 
-<<<<<<< ours
 _METHODS = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")
-=======
-_METHODS = ("sft", "dpo", "orpo", "simpo", "kto")
 #: commands run by other modules: name -> (help, config class path, run function path)
 _EXTRA = {
     "distill": ("knowledge distillation from a teacher (forward_kl | reverse_kl | jsd | topk; off- or on-policy)",
@@ -35,7 +28,6 @@ def _resolve(path: str) -> Any:
 
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
->>>>>>> theirs
 
 
 def configure_rl(parser: argparse.ArgumentParser) -> None:
@@ -58,11 +50,9 @@ def configure_rl(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--overwrite", action="store_true", help="replace the results of a previous run in out_dir")
         p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines instead)")
         p.add_argument("--print-config", action="store_true", help="print the effective config as JSON and exit")
-<<<<<<< ours
         if name == "grpo":
             p.add_argument("--resume", action="store_true",
                            help="continue from out_dir/state (policy, optimizer, RNG, sampler, data position)")
-=======
     for name, (text, cls_path, _) in _EXTRA.items():
         p = sub.add_parser(name, help=text)
         p.add_argument("config", help=f"{cls_path.rpartition(':')[2]} file (TOML, JSON or YAML)")
@@ -77,21 +67,16 @@ def configure_rl(parser: argparse.ArgumentParser) -> None:
 
     configure_judge(sub.add_parser("judge", help="rank models from pairwise judge verdicts (Bradley-Terry, "
                                    "bootstrap intervals, position-bias check)"))
->>>>>>> theirs
 
 
 def _load(args: argparse.Namespace) -> Any:
     from plyx.rl._config import PreferenceConfig, SFTConfig
     from plyx.rl._grpo_config import GRPOConfig
 
-<<<<<<< ours
-    cls = {"sft": SFTConfig, "grpo": GRPOConfig}.get(args.rl_command, PreferenceConfig)
-=======
     if args.rl_command in _EXTRA:
         cls = _resolve(_EXTRA[args.rl_command][1])
     else:
-        cls = SFTConfig if args.rl_command == "sft" else PreferenceConfig
->>>>>>> theirs
+        cls = {"sft": SFTConfig, "grpo": GRPOConfig}.get(args.rl_command, PreferenceConfig)
     config = load_config(cls, args.config)
     doc = config.to_dict()
     overrides = list(args.overrides)
@@ -124,20 +109,16 @@ def run_rl(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
-<<<<<<< ours
-=======
-    if args.rl_command in _EXTRA:
-        run = _resolve(_EXTRA[args.rl_command][2])
-    else:
-        run = sft if args.rl_command == "sft" else preference
->>>>>>> theirs
     try:
         if args.rl_command == "grpo":
             from plyx.rl._grpo import grpo
 
             result = grpo(config, overwrite=args.overwrite, resume=args.resume, progress=not args.no_progress)
         else:
-            run = sft if args.rl_command == "sft" else preference
+            if args.rl_command in _EXTRA:
+                run = _resolve(_EXTRA[args.rl_command][2])
+            else:
+                run = sft if args.rl_command == "sft" else preference
             result = run(config, overwrite=args.overwrite, progress=not args.no_progress)
     except (DataError, ChatTemplateError, FileExistsError, FileNotFoundError, LookupError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -146,14 +127,9 @@ def run_rl(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     last = result.metrics
-<<<<<<< ours
     shown = {k: v for k, v in last.items() if k in ("loss", "rewards/accuracies", "rewards/margins", "kl", "reward",
-                                                    "accuracy")}
-=======
-    shown = {k: v for k, v in last.items() if k in ("loss", "rewards/accuracies", "rewards/margins", "kl",
-                                                     "accuracy", "eval/accuracy", "eval/divergence_before",
-                                                     "eval/divergence_after")}
->>>>>>> theirs
+                                                    "accuracy", "eval/accuracy", "eval/divergence_before",
+                                                    "eval/divergence_after")}
     print(f"step {result.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in shown.items()))
     if result.model_dir:
         print(f"model: {result.model_dir}")

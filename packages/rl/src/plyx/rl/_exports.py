@@ -18,16 +18,13 @@ from plyx.rl._data import (
     tokenize_pairs,
     tokenize_sft,
 )
-<<<<<<< ours
+from plyx.rl._distill import DISTILL_LOSSES, DistillLossError, distill_loss, distill_loss_logits, token_divergence
+from plyx.rl._distill_run import DistillConfig, distill
 from plyx.rl._group_logps import GradKVCache, group_token_logps, groups_token_logps
 from plyx.rl._grpo import PromptRecord, grpo, tokenize_prompts
 from plyx.rl._grpo_config import GRPOConfig, RewardSpec
 from plyx.rl._grpo_losses import GRPO_LOSS_TYPES, GRPOLoss, group_advantages, grpo_loss
-=======
-from plyx.rl._distill import DISTILL_LOSSES, DistillLossError, distill_loss, distill_loss_logits, token_divergence
-from plyx.rl._distill_run import DistillConfig, distill
 from plyx.rl._judge import JudgeRanking, Verdict, collect_verdicts, position_bias, rank_models, read_verdicts
->>>>>>> theirs
 from plyx.rl._logprobs import sequence_logps, token_logps
 from plyx.rl._losses import (
     DPO_LOSS_TYPES,
@@ -38,9 +35,6 @@ from plyx.rl._losses import (
     preference_metrics,
     simpo_loss,
 )
-<<<<<<< ours
-from plyx.rl._rewards import RewardError, RewardScores, build_rewards, reward_components, score_completions
-=======
 from plyx.rl._reward_model import (
     RewardModel,
     RewardModelConfig,
@@ -49,6 +43,6 @@ from plyx.rl._reward_model import (
     reward_model_reward,
     train_reward_model,
 )
->>>>>>> theirs
+from plyx.rl._rewards import RewardError, RewardScores, build_rewards, reward_components, score_completions
 from plyx.rl._run import RunResult, load_tokenizer_and_template, preference, sft
 from plyx.rl._tasks import TASK_KINDS, Task, corrupt, greedy_answers, make_tasks, score, split_of

@@ -1,11 +1,7 @@
 """The built-in plugin of plyx-rl, registered under the `plyx` entry-point group.
 
-<<<<<<< ours
-Provides the ``plyx rl sft|dpo|orpo|simpo|kto|grpo`` command (``plyx_cli_commands``) and the built-in reward
-functions of GRPO (``plyx_reward_functions``).
-=======
-Provides the ``plyx rl sft|dpo|orpo|simpo|kto|distill|rm|judge`` command (``plyx_cli_commands``).
->>>>>>> theirs
+Provides the ``plyx rl sft|dpo|orpo|simpo|kto|grpo|distill|rm|judge`` command (``plyx_cli_commands``) and the
+built-in reward functions of GRPO (``plyx_reward_functions``).
 """
 
 from __future__ import annotations
@@ -21,11 +17,7 @@ plyx_contracts = {"hooks": "1.0", "batch": "1.0"}
 @hookimpl
 def plyx_cli_commands() -> list[Any]:
     # deferred: the command module loads when `plyx rl` runs, not for `plyx --help`
-<<<<<<< ours
-    return [CliCommand("rl", "post-train a model: sft, dpo, orpo, simpo, kto, grpo",
-=======
-    return [CliCommand("rl", "post-train a model: sft, dpo, orpo, simpo, kto, distill, rm; rank models: judge",
->>>>>>> theirs
+    return [CliCommand("rl", "post-train a model: sft, dpo, orpo, simpo, kto, grpo, distill, rm; rank models: judge",
                        deferred("plyx.rl._cli:configure_rl"), deferred("plyx.rl._cli:run_rl"))]
 
 
