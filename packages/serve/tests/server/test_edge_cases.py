@@ -244,3 +244,17 @@ def test_generation_blocks_render_as_transformers_renders_them():
     want = _compile_jinja_template(source).render(messages=messages, add_generation_prompt=True)
     got = ChatTemplate(source).render(messages, add_generation_prompt=True)
     assert got == want == "user: hi\n<A>hello</A>user: again\nunset<A>"
+
+
+def test_a_requests_chat_template_is_never_a_server_file(server, tmp_path):
+    secret = tmp_path / "secret.jinja"
+    secret.write_text("SECRET {{ messages }}")
+    for template, status in ((str(secret), 400), ("{% for %}", 400), ("{{ messages[0]['content'] }}!", 200)):
+        r = post(server, json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                     "chat_template": template, "max_tokens": 1}).encode(), "/v1/chat/completions")
+        assert r.status_code == status, r.text
+        if status == 400:
+            assert r.json()["error"]["param"] == "chat_template" and "SECRET" not in r.text
+    r = post(server, json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                 "chat_template": "{{ x"}).encode(), "/v1/chat/completions")
+    assert r.status_code == 400 and "not valid Jinja" in r.json()["error"]["message"]

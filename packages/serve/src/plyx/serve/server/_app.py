@@ -469,7 +469,7 @@ def _render_chat(state: _State, messages: list[dict[str, Any]], override: str | 
     template = state.chat_template
     if override is not None:
         try:
-            template = load_chat_template(None, override)
+            template = load_chat_template(None, override, files=False)
         except ValueError as exc:
             raise APIError(400, str(exc), param="chat_template") from None
     if template is None:

@@ -107,7 +107,13 @@ class ChatTemplate:
                                             extensions=[_generation_block(), "jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        self.template = env.from_string(source)
+        from jinja2 import TemplateError
+
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as exc:  # a syntax error: one line naming where, not a traceback
+            raise ChatTemplateError(f"the chat template {name!r} is not valid Jinja: {exc} (line "
+                                    f"{getattr(exc, 'lineno', '?')}); fix the template or pass another") from None
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -138,9 +144,13 @@ def _token_text(value: Any) -> str:
     return str(value or "")
 
 
-def load_chat_template(model_dir: str | Path | None, override: str | None = None) -> ChatTemplate | None:
+def load_chat_template(model_dir: str | Path | None, override: str | None = None, *,
+                       files: bool = True) -> ChatTemplate | None:
     """The template of ``override`` (a builtin name, a file, or Jinja source), else of the model directory's
-    ``chat_template.jinja`` / ``tokenizer_config.json``; None when there is none."""
+    ``chat_template.jinja`` / ``tokenizer_config.json``; None when there is none.
+
+    ``files=False`` (a request's ``chat_template``): ``override`` is a builtin name or Jinja source, never a
+    path, so a client cannot make the server read its files."""
     cfg: dict[str, Any] = {}
     d = Path(model_dir) if model_dir else None
     if d is not None and (d / "tokenizer_config.json").is_file():
@@ -153,12 +163,13 @@ def load_chat_template(model_dir: str | Path | None, override: str | None = None
         if override in BUILTIN_TEMPLATES:
             return ChatTemplate(BUILTIN_TEMPLATES[override], bos_token=bos, eos_token=eos, name=override)
         p = Path(override)
-        if p.is_file():
+        if files and p.is_file():
             return ChatTemplate(p.read_text(), bos_token=bos, eos_token=eos, name=str(p))
         if "{%" in override or "{{" in override:
             return ChatTemplate(override, bos_token=bos, eos_token=eos, name="request")
-        raise ValueError(f"chat template {override!r} is neither a builtin ({', '.join(BUILTIN_TEMPLATES)}), a file "
-                         "nor Jinja source; pass one of those")
+        what = "a file " if files else ""
+        raise ValueError(f"chat template {override!r} is neither a builtin ({', '.join(BUILTIN_TEMPLATES)}), "
+                         f"{what}nor Jinja source; pass one of those")
     if d is not None and (d / "chat_template.jinja").is_file():
         return ChatTemplate((d / "chat_template.jinja").read_text(), bos_token=bos, eos_token=eos,
                             name="chat_template.jinja")

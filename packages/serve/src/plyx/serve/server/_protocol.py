@@ -141,7 +141,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
 #: what ``response_format={"type": "json_object"}`` constrains the reply to
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 
-#: seeds are int64, as vLLM's and the OpenAI API's; completion i of n then seeds with seed + i < 2^64
+#: integers are int64, as vLLM's and the OpenAI API's (seeds too: completion i of n seeds with seed + i < 2^64)
 _SEED_LIMIT = 2**63
 
 
@@ -176,6 +176,11 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
                        code="invalid_value") from None
     if any(not -100 <= v <= 100 for v in bias.values()):
         raise APIError(400, "logit_bias values must be in [-100, 100]", param="logit_bias", code="invalid_value")
+    for f in msgspec.structs.fields(req):  # JSON integers are unbounded; the engine's tensors are int64
+        v = getattr(req, f.name)
+        if isinstance(v, int) and not isinstance(v, bool) and not -_SEED_LIMIT <= v < _SEED_LIMIT and f.name != "seed":
+            raise APIError(400, f"{f.name} must fit a 64-bit integer (got {v}); pass a smaller number",
+                           param=f.name, code="invalid_value")
     if req.seed is not None and not 0 <= req.seed < _SEED_LIMIT:
         raise APIError(400, f"seed must be in [0, 2^63 - 1] (got {req.seed}); pass a smaller non-negative integer",
                        param="seed", code="invalid_value")
