@@ -1,7 +1,7 @@
 """Run every GPU test and benchmark of plyx in one call on a GPU machine with no registry.
 
 Here (with network):     python tools/gpu_run.py build [--planes serve]   # wheels into .whl-plyx/
-There (the GPU machine): python3 tools/gpu_run.py run [--planes serve] [--out DIR] [--bench-only|--tests-only]
+There (the GPU machine): python3 tools/gpu_run.py run [--planes serve [--only]] [--out DIR] [--bench-only|--tests-only]
 
 ``build`` makes wheels of every plane and of the in-repo plugin distributions
 with ``pip wheel --no-deps`` (plyx is pure Python), and downloads, for the GPU
@@ -227,7 +227,30 @@ def _run(cmd: list[str], log: Path, env: dict[str, str]) -> int:
     return proc.returncode
 
 
-def run(out: Path, bench: bool, tests: bool, bench_args: list[str], extra_planes: list[str] | None = None) -> int:
+def select(planes: list[str]) -> tuple[list[str], list[Path], list[str]]:
+    """(the planes' closure, the wheels to install for it, what they all require): the plyx wheels of the
+    closure, the peers ``build`` recorded for each of its planes, and the requirements of both, which the
+    run checks against what is installed (a gap is a test that fails on an import: say it first)."""
+    import workspace  # tools/ is on sys.path
+
+    _, members = workspace.load(ROOT)
+    closure = workspace.closure(members, planes)
+    wanted = {members[n].distribution.replace("-", "_") for n in closure}
+    manifest = json.loads((WHEELS / MANIFEST).read_text())
+    unbuilt = [n for n in closure if n not in manifest["planes"]]
+    if unbuilt:
+        raise SystemExit(f"the wheels of {', '.join(unbuilt)} were not built: run `python tools/gpu_run.py build "
+                         f"--planes {','.join(unbuilt)}` where pip reaches a registry")
+    peers = set(manifest["bench"]).union(*(manifest["planes"][n] for n in closure))
+    wheels = [w for w in WHEELS.glob("*.whl")
+              if (w.name.split("-")[0] in wanted if w.name.startswith("plyx") else w.name in peers)]
+    requirements = [r for n in closure for r in _plane_requirements(members[n])]
+    requirements += [r for w in wheels if not w.name.startswith("plyx") for r in _wheel_requirements(w)]
+    return closure, wheels, requirements
+
+
+def run(out: Path, bench: bool, tests: bool, bench_args: list[str], extra_planes: list[str] | None = None,
+        only: bool = False) -> int:
     import tomllib
     import torch  # the image's
 
@@ -240,31 +263,19 @@ def run(out: Path, bench: bool, tests: bool, bench_args: list[str], extra_planes
     shutil.rmtree(site, ignore_errors=True)
     # only the GPU planes and what they declare: a plane whose third-party dependencies the image lacks
     # (governance needs cryptography) would be a plugin that fails to import
-    import workspace
-
     matrix = tomllib.loads((ROOT / "workspace.toml").read_text())["matrix"]
-    _, members = workspace.load(ROOT)
-    planes = matrix.get("gpu-planes", []) + list(extra_planes or [])
-    closure = workspace.closure(members, planes)
-    wanted = {members[n].distribution.replace("-", "_") for n in closure}
-    manifest = json.loads((WHEELS / MANIFEST).read_text())
-    unbuilt = [n for n in closure if n not in manifest["planes"]]
-    if unbuilt:
-        raise SystemExit(f"the wheels of {', '.join(unbuilt)} were not built: run `python tools/gpu_run.py build "
-                         f"--planes {','.join(extra_planes or [])}` where pip reaches a registry")
-    peers = set(manifest["bench"]).union(*(manifest["planes"][n] for n in closure))
-    wheels = [w for w in WHEELS.glob("*.whl")
-              if (w.name.split("-")[0] in wanted if w.name.startswith("plyx") else w.name in peers)]
+    planes = ([] if only else matrix.get("gpu-planes", [])) + list(extra_planes or [])
+    closure, wheels, requirements = select(planes)
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                     "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
-    # what the planes and the carried wheels require, checked against what is installed now: a gap here is a
-    # test that fails on an import, so say it before the tests run
-    requirements = [r for n in closure for r in _plane_requirements(members[n])]
-    requirements += [r for w in wheels if not w.name.startswith("plyx") for r in _wheel_requirements(w)]
     unmet = _unmet(site, requirements)
     print("requirements: " + ("all met" if not unmet else "UNMET " + "; ".join(unmet)))
     env = {**os.environ, "PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
     env.pop("TRITON_INTERPRET", None)
+    # tvm-ffi (under xgrammar) otherwise JIT-builds a torch DLPack add-on into ~/.cache on first import where
+    # torch lacks the exchange API, once per pytest worker at the same time; it is a speed-up of tensor
+    # hand-over that plyx's grammar masks do not need (xgrammar falls back to standard DLPack)
+    env.setdefault("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1")
     if "serve" in closure:  # structured output's engine: a native module, so import it where it runs
         probe = subprocess.run([sys.executable, "-c", "import xgrammar, tvm_ffi; print(tvm_ffi.__version__)"],
                                env=env, capture_output=True, text=True)
@@ -299,6 +310,8 @@ def main() -> int:
     parser.add_argument("--planes", default=None,
                         help="comma list of planes to install and test beside gpu-planes (build: whose peers to "
                              f"fetch; default {','.join(DEFAULT_EXTRA_PLANES)})")
+    parser.add_argument("--only", action="store_true",
+                        help="test only --planes (gpu-planes are then installed only where those depend on them)")
     parser.add_argument("bench_args", nargs="*", help="passed to every benchmark")
     args = parser.parse_args()
     if args.action == "build":
@@ -306,7 +319,7 @@ def main() -> int:
     extra = [p for p in (args.planes or "").split(",") if p]
     return run(args.out, bench=not (args.tests_only or args.install_only),
                tests=not (args.bench_only or args.install_only), bench_args=args.bench_args,
-               extra_planes=extra)
+               extra_planes=extra, only=args.only)
 
 
 if __name__ == "__main__":
