@@ -127,14 +127,15 @@ def test_input_rails_refuse_before_any_compute(served, prompt, rule):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0)
     err = info.value
-    assert err.status_code == 400 and err.code == rule
+    # plyx-safety's refusal, as the server answers it: OpenAI's code, the rule that fired beside it
+    assert err.status_code == 400 and err.code == "content_policy_violation"
     body = err.body if isinstance(err.body, dict) else {}
-    assert body.get("type") == "content_policy_violation" and body.get("message")
+    assert body.get("rule_id") == rule and body.get("type") == "invalid_request_error" and body.get("message")
     assert (stats.steps, stats.prompt_tokens, stats.generated_tokens) == before  # the engine never saw it
     # chat goes through the same rail
     with pytest.raises(openai.BadRequestError) as chat:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=4)
-    assert chat.value.code == rule
+    assert chat.value.code == "content_policy_violation" and chat.value.body.get("rule_id") == rule
     assert (stats.steps, stats.prompt_tokens, stats.generated_tokens) == before
 
 

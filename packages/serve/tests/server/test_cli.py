@@ -103,3 +103,55 @@ def test_serve_a_checkpoint_then_drain_on_sigterm(model_dir, greedy_reference, s
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _broken_copies(model_dir, tmp_path):
+    """Copies of the served checkpoint, each broken the way a download or a full disk breaks them."""
+    import shutil
+
+    out = {}
+    for name in ("shard", "card", "tokenizer", "tokenizer_config", "arch"):
+        d = tmp_path / name
+        shutil.copytree(model_dir, d)
+        out[name] = d
+    shard = out["shard"] / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    for name, file in (("card", "model_card.json"), ("tokenizer", "tokenizer.json"),
+                       ("tokenizer_config", "tokenizer_config.json")):
+        f = out[name] / file
+        f.write_text(f.read_text()[:40])
+    arch = out["arch"]  # a Hugging Face directory of an architecture plyx does not implement
+    for f in arch.iterdir():
+        f.unlink()
+    (arch / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "model_type": "foo"}))
+    (arch / "model.safetensors").write_bytes(b"")
+    return out
+
+
+def test_a_checkpoint_that_cannot_be_served_is_one_line(model_dir, tmp_path, capsys, monkeypatch):
+    """Truncated or unsupported: `plyx serve` prints the line `plyx model inspect --verify` prints (the model's
+    own files) or one naming the file and the fix (tokenizer files), and no traceback."""
+    import argparse
+
+    import uvicorn
+    from plyx.model._cli import command
+
+    def never(self, *a, **k):  # a checkpoint that loads would serve forever: fail instead
+        raise AssertionError("the broken checkpoint was served")
+
+    monkeypatch.setattr(uvicorn.Server, "run", never)
+    serve_p, inspect_p = argparse.ArgumentParser(), argparse.ArgumentParser()
+    SERVE_COMMAND.configure(serve_p)
+    command().configure(inspect_p)
+    for name, d in _broken_copies(model_dir, tmp_path).items():
+        assert SERVE_COMMAND.run(serve_p.parse_args([str(d), "--port", "0"])) == 2, name
+        out = capsys.readouterr()
+        lines = out.err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in out.err + out.out, out
+        line = lines[0]
+        if name in ("shard", "card", "arch"):
+            assert command().run(inspect_p.parse_args(["inspect", str(d), "--verify"])) == 1, name
+            assert capsys.readouterr().out.strip() == line, name
+        else:
+            file = "tokenizer.json" if name == "tokenizer" else "tokenizer_config.json"
+            assert str(d / file) in line and "restore it" in line, line

@@ -56,7 +56,11 @@ def test_adapters_are_models_of_the_server(model_dir, adapter_dirs, server_lm, b
         client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="none", max_retries=0, timeout=60)
         models = {m.id: m for m in client.models.list().data}
         assert set(models) == {"tiny", "alpha", "beta"}
-        assert models["alpha"].parent == "tiny" and models["beta"].root == str(adapter_dirs["beta"])
+        assert models["alpha"].parent == "tiny" and models["beta"].root == "beta"
+        # no path of the server's file system in the listing; each listed id can be retrieved on its own
+        listing = client.models.list().model_dump_json()
+        assert str(adapter_dirs["beta"]) not in listing and str(model_dir) not in listing
+        assert client.models.retrieve("alpha").parent == "tiny" and client.models.retrieve("tiny").id == "tiny"
         prompts = ["hello world, the quick", "the quick brown fox", "You are a helpful"]
         jobs = [(m, p) for p in prompts for m in ("tiny", "alpha", "beta")]
 

@@ -3,6 +3,8 @@ reported."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from plyx.specs import hookimpl
@@ -27,6 +29,25 @@ class Redact:
         return ""
 
 
+class HoldAll:
+    """Holds every character back and decides at the end: blocks a reply longer than 8 characters (a rail whose
+    verdict needs the whole text, as plyx-safety's hold-back window at the end of a stream)."""
+
+    def __init__(self):
+        self.held = ""
+        self.blocked = None
+
+    def feed(self, text):
+        self.held += text
+        return ""
+
+    def finish(self):
+        if len(self.held) > 8:
+            self.blocked = {"message": "too long", "rule_id": "short"}
+            return ""
+        return self.held
+
+
 class Rails:
     def __init__(self):
         self.responses = []
@@ -43,7 +64,7 @@ class Rails:
 
     @hookimpl
     def plyx_output_filters(self, request, context):
-        return [Redact()]
+        return [HoldAll()] if request.get("user") == "hold" else [Redact()]
 
     @hookimpl
     def plyx_on_response(self, request, response, context):
@@ -63,7 +84,9 @@ def test_input_rail_refusal(server, rails):
                    json={"model": "tiny", "prompt": "tell me the forbidden thing", "max_tokens": 4})
     assert r.status_code == 400
     err = r.json()["error"]
-    assert err["code"] == "topic" and err["message"] == "this topic is refused"
+    # the shape of plyx-safety's refusals (and OpenAI's): the rule that fired travels as rule_id
+    assert err == {"message": "this topic is refused", "type": "invalid_request_error", "param": None,
+                   "code": "content_policy_violation", "rule_id": "topic"}
     assert rails.contexts[-1]["endpoint"] == "/v1/completions"
     assert rails.responses[-1]["finish_reason"] == "refused"
 
@@ -100,3 +123,51 @@ def test_redacting_one_of_several_prompts(server, rails, bpe, greedy_reference, 
     texts = [c["text"] for c in sorted(r["choices"], key=lambda c: c["index"])]
     for prompt, text in zip(["hello world", "hello there"], texts):
         assert text == greedy_reference(server_lm, bpe, bpe.encode(prompt).ids, 4, ignore_eos=True).text.replace("x", "*")
+
+
+def test_a_refusal_from_plyx_safety_is_answered_as_it_says(server):
+    """plyx-safety's refusal carries the OpenAI error object the server answers with: the code is safety's."""
+    safety = pytest.importorskip("plyx.safety._engine")
+
+    class SafetyShaped:
+        @hookimpl
+        def plyx_on_request_received(self, request, context):
+            return safety.refusal("no cards", "no-cards") if "card" in request["prompt_text"] else None
+
+    register_plugin(SafetyShaped(), "test-safety-shaped")
+    try:
+        r = httpx.post(server.base_url + "/v1/completions", headers=server.headers,
+                       json={"model": "tiny", "prompt": "my card", "max_tokens": 4})
+    finally:
+        unregister_plugin("test-safety-shaped")
+    assert r.status_code == 400
+    assert r.json()["error"] == safety.refusal("no cards", "no-cards")["error"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_block_at_the_end_of_the_reply_is_content_filter(server, rails, bpe, greedy_reference, server_lm, stream):
+    """A rail that blocks on what it held back when the reply ends (at max_tokens): finish_reason says
+    content_filter, not length, and none of the held text leaves."""
+    prompt = "hello world"
+    want = greedy_reference(server_lm, bpe, bpe.encode(prompt).ids, 30, ignore_eos=True)
+    assert len(want.text) > 8 and want.finish_reason == "length"  # the reply the rail will block
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True,
+            "user": "hold", "stream": stream}
+    if stream:
+        with httpx.stream("POST", server.base_url + "/v1/completions", headers=server.headers, json=body,
+                          timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+        assert finish == ["content_filter"]
+    else:
+        choice = httpx.post(server.base_url + "/v1/completions", headers=server.headers, json=body,
+                            timeout=60).json()["choices"][0]
+        text = choice["text"]
+        assert choice["finish_reason"] == "content_filter"
+    assert text == ""
+    assert rails.responses[-1]["finish_reason"] == "content_filter"
+    # a reply the same rail lets through keeps its own finish reason
+    ok = httpx.post(server.base_url + "/v1/completions", headers=server.headers, timeout=60,
+                    json={**body, "stream": False, "max_tokens": 1}).json()["choices"][0]
+    assert 0 < len(ok["text"]) <= 8 and ok["finish_reason"] == "length"

@@ -2,10 +2,15 @@
 ``/tokenize``, ``/detokenize``, ``/health`` and Prometheus ``/metrics``.
 
 Limits, in the order a request meets them: body size (413), API key (401),
-JSON shape (400 naming the field), model name (404), prompt length (400
-``context_length_exceeded``), input rails (the safety hooks), in-flight requests
-and the engine's bounded queue (429). A client that disconnects has its engine
-requests aborted (their blocks freed before the next step).
+JSON shape and UTF-8 (400 naming the field), model name (404), token ids and
+seed in range (400), prompt length (400 ``context_length_exceeded``: prompt +
+completion never exceed the context), input rails (the safety hooks), in-flight
+requests and the engine's bounded queue (429). A client that disconnects has its
+engine requests aborted (their blocks freed before the next step).
+
+Every answer of the API, error or not, is counted in ``plyx_requests_total`` by
+status and route; an unexpected exception is a 500 whose connection stays usable
+(keep-alive), not a reset.
 """
 
 from __future__ import annotations
@@ -23,9 +28,15 @@ import msgspec
 from fastapi import FastAPI
 from plyx.serve.engine import AsyncEngine, Engine, QueueFullError
 from plyx.serve.server._chat import ChatTemplate, ChatTemplateError, load_chat_template
-from plyx.serve.server._errors import APIError, error_response, from_config_error, from_validation_error
+from plyx.serve.server._errors import (
+    REFUSAL_CODE,
+    APIError,
+    error_response,
+    from_config_error,
+    from_validation_error,
+)
 from plyx.serve.server._generation import Job, chat_logprobs, completion_logprobs, new_job_id, sse
-from plyx.serve.server._metrics import ServerMetrics
+from plyx.serve.server._metrics import COUNTED_KEY, ServerMetrics, route_of
 from plyx.serve.server._protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -80,6 +91,7 @@ class _State:
         self.settings = settings
         self.chat_template = chat_template
         self.metrics = ServerMetrics(engine)
+        self.created = int(time.time())  # /v1/models' `created`: when this server started
         self.inflight = 0
         self.tokenizer = engine.tokenizer
         if settings.tool_parser:
@@ -126,16 +138,11 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
     app = FastAPI(title="plyx-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.plyx = state
 
-    app.add_middleware(_Guard, settings=settings)
+    app.add_middleware(_Guard, settings=settings, metrics=state.metrics)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
         return error_response(exc)
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("request failed")
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error"))
 
     # -- plain endpoints ----------------------------------------------------------------
     @app.get("/health")
@@ -152,10 +159,17 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
 
     @app.get("/v1/models")
     async def models() -> Response:
-        card = {"id": settings.model_name, "object": "model", "created": int(time.time()), "owned_by": "plyx",
-                "root": model_dir or settings.model_name, "max_model_len": engine.max_model_len}
-        aliases = [{**card, "id": alias, "parent": settings.model_name} for alias in settings.model_aliases]
-        return _json({"object": "list", "data": [card, *aliases, *_adapter_cards(state, card)]})
+        return _json({"object": "list", "data": _model_cards(state)})
+
+    @app.get("/v1/models/{model:path}")  # ids may hold a slash (org/name)
+    async def model(model: str) -> Response:
+        cards = _model_cards(state)
+        for card in cards:
+            if card["id"] == model:
+                return _json(card)
+        served = ", ".join(f"`{c['id']}`" for c in cards)
+        raise APIError(404, f"The model `{model}` does not exist. This server serves {served} (see GET /v1/models)",
+                       param="model", code="model_not_found")
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora(request: Request) -> Response:
@@ -222,6 +236,7 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
         prompts, texts = _completion_prompts(state, body.prompt)
         max_tokens = body.max_tokens
         params = sampling_params(body, max_tokens=max_tokens, default_max=16, logprobs=body.logprobs)
+        _check_vocab(engine, body)
         params = _clamp(engine, prompts, params, max_tokens is not None)
         raw = msgspec.to_builtins(body)
         return await _generate(request, state, "completion", body.stream, body.stream_options, prompts, params,
@@ -244,7 +259,8 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens=max_tokens, default_max=max(1, engine.max_model_len - len(ids)),
                                  logprobs=logprobs)
-        params = _clamp(engine, [ids], params, max_tokens is not None)
+        _check_vocab(engine, body)
+        params = _clamp(engine, [ids], params, max_tokens is not None, param="messages")
         if tools is not None and tools.structured is not None:
             if body.response_format is not None and body.response_format.type != "text":
                 raise APIError(400, f"tool_choice={body.tool_choice!r} constrains the reply to tool calls; it cannot "
@@ -277,16 +293,47 @@ class _SSEResponse(StreamingResponse):
             self._finish(499)
 
 
-class _Guard:
-    """Pure ASGI middleware (no body buffering, disconnects pass through): API key and declared body size."""
+#: paths not counted in plyx_requests_total (probes and scrapes, not API traffic)
+_UNCOUNTED = frozenset({"/health", "/metrics"})
 
-    def __init__(self, app: Any, settings: ServerSettings) -> None:
+
+class _Guard:
+    """Pure ASGI middleware (no body buffering, disconnects pass through): API key, declared body size, the
+    request count of every answer the handlers did not count themselves, and a 500 for an exception that
+    escaped them (answered here, so the keep-alive connection stays usable; Starlette's own last-resort
+    handler re-raises after answering, and uvicorn then closes the connection)."""
+
+    def __init__(self, app: Any, settings: ServerSettings, metrics: ServerMetrics | None = None) -> None:
         self.app = app
         self.settings = settings
+        self.metrics = metrics
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        started: list[int] = []
+
+        async def send_counted(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                started.append(int(message["status"]))
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, send_counted)
+        except Exception as exc:
+            log.exception("request failed")
+            if started:  # the answer is under way (a stream): nothing else can be said on this connection
+                raise
+            err = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+            await error_response(err)(scope, receive, send_counted)
+        finally:
+            counted = scope.get(COUNTED_KEY, False)
+            if self.metrics is not None and started and not counted and scope["path"] not in _UNCOUNTED:
+                status = started[0]
+                self.metrics.count(route=route_of(scope), status=status,
+                                   finish_reason="error" if status >= 400 else "none")
+
+    async def _guarded(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         err = None
@@ -322,7 +369,7 @@ async def _read(request: Request, kind: type, settings: ServerSettings) -> Any:
             raise _too_large(len(raw), settings.max_request_bytes)
     try:
         return msgspec.json.decode(raw, type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise from_validation_error(exc) from None
 
 
@@ -339,12 +386,31 @@ def _adapter_of(state: _State, name: str) -> str | None:
     return name if lora is not None and name in lora.index else None
 
 
-def _adapter_cards(state: _State, base: dict[str, Any]) -> list[dict[str, Any]]:
-    """/v1/models entries of the resident adapters (vLLM's shape: ``parent`` is the base model)."""
-    lora = state.engine.lora
-    if lora is None:
-        return []
-    return [{**base, "id": name, "root": lora.paths[name], "parent": base["id"]} for name in lora.names]
+def _model_cards(state: _State) -> list[dict[str, Any]]:
+    """/v1/models entries: the served model, its aliases and the resident adapters (vLLM's shape: ``parent`` is
+    the base model). ``root`` is the served name, never a path of the server's file system."""
+    settings, engine = state.settings, state.engine
+    card = {"id": settings.model_name, "object": "model", "created": state.created, "owned_by": "plyx",
+            "root": settings.model_name, "parent": None, "max_model_len": engine.max_model_len}
+    aliases = [{**card, "id": alias, "parent": settings.model_name} for alias in settings.model_aliases]
+    lora = engine.lora
+    adapters = [] if lora is None else [{**card, "id": name, "root": name, "parent": settings.model_name}
+                                        for name in lora.names]
+    return [card, *aliases, *adapters]
+
+
+def _check_vocab(engine: Engine, body: Any) -> None:
+    """Token ids of ``logit_bias`` and ``stop_token_ids`` must be the model's (a negative id would index from the
+    end of the vocabulary; one past it is no token at all)."""
+    vocab = engine.vocab_size
+    bad = [k for k in (body.logit_bias or {}) if not (k.lstrip("-").isdigit() and 0 <= int(k) < vocab)]
+    if bad:
+        raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab}) (got {bad[:8]})", param="logit_bias",
+                       code="invalid_value")
+    bad_ids = [t for t in body.stop_token_ids or () if not 0 <= t < vocab]
+    if bad_ids:
+        raise APIError(400, f"stop_token_ids must be token ids in [0, {vocab}) (got {bad_ids[:8]})",
+                       param="stop_token_ids", code="invalid_value")
 
 
 def _check_model(name: str | None, settings: ServerSettings, *, required: bool = True) -> None:
@@ -403,7 +469,7 @@ def _render_chat(state: _State, messages: list[dict[str, Any]], override: str | 
     template = state.chat_template
     if override is not None:
         try:
-            template = load_chat_template(None, override)
+            template = load_chat_template(None, override, files=False)
         except ValueError as exc:
             raise APIError(400, str(exc), param="chat_template") from None
     if template is None:
@@ -433,11 +499,16 @@ def _completion_prompts(state: _State, prompt: Any) -> tuple[list[list[int]], li
     if len(items) > 64:
         raise APIError(400, f"at most 64 prompts per request (got {len(items)})", param="prompt")
     ids, texts = [], []
+    vocab = state.engine.vocab_size
     for i, item in enumerate(items):
         if not (isinstance(item, str) or (isinstance(item, list) and item
                                           and all(isinstance(t, int) and not isinstance(t, bool) for t in item))):
             raise APIError(400, f"prompt[{i}] must be a string or a non-empty list of token ids (got "
                            f"{type(item).__name__})", param="prompt", code="invalid_value")
+        bad = [t for t in item if not 0 <= t < vocab] if isinstance(item, list) else []
+        if bad:  # checked before the tokenizer decodes them (it overflows on a negative id)
+            raise APIError(400, f"prompt[{i}] holds token ids outside the vocabulary [0, {vocab}): {bad[:8]}; send "
+                           "ids the model's tokenizer produced", param="prompt", code="invalid_value")
         if isinstance(item, str):
             ids.append(_encode(_need_tokenizer(state), item, special=True))
             texts.append(item)
@@ -470,18 +541,22 @@ def _reencode(state: _State, kind: str, text: str, count: int) -> list[list[int]
     return ids
 
 
-def _clamp(engine: Engine, prompts: list[list[int]], params: Any, explicit: bool) -> Any:
-    """Reject an explicit max_tokens that does not fit the context (as OpenAI does); clamp a default one."""
+def _clamp(engine: Engine, prompts: list[list[int]], params: Any, explicit: bool, param: str = "prompt") -> Any:
+    """Reject an explicit max_tokens that does not fit the context (as OpenAI does); clamp a default one, so that
+    prompt + completion <= max_model_len always holds. A prompt that leaves no room for one token is a 400."""
     longest = max(len(p) for p in prompts)
     room = engine.max_model_len - longest
+    if room < 1:
+        raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens. However, your "
+                       f"prompt has {longest} tokens, which leaves no room for a completion (at least 1 token). "
+                       "Shorten the prompt.", param=param, code="context_length_exceeded")
     if params.max_new_tokens > room:
         if explicit:
             raise APIError(400, f"This model's maximum context length is {engine.max_model_len} tokens. However, "
                            f"you requested {longest + params.max_new_tokens} tokens ({longest} in the prompt, "
                            f"{params.max_new_tokens} in the completion). Reduce the prompt or max_tokens.",
                            param="max_tokens", code="context_length_exceeded")
-        params = msgspec.structs.replace(params, max_new_tokens=max(1, room),
-                                         min_tokens=min(params.min_tokens, max(1, room)))
+        params = msgspec.structs.replace(params, max_new_tokens=room, min_tokens=min(params.min_tokens, room))
     return params
 
 
@@ -496,8 +571,7 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
     hook_request = {**raw, "prompt_text": prompt_text}
     refusal = hook.plyx_on_request_received(request=hook_request, context=context)
     if refusal:
-        err = APIError(int(refusal.get("status", 400)), str(refusal.get("message", "refused by a guardrail")),
-                       code=refusal.get("rule_id"), type="content_policy_violation")
+        err = _refusal_error(refusal)
         hook.plyx_on_response(request=hook_request, response={"text": "", "finish_reason": "refused", "usage": {},
                                                               "status": err.status}, context=context)
         raise err
@@ -537,13 +611,14 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
         if closed:
             return
         closed = True
+        request.scope[COUNTED_KEY] = True  # the guard middleware does not count it again
         job.abort()
         state.inflight -= 1
         end = job.finished_at or time.monotonic()
         tokens = max((len(c.token_ids) for c in job.choices), default=0)
         reason = job.choices[0].finish_reason or "abort"
         state.metrics.observe(arrival=job.arrival, first_token=job.first_token, finish=end, tokens=tokens,
-                              finish_reason=reason, status=status)
+                              finish_reason=reason, status=status, route=route_of(request.scope))
         text = "".join(c.text for c in job.choices)
         hook.plyx_on_response(request=hook_request, response={"text": text, "finish_reason": reason,
                                                               "usage": job.usage(), "status": status}, context=context)
@@ -552,6 +627,23 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
         include_usage = bool(stream_options and stream_options.include_usage)
         return _SSEResponse(_stream(state, job, kind, include_usage, finish, tools), finish)
     return await _whole(request, state, job, kind, finish, tools)
+
+
+def _refusal_error(refusal: dict[str, Any]) -> APIError:
+    """The answer to an input rail's refusal: the OpenAI error object the hook sent (plyx-safety's ``error``:
+    code ``content_policy_violation``, type ``invalid_request_error``, its ``rule_id``), or one of that shape
+    built from a bare ``{"message", "rule_id", "status"}``."""
+    error = refusal.get("error") if isinstance(refusal.get("error"), dict) else {}
+    try:
+        status = int(refusal.get("status", 400))
+    except (TypeError, ValueError):
+        status = 400
+    status = status if 400 <= status < 600 else 400
+    message = str(error.get("message") or refusal.get("message") or "refused by a guardrail")
+    rule_id = error.get("rule_id", refusal.get("rule_id"))
+    extra = {"rule_id": rule_id} if rule_id is not None else {}
+    return APIError(status, message, param=error.get("param"), code=str(error.get("code") or REFUSAL_CODE),
+                    type=str(error.get("type") or "invalid_request_error"), extra=extra)
 
 
 async def _whole(request: Request, state: _State, job: Job, kind: str, finish: Any,

@@ -1,8 +1,10 @@
 """Chat templates: the Jinja template of the tokenizer config (as transformers renders it), or a named default.
 
 Rendered in a sandboxed Jinja environment with transformers' globals
-(``raise_exception``, ``bos_token``, ``eos_token``, ``add_generation_prompt``),
-so the templates shipped in Hugging Face ``tokenizer_config.json`` files work unchanged.
+(``raise_exception``, ``bos_token``, ``eos_token``, ``add_generation_prompt``) and
+extensions (``{% break %}``/``{% continue %}``, and ``{% generation %}`` blocks,
+rendered as their body), so the templates shipped in Hugging Face
+``tokenizer_config.json`` files work unchanged.
 """
 
 from __future__ import annotations
@@ -59,6 +61,27 @@ BUILTIN_TEMPLATES = {
 }
 
 
+def _generation_block() -> type:
+    """The ``{% generation %}...{% endgeneration %}`` tag of transformers' chat templates (it marks the assistant's
+    tokens for training masks): rendered here as its body, as transformers renders it when it tracks nothing."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationBlock(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            # a call block, as transformers': the body renders in its own scope (a `set` inside stays inside)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return str(caller())
+
+    return GenerationBlock
+
+
 class ChatTemplateError(ValueError):
     """A template failed to render (``raise_exception`` in the template, or a Jinja error)."""
 
@@ -79,10 +102,18 @@ class ChatTemplate:
     def __init__(self, source: str, *, bos_token: str = "", eos_token: str = "", name: str = "custom") -> None:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # the environment transformers' apply_chat_template renders in: loop controls and the generation tag
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[_generation_block(), "jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
         env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        self.template = env.from_string(source)
+        from jinja2 import TemplateError
+
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as exc:  # a syntax error: one line naming where, not a traceback
+            raise ChatTemplateError(f"the chat template {name!r} is not valid Jinja: {exc} (line "
+                                    f"{getattr(exc, 'lineno', '?')}); fix the template or pass another") from None
         self.source = source
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -113,24 +144,32 @@ def _token_text(value: Any) -> str:
     return str(value or "")
 
 
-def load_chat_template(model_dir: str | Path | None, override: str | None = None) -> ChatTemplate | None:
+def load_chat_template(model_dir: str | Path | None, override: str | None = None, *,
+                       files: bool = True) -> ChatTemplate | None:
     """The template of ``override`` (a builtin name, a file, or Jinja source), else of the model directory's
-    ``chat_template.jinja`` / ``tokenizer_config.json``; None when there is none."""
+    ``chat_template.jinja`` / ``tokenizer_config.json``; None when there is none.
+
+    ``files=False`` (a request's ``chat_template``): ``override`` is a builtin name or Jinja source, never a
+    path, so a client cannot make the server read its files."""
     cfg: dict[str, Any] = {}
     d = Path(model_dir) if model_dir else None
     if d is not None and (d / "tokenizer_config.json").is_file():
-        cfg = json.loads((d / "tokenizer_config.json").read_text())
+        from plyx.serve.server._loading import read_json
+
+        found = read_json(d / "tokenizer_config.json")
+        cfg = found if isinstance(found, dict) else {}
     bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
     if override:
         if override in BUILTIN_TEMPLATES:
             return ChatTemplate(BUILTIN_TEMPLATES[override], bos_token=bos, eos_token=eos, name=override)
         p = Path(override)
-        if p.is_file():
+        if files and p.is_file():
             return ChatTemplate(p.read_text(), bos_token=bos, eos_token=eos, name=str(p))
         if "{%" in override or "{{" in override:
             return ChatTemplate(override, bos_token=bos, eos_token=eos, name="request")
-        raise ValueError(f"chat template {override!r} is neither a builtin ({', '.join(BUILTIN_TEMPLATES)}), a file "
-                         "nor Jinja source; pass one of those")
+        what = "a file " if files else ""
+        raise ValueError(f"chat template {override!r} is neither a builtin ({', '.join(BUILTIN_TEMPLATES)}), "
+                         f"{what}nor Jinja source; pass one of those")
     if d is not None and (d / "chat_template.jinja").is_file():
         return ChatTemplate((d / "chat_template.jinja").read_text(), bos_token=bos, eos_token=eos,
                             name="chat_template.jinja")

@@ -8,7 +8,11 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
-__all__ = ["APIError", "error_response", "from_config_error", "from_validation_error"]
+__all__ = ["REFUSAL_CODE", "APIError", "error_response", "from_config_error", "from_validation_error"]
+
+#: the ``code`` of a guardrail refusal, as OpenAI's and plyx-safety's (``refusal()`` there): the rule that fired
+#: travels beside it as ``rule_id``
+REFUSAL_CODE = "content_policy_violation"
 
 _TYPES = {
     400: "invalid_request_error",
@@ -32,16 +36,18 @@ class APIError(Exception):
     """
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.extra = extra or {}  # fields beyond OpenAI's four (a guardrail refusal's ``rule_id``)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {**self.extra, "message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
 
 
 def error_response(err: APIError, headers: dict[str, str] | None = None) -> Response:
@@ -57,8 +63,9 @@ def _param(path: str) -> str | None:
     return path or None
 
 
-def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) -> APIError:
-    """A msgspec error (``Expected `int`, got `str` - at `$.max_tokens```) as a 400 naming the field."""
+def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError | UnicodeDecodeError) -> APIError:
+    """A msgspec error (``Expected `int`, got `str` - at `$.max_tokens```), or a body that is not UTF-8, as a
+    400 naming the field."""
     text = str(exc)
     m = _PATH.search(text)
     param = _param(m.group(1)) if m else None
@@ -68,6 +75,10 @@ def from_validation_error(exc: msgspec.ValidationError | msgspec.DecodeError) ->
         param = f"{param}.{field}" if param else field
         return APIError(400, f"Unrecognized request argument supplied: {field}", param=param,
                         code="unknown_parameter")
+    if isinstance(exc, UnicodeDecodeError):  # msgspec decodes strings lazily and lets this one through
+        return APIError(400, f"The request body is not valid UTF-8 ({exc.reason}: byte {exc.object[exc.start:exc.end]!r} "
+                        f"at offset {exc.start}). Send JSON encoded as UTF-8 with Content-Type: application/json",
+                        code="invalid_json")
     if isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError):
         return APIError(400, f"The request body is not valid JSON: {text}. Send a JSON object "
                         "with Content-Type: application/json", code="invalid_json")

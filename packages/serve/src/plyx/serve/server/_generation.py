@@ -191,6 +191,8 @@ class Job:
         if ev.finish_reason is not None:
             choice.finish_reason = ev.finish_reason
             text += choice.flush()
+            if choice.blocked:  # a rail that holds text back may block on what it held, at the very end
+                choice.finish_reason = "content_filter"
         choice.text += text
         return [(choice, text, new_lp, choice.finish_reason)]
 

@@ -15,7 +15,29 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["ServerMetrics"]
+__all__ = ["COUNTED_KEY", "ServerMetrics", "route_of"]
+
+#: ASGI scope key a handler sets once it counted its own request (generation requests, with their finish reason)
+COUNTED_KEY = "plyx.counted"
+
+
+def route_of(scope: Any) -> str:
+    """The route template that answered (``/v1/models/{model}``, not the path a client sent, so the label's
+    values stay few); ``unmatched`` for a path no route serves."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if path:
+        return str(path)
+    # answered before routing (401, 413 from the guard middleware): the route that would have served the path
+    from starlette.routing import Match
+
+    app = scope.get("app")
+    for candidate in getattr(getattr(app, "router", None), "routes", ()):
+        match, _ = candidate.matches(scope)
+        if match != Match.NONE and getattr(candidate, "path", None):
+            return str(candidate.path)
+    return "unmatched"
+
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -60,8 +82,9 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.e2e = Histogram("plyx_e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.requests = Counter("plyx_requests", "Finished requests by finish reason and status.",
-                                ["finish_reason", "status"], registry=self.registry)
+        self.requests = Counter("plyx_requests", "Answered API requests by finish reason, HTTP status and route "
+                                "(errors too: finish_reason `error`; answers that generate nothing: `none`).",
+                                ["finish_reason", "status", "route"], registry=self.registry)
         self._lock = threading.Lock()
         self._samples: deque[tuple[float, int]] = deque()
         self.registry.register(_EngineCollector(self))
@@ -75,14 +98,18 @@ class ServerMetrics:
             t0, n0 = self._samples[0]
         return (total - n0) / (now - t0) if now > t0 else 0.0
 
+    def count(self, *, route: str, status: int, finish_reason: str) -> None:
+        """One answered request in ``plyx_requests_total``."""
+        self.requests.labels(finish_reason=finish_reason, status=str(status), route=route).inc()
+
     def observe(self, *, arrival: float, first_token: float | None, finish: float, tokens: int,
-                finish_reason: str, status: int = 200) -> None:
+                finish_reason: str, status: int = 200, route: str = "unmatched") -> None:
         if first_token is not None:
             self.ttft.observe(first_token - arrival)
             if tokens > 1:
                 self.tpot.observe((finish - first_token) / (tokens - 1))
         self.e2e.observe(finish - arrival)
-        self.requests.labels(finish_reason=finish_reason, status=str(status)).inc()
+        self.count(route=route, status=status, finish_reason=finish_reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -138,11 +138,20 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     model: Union[str, None] = None
 
 
+#: what ``response_format={"type": "json_object"}`` constrains the reply to
+JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
+
+#: integers are int64, as vLLM's and the OpenAI API's (seeds too: completion i of n seeds with seed + i < 2^64)
+_SEED_LIMIT = 2**63
+
+
 def _structured(fmt: ResponseFormat | None) -> StructuredOutput | None:
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return StructuredOutput(json_object=True)
+        # OpenAI's JSON mode answers with an object; xgrammar's builtin JSON grammar allows any value
+        # (an array, a bare number), so the server asks for the schema of an object instead
+        return StructuredOutput(json_schema=JSON_OBJECT_SCHEMA)
     if fmt.json_schema is None or fmt.json_schema.schema is None:
         raise APIError(400, "response_format of type json_schema needs json_schema.schema (a JSON Schema object)",
                        param="response_format.json_schema", code="invalid_value")
@@ -167,6 +176,14 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_token
                        code="invalid_value") from None
     if any(not -100 <= v <= 100 for v in bias.values()):
         raise APIError(400, "logit_bias values must be in [-100, 100]", param="logit_bias", code="invalid_value")
+    for f in msgspec.structs.fields(req):  # JSON integers are unbounded; the engine's tensors are int64
+        v = getattr(req, f.name)
+        if isinstance(v, int) and not isinstance(v, bool) and not -_SEED_LIMIT <= v < _SEED_LIMIT and f.name != "seed":
+            raise APIError(400, f"{f.name} must fit a 64-bit integer (got {v}); pass a smaller number",
+                           param=f.name, code="invalid_value")
+    if req.seed is not None and not 0 <= req.seed < _SEED_LIMIT:
+        raise APIError(400, f"seed must be in [0, 2^63 - 1] (got {req.seed}); pass a smaller non-negative integer",
+                       param="seed", code="invalid_value")
     temperature = 1.0 if req.temperature is None else req.temperature
     if not 0 <= temperature <= 2:
         raise APIError(400, f"temperature must be in [0, 2] (got {temperature})", param="temperature",
