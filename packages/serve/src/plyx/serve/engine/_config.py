@@ -35,6 +35,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     Worth it where a forward's fixed cost dominates (GPU: kernel launches and Python); on CPU the padded
     decode rows cost compute, so 0 (off) keeps separate forwards."""
 
+    packed_step: bool = True
+    """Run each step as one packed (varlen) forward: prefill chunks and decode rows of every scheduled sequence
+    flattened into one token batch, attention over the paged cache per group of equal counts. False: one
+    forward per group of equal new-token counts (the path before packing; adapters always take it)."""
+
     cuda_graphs: bool = True
     """On a CUDA device, replay decode steps as CUDA graphs (one per batch-size bucket, captured on first
     use); prefill chunks then run in their own forward (``mixed_chunk`` is ignored). No effect on CPU."""

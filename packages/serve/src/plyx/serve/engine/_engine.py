@@ -10,8 +10,11 @@ Every ``step()``:
    When blocks run out: evict unused prefix-cache blocks (LRU), then preempt the
    latest-arrived running sequence (its cache entry is dropped, its tokens are
    kept, it is recomputed when resumed: same tokens, same generator, same output).
-2. **execute**: one forward per group of equal new-token counts (decodes form one
-   group and use the paged-attention kernel), so no row is padded.
+2. **execute**: one packed forward over every scheduled token (``plyx.attn.begin_packed_step``:
+   prefill chunks and decode rows flattened into one ``[1, N]`` batch, attention through the
+   paged kernel per group of equal counts); decode-only steps replay a CUDA graph of their
+   batch bucket where one is captured. Without a block-addressable cache (or with resident
+   adapters) one forward per group of equal new-token counts, so no row is padded.
 3. **sample** the rows that reached the end of their tokens, each with its own
    processors and seeded generator; completions ``n > 1`` fork completion 0's
    cache once its prompt is computed.
@@ -153,8 +156,21 @@ class Engine:
         # resident adapters (``plyx.serve.MultiLora``): requests name one; a step's rows may mix them
         self.lora = lora
         self.graphs = self._decode_graphs() if lora is None else None  # graphs bake in one adapter map
-        # decode steps replayed as graphs must hold decodes alone: prefill chunks get their own forward
-        self._mixed = 0 if self.graphs is not None else c.mixed_chunk
+        # one packed (varlen) forward per step: every scheduled token in one [1, N] row
+        self.packed = self._can_pack()
+        # decode steps replayed as graphs must hold decodes alone, and a packed step needs no padded ride-along
+        self._mixed = 0 if self.graphs is not None or self.packed else c.mixed_chunk
+
+    def _can_pack(self) -> bool:
+        """Whether steps run as one packed forward: asked for, a block-addressable cache, a model with the
+        prepared-step entry point (``kv_step``), and no resident adapters (they select weights per batch row)."""
+        import inspect
+
+        from plyx.attn import supports_static_decode
+
+        if not self.config.packed_step or self.lora is not None or not supports_static_decode(self.cache):
+            return False
+        return "kv_step" in inspect.signature(self.model.forward).parameters
 
     def _decode_graphs(self) -> Any:
         """CUDA-graph decode steps (``DecodeGraphs``) when the config asks and the model and device allow."""
@@ -298,8 +314,11 @@ class Engine:
         self.stats.last_batch_tokens = sum(n for _, n in planned)
         finishing: list[Sequence] = []
         rows: list[torch.Tensor] = []
-        for group in self._groups(planned):
-            rows.extend(self._forward(group, finishing))
+        if self.packed and not self._graph_step(planned):
+            rows = self._forward_packed(planned, finishing)
+        else:
+            for group in self._groups(planned):
+                rows.extend(self._forward(group, finishing))
         outputs: list[EngineOutput] = []
         if finishing:
             seqs, logits = self._with_followers(finishing, rows)  # [R, V]
@@ -307,6 +326,34 @@ class Engine:
             for seq, tok, lp in zip(seqs, tokens, logprobs):
                 outputs.extend(self._accept(seq, tok, lp))
         return outputs
+
+    def _graph_step(self, planned: list[tuple[Sequence, int]]) -> bool:
+        """A decode-only step that a captured graph bucket holds (replayed instead of a packed eager forward)."""
+        return (self.graphs is not None and all(n == 1 for _, n in planned)
+                and self.graphs.bucket(len(planned)) is not None)
+
+    def _forward_packed(self, planned: list[tuple[Sequence, int]], finishing: list[Sequence]) -> list[torch.Tensor]:
+        """One forward over every scheduled token (``plyx.attn.begin_packed_step``); the last position's logits
+        ``[V]`` of the rows that reached their end.
+
+        Rows go decodes first, then prefill chunks by length, so rows feeding equal token counts lie next to each
+        other and share one attention launch per layer; everything else runs once over all ``N`` tokens.
+        """
+        from plyx.attn import begin_packed_step
+
+        group = sorted(planned, key=lambda p: p[1])  # stable: arrival order within a length
+        counts = [n for _, n in group]
+        tokens = [t for s, n in group for t in s.tokens[s.num_computed:s.num_computed + n]]
+        ids, positions, step = begin_packed_step(self.cache, [s.seq_id for s, _ in group], counts, tokens,
+                                                 self.device)
+        out = self.model(ids, position_ids=positions, kv_step=step, return_hidden=self._lm_head)  # [1, N, D|V]
+        done = self._advance(group, finishing)
+        if not done:
+            return []
+        ends = list(itertools.accumulate(counts))  # row i's last token is ends[i] - 1
+        last = torch.tensor([ends[i] - 1 for i in done], device=self.device)
+        logits = self._logits(out[0].index_select(0, last))  # [R, V]: the LM head only on rows that sample
+        return list(logits.unbind(0))
 
     def _groups(self, planned: list[tuple[Sequence, int]]) -> Iterable[list[tuple[Sequence, int]]]:
         """Rows of equal new-token counts share a forward (no padding); long chunks also need equal cached

@@ -1,0 +1,188 @@
+"""The packed (varlen) step: one forward per engine step, the same outputs as one forward per group of rows."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from plyx.serve import SamplingParams, StructuredOutput
+from plyx.serve.engine import Engine, EngineConfig
+
+
+def prompts_of(count, seed, lo=1, hi=60, vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(count)]
+
+
+def both(model, config_kw, run, **engine_kw):
+    """``run(engine)`` on the packed engine and on the per-group engine (the path before packing)."""
+    out = {}
+    for packed in (True, False):
+        engine = Engine(model, config=EngineConfig(packed_step=packed, **config_kw), **engine_kw)
+        assert engine.packed is packed
+        out[packed] = run(engine)
+    return out[True], out[False]
+
+
+def completions(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def assert_logprobs_close(packed, grouped):
+    """Same chosen tokens and top ids; log-probabilities equal to float32 rounding (one GEMM over N tokens sums in
+    another order than one per group)."""
+    for a, b in zip(packed, grouped):
+        for ca, cb in zip(a.outputs, b.outputs):
+            if ca.logprobs is None or cb.logprobs is None:
+                assert ca.logprobs is cb.logprobs  # not asked for
+                continue
+            assert len(ca.logprobs) == len(cb.logprobs)
+            for x, y in zip(ca.logprobs, cb.logprobs):
+                assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
+                assert abs(x.logprob - y.logprob) < 1e-4
+
+
+def test_packed_step_runs_one_forward_per_step_and_matches_grouped(lm):
+    prompts = prompts_of(12, seed=11, lo=20, hi=60)
+    sp = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, logprobs=2)
+    kw = dict(max_batch_size=12, max_batch_tokens=64, block_size=4, num_blocks=160)
+    calls = []
+    hook = lm.register_forward_pre_hook(lambda *a: calls.append(1))
+    mixed_steps = []
+
+    def run(engine):
+        calls.clear()
+        pending = list(enumerate(prompts))
+        outs = {}
+        mixed = 0
+        while pending or engine.has_unfinished():
+            if pending:  # arrivals spread over the run: prompts are prefilled while others decode
+                i, p = pending.pop(0)
+                engine.add_request(str(i), p, sp)
+            decoding = sum(1 for s in engine.running if s.pending == 1)
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.event.token_ids)
+            mixed += int(0 < decoding < engine.stats.last_batch_seqs)
+        mixed_steps.append(mixed)
+        return engine.stats.steps, len(calls), [tuple(outs[str(i)]) for i in range(len(prompts))]
+
+    try:
+        (steps_p, forwards_p, toks_p), (steps_g, forwards_g, toks_g) = both(lm, kw, run)
+    finally:
+        hook.remove()
+    assert toks_p == toks_g
+    assert mixed_steps[0] > 3  # steps that held prefill chunks and decode rows together
+    assert forwards_p == steps_p  # one forward per step, mixed steps included
+    assert forwards_g > steps_g  # the grouped path runs a second forward on mixed steps
+
+
+def test_packed_equals_grouped_under_chunking_preemption_and_prefix_caching(lm):
+    prefix = prompts_of(1, seed=20, lo=24, hi=25)[0]  # a shared system prompt: prefix-cache hits
+    prompts = [prefix + p for p in prompts_of(16, seed=21, lo=1, hi=40)]
+    rng = random.Random(22)
+    params = [SamplingParams(temperature=0, max_new_tokens=rng.randrange(1, 20), ignore_eos=True, logprobs=1)
+              for _ in prompts]
+    # budget 16: chunked prefill; 30 blocks of 4 for 8 sequences of up to 96 tokens: preemption
+    kw = dict(max_batch_size=8, max_batch_tokens=16, block_size=4, num_blocks=30, max_model_len=96)
+
+    def run(engine):
+        outs = engine.generate(prompts, params)
+        return outs, engine.stats.preemptions, engine.prefix.hit_tokens
+
+    (packed, pre_p, hit_p), (grouped, pre_g, hit_g) = both(lm, kw, run)
+    assert pre_p > 0 and pre_g > 0 and hit_p > 0 and hit_g > 0
+    assert completions(packed) == completions(grouped)
+    assert_logprobs_close(packed, grouped)
+
+
+def test_packed_matches_uncached_reference(lm):
+    """Ground truth without any cache: full recomputation of every prefix."""
+    prompts = prompts_of(5, seed=30, lo=2, hi=50)
+    engine = Engine(lm, config=EngineConfig(max_batch_size=5, max_batch_tokens=24, block_size=4, num_blocks=128))
+    outs = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt)
+        with torch.inference_mode():
+            for _ in range(8):
+                ids.append(int(lm(torch.tensor([ids]))[0, -1].argmax()))
+        assert list(out.outputs[0].token_ids) == ids[len(prompt):]
+
+
+def test_packed_per_request_sampling_and_n_completions(lm):
+    prompts = prompts_of(6, seed=40, lo=4, hi=30)
+    params = [
+        SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_new_tokens=12, seed=1, n=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=12, repetition_penalty=1.5, presence_penalty=0.5,
+                       ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=12, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=0.1, max_new_tokens=12, seed=5, logit_bias={7: 5.0}, ignore_eos=True),
+        SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(17, 42, 99, 200), min_tokens=2),
+    ]
+    kw = dict(max_batch_size=16, max_batch_tokens=20, block_size=4, num_blocks=128)
+    packed, grouped = both(lm, kw, lambda e: e.generate(prompts, params))
+    assert completions(packed) == completions(grouped)
+    assert [[c.finish_reason for c in o.outputs] for o in packed] == [[c.finish_reason for c in o.outputs]
+                                                                       for o in grouped]
+    assert_logprobs_close(packed, grouped)
+
+
+def test_packed_abort_mid_prefill_and_mid_decode(lm):
+    prompts = prompts_of(4, seed=50, lo=30, hi=50)
+    sp = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    kw = dict(max_batch_size=4, max_batch_tokens=16, block_size=4, num_blocks=128, prefix_caching=False)
+
+    def run(engine):
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, sp)
+        engine.step()
+        engine.abort("0")  # mid prefill (its prompt is longer than one step's budget)
+        outs: dict[str, list[int]] = {}
+        for _ in range(12):
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.event.token_ids)
+        engine.abort("1")  # mid decode
+        while engine.has_unfinished():
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.event.token_ids)
+        assert engine.cache.usage().blocks_used == 0
+        return outs
+
+    packed, grouped = both(lm, kw, run)
+    assert packed == grouped and "0" not in packed and len(packed["2"]) == len(packed["3"]) == 12
+
+
+def test_packed_structured_output_next_to_free_rows(bpe_lm, bpe):
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    prompt = bpe.encode("hello world").ids
+    free = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.8, seed=3, max_new_tokens=40,
+                                 structured=StructuredOutput(json_schema=schema))
+    kw = dict(max_batch_size=8, max_batch_tokens=8, block_size=4, num_blocks=256)
+    packed, grouped = both(bpe_lm, kw, lambda e: e.generate([prompt, prompt + prompt, prompt],
+                                                            [free, constrained, free]), tokenizer=bpe)
+    assert completions(packed) == completions(grouped)
+    assert json.loads(packed[1].outputs[0].text)["answer"] in ("yes", "no")
+
+
+def test_packed_step_is_off_with_resident_adapters_or_when_asked(lm):
+    engine = Engine(lm, config=EngineConfig(block_size=4, num_blocks=128, packed_step=False))
+    assert not engine.packed
+    assert Engine(lm, config=EngineConfig(block_size=4, num_blocks=128)).packed
+
+
+@pytest.mark.parametrize("counts", [[1, 1, 1], [5], [1, 1, 7, 3, 3], [2, 1, 2]])
+def test_varlen_groups_are_runs_of_equal_counts(counts):
+    from plyx.attn import varlen_groups
+
+    runs = varlen_groups(counts)
+    rebuilt, token = [], 0
+    for first, rows, n, start in runs:
+        assert start == token and first == len(rebuilt)
+        rebuilt += [n] * rows
+        token += rows * n
+    assert rebuilt == counts
+    assert all(a[2] != b[2] for a, b in zip(runs, runs[1:]))  # maximal runs
