@@ -212,8 +212,8 @@ def run_client(url: str, reqs: list[Request], max_concurrency: int, on_warm: Any
     return [Timing(**t) for t in raw], duration
 
 
-def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.Namespace, prefix_caching: bool
-               ) -> dict[str, Any]:
+def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.Namespace, prefix_caching: bool,
+               packed: bool = True) -> dict[str, Any]:
     from plyx.serve.engine import Engine, EngineConfig
     from plyx.serve.server import ServerSettings, create_app, serve_in_thread
 
@@ -221,6 +221,7 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
     engine = Engine(model, tokenizer=tokenizer, config=EngineConfig(
         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, max_model_len=max_len, prefix_caching=prefix_caching, max_queue=100_000,
+        packed_step=packed, cuda_graphs=not args.no_graphs,
         mixed_chunk=(16 if args.device.startswith("cuda") else 0) if args.mixed_chunk < 0 else args.mixed_chunk))
     app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000,
                                                      switch_interval=args.switch_interval))
@@ -238,15 +239,16 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
     with serve_in_thread(app) as running:
         timings, duration = run_client(running.base_url + "/v1/completions", reqs, args.max_concurrency, on_warm)
     p = engine.prefix
-    extra = {"prefix_caching": prefix_caching, "preemptions": engine.stats.preemptions - marks["preemptions"],
+    extra = {"prefix_caching": prefix_caching, "packed_step": engine.packed, "preemptions": engine.stats.preemptions - marks["preemptions"],
              "engine_steps": engine.stats.steps - marks["steps"],
              # the engine's own time per step (the thread's wall time in Engine.step): TPOT above it is the
              # scheduling of requests and the HTTP path
              "engine_step_ms": (aengine.step_seconds - marks["step_s"]) * 1e3 / max(1, engine.stats.steps - marks["steps"]),
              "prefix_hit_rate": (p.hit_tokens - marks["hits"]) / max(1, p.queried_tokens - marks["queried"])
              if p is not None else 0.0}
-    return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'})", reqs, timings, duration,
-                     extra)
+    step = "" if packed else ", one forward per group"
+    return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'}{step})", reqs, timings,
+                     duration, extra)
 
 
 # -- baseline: transformers generate, one static batch at a time --------------------------
@@ -354,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="ServerSettings.switch_interval: sys.setswitchinterval in the server (0: Python's 5 ms)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--compare-grouped", action="store_true",
+                   help="also run the engine with one forward per group of rows (EngineConfig.packed_step=False, "
+                        "the step before packing), prefix caching on: before/after in one run")
+    p.add_argument("--no-graphs", action="store_true", help="EngineConfig.cuda_graphs=False (eager decode steps)")
     p.add_argument("--out", default="", help="result file stem (default: results/serving-<device>-<model>-<date>)")
     args = p.parse_args(argv)
     if args.threads:
@@ -365,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     # class, allocator growth) would otherwise land on whichever configuration runs first
     bench_plyx(model, tok, reqs[: min(len(reqs), 32)], args, True)
     runs = [bench_plyx(model, tok, reqs, args, True), bench_plyx(model, tok, reqs, args, False)]
+    if args.compare_grouped:
+        runs.append(bench_plyx(model, tok, reqs, args, True, packed=False))
     if not args.skip_hf:
         runs.append(bench_hf(hf, reqs, args, args.device))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"

@@ -186,3 +186,46 @@ def test_varlen_groups_are_runs_of_equal_counts(counts):
         token += rows * n
     assert rebuilt == counts
     assert all(a[2] != b[2] for a, b in zip(runs, runs[1:]))  # maximal runs
+
+
+def test_look_ahead_changes_no_output(lm):
+    """The next forward queued before the host reads the tokens (forced on here; default on CUDA only): same
+    outputs with rows that stop by EOS/stop ids (wasted look-ahead rows), sampled and penalised rows, n > 1,
+    arrivals between steps, preemption and an abort."""
+    prompts = prompts_of(10, seed=60, lo=3, hi=40)
+    rng = random.Random(61)
+    params = []
+    for i in range(len(prompts)):
+        kind = i % 4
+        if kind == 0:
+            params.append(SamplingParams(temperature=0, max_new_tokens=rng.randrange(1, 16), logprobs=1,
+                                         stop_token_ids=tuple(rng.sample(range(256), 40))))
+        elif kind == 1:
+            params.append(SamplingParams(temperature=0.9, seed=i, n=2, max_new_tokens=12, ignore_eos=True))
+        elif kind == 2:
+            params.append(SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4,
+                                         max_new_tokens=14, ignore_eos=True))
+        else:
+            params.append(SamplingParams(temperature=1.0, top_k=20, seed=i, max_new_tokens=10, ignore_eos=True))
+    results = []
+    for look_ahead in (True, False):
+        engine = Engine(lm, config=EngineConfig(max_batch_size=8, max_batch_tokens=24, block_size=4, num_blocks=20,
+                                                max_model_len=64, look_ahead=look_ahead, prefix_caching=False))
+        assert engine.look_ahead is look_ahead
+        outs: dict[tuple[str, int], list[int]] = {}
+        pending = list(enumerate(zip(prompts, params)))
+        while pending or engine.has_unfinished():
+            if pending and (engine.stats.steps % 2 == 0 or not engine.has_unfinished()):
+                i, (p, sp) = pending.pop(0)
+                engine.add_request(str(i), p, sp)
+            if engine.stats.steps == 9:
+                engine.abort("2")
+            for o in engine.step():
+                if o.event is not None:
+                    outs.setdefault((o.request_id, o.index), []).extend(o.event.token_ids)
+        assert engine.cache.usage().blocks_used == 0 and not engine._ahead  # nothing leaked
+        results.append((outs, engine.stats.preemptions, engine.stats.looked_ahead))
+    (ahead_outs, pre_a, looked_a), (plain_outs, pre_p, looked_p) = results
+    assert ahead_outs == plain_outs
+    assert pre_a > 0 and pre_p > 0
+    assert looked_a > 20 and looked_p == 0  # tokens whose forward was queued before the host read them

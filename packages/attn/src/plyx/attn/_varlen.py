@@ -69,14 +69,16 @@ def varlen_groups(counts: Sequence[int]) -> list[tuple[int, int, int, int]]:
     return runs
 
 
-def begin_packed_step(cache: KVCache, seq_ids: Sequence[int], counts: Sequence[int], tokens: Sequence[int],
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, KVStep]:
+def begin_packed_step(cache: KVCache, seq_ids: Sequence[int], counts: Sequence[int],
+                      tokens: Sequence[int] | torch.Tensor, device: torch.device,
+                      ) -> tuple[torch.Tensor, torch.Tensor, KVStep]:
     """Reserve ``counts[i]`` tokens for each of ``seq_ids`` and plan one packed forward over them.
 
     Args:
         cache: a block-addressable cache; unknown ``seq_ids`` are allocated.
         seq_ids: one per row, each once. counts: new tokens per row (>= 1).
-        tokens: the ``sum(counts)`` new token ids, row after row.
+        tokens: the ``sum(counts)`` new token ids, row after row: host ints, or a ``[N]`` tensor already on
+            ``device`` (tokens sampled there: no round trip through the host).
         device: where the model runs.
 
     Returns:
@@ -121,8 +123,11 @@ def begin_packed_step(cache: KVCache, seq_ids: Sequence[int], counts: Sequence[i
             positions.append(p)
             slots.append(blocks[p // bs] * bs + p % bs)
     # one host-to-device copy for the per-token inputs: [ids | positions | slots], int64
-    flat = torch.tensor([int(t) for t in tokens] + positions + slots, dtype=torch.long)
-    flat = flat.to(device, non_blocking=True)
+    on_device = isinstance(tokens, torch.Tensor)
+    host_ids = [] if on_device else [int(t) for t in tokens]  # type: ignore[union-attr]
+    flat = torch.tensor(host_ids + positions + slots, dtype=torch.long).to(device, non_blocking=True)
+    if on_device:
+        flat = torch.cat([tokens.reshape(-1).to(device=device, dtype=torch.long), flat])  # type: ignore[union-attr]
     width = max(len(r) for r in rows)
     # [R, W] block tables padded with block 0 (never read: past each row's length), then [R] lengths; one copy
     meta = torch.tensor([b for r in rows for b in r + [0] * (width - len(r))] + ends, dtype=torch.int32)

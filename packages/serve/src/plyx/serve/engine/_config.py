@@ -40,6 +40,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     flattened into one token batch, attention over the paged cache per group of equal counts. False: one
     forward per group of equal new-token counts (the path before packing; adapters always take it)."""
 
+    look_ahead: bool | None = None
+    """When every running sequence sampled this step and none waits, queue the next step's forward (each row fed
+    the token just chosen, on the device) before reading the tokens on the host, so the device computes step
+    N + 1 while the host handles step N (``generate``'s look-ahead). A row that turns out finished wasted one
+    token of that forward. None: on where the device runs asynchronously (CUDA), off on CPU (the forward runs
+    inline there, so it would only add the finished rows' work)."""
+
     cuda_graphs: bool = True
     """On a CUDA device, replay decode steps as CUDA graphs (one per batch-size bucket, captured on first
     use); prefill chunks then run in their own forward (``mixed_chunk`` is ignored). No effect on CPU."""

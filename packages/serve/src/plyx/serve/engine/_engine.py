@@ -84,6 +84,7 @@ class EngineStats:
         self.preemptions = 0
         self.requests_finished = 0
         self.requests_aborted = 0
+        self.looked_ahead = 0  # tokens fed by a look-ahead forward that the next step sampled from
         self.last_batch_tokens = 0
         self.last_batch_seqs = 0
 
@@ -160,6 +161,10 @@ class Engine:
         self.packed = self._can_pack()
         # decode steps replayed as graphs must hold decodes alone, and a packed step needs no padded ride-along
         self._mixed = 0 if self.graphs is not None or self.packed else c.mixed_chunk
+        # look-ahead: the next token's logits of sequences whose last sampled token was fed before the host read it
+        ahead = self.device.type == "cuda" if c.look_ahead is None else c.look_ahead
+        self.look_ahead = ahead and (self.packed or self.graphs is not None)
+        self._ahead: dict[int, torch.Tensor] = {}  # seq_id -> logits [V] (that token counts as computed)
 
     def _can_pack(self) -> bool:
         """Whether steps run as one packed forward: asked for, a block-addressable cache, a model with the
@@ -312,20 +317,62 @@ class Engine:
         self.stats.steps += 1
         self.stats.last_batch_seqs = len(planned)
         self.stats.last_batch_tokens = sum(n for _, n in planned)
-        finishing: list[Sequence] = []
-        rows: list[torch.Tensor] = []
-        if self.packed and not self._graph_step(planned):
-            rows = self._forward_packed(planned, finishing)
-        else:
-            for group in self._groups(planned):
+        # rows whose logits the previous step's look-ahead computed sample without a forward
+        finishing = [s for s, n in planned if n == 0]
+        rows = [self._ahead.pop(s.seq_id) for s in finishing]
+        work = [(s, n) for s, n in planned if n > 0]
+        if work and self.packed and not self._graph_step(work):
+            rows += self._forward_packed(work, finishing)
+        elif work:
+            for group in self._groups(work):
                 rows.extend(self._forward(group, finishing))
         outputs: list[EngineOutput] = []
         if finishing:
             seqs, logits = self._with_followers(finishing, rows)  # [R, V]
-            tokens, logprobs = sample_rows(seqs, logits, self.generator)
+            ahead: list[Any] = []
+            launch = (lambda tokens: ahead.extend(self._look_ahead_step(seqs, tokens))) if self.look_ahead else None
+            tokens, logprobs = sample_rows(seqs, logits, self.generator, before_sync=launch)
             for seq, tok, lp in zip(seqs, tokens, logprobs):
                 outputs.extend(self._accept(seq, tok, lp))
+            if ahead:
+                self._keep_ahead(*ahead)
         return outputs
+
+    def _look_ahead_step(self, seqs: list[Sequence], tokens: torch.Tensor) -> tuple[list[Sequence], torch.Tensor] | tuple[()]:
+        """Queue the forward of each row's just-sampled token (``tokens [R]``, still on the device) when the next step
+        would be exactly that decode step: every running sequence sampled, nothing waits, the blocks are free.
+
+        Rows that reach their length limit are left out (they finish); rows that end by EOS or a stop string are
+        only known after the host reads the tokens: their share of this forward is wasted and their blocks freed.
+        Returns ``(rows, logits [r, V])``, or ``()`` when nothing was queued.
+        """
+        if self.waiting or any(s.pending for s in self.running):
+            return ()
+        keep = [i for i, s in enumerate(seqs) if len(s.completion.token_ids) + 1 < s.completion.limit]
+        if not keep:
+            return ()
+        rows = [seqs[i] for i in keep]
+        ids = [s.seq_id for s in rows]
+        if len(set(ids)) != len(ids) or self.cache.blocks_needed(ids, [1] * len(ids)) > self.cache.num_free_blocks():
+            return ()
+        if len(keep) != len(seqs):
+            tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
+        if self.graphs is not None and self.graphs.bucket(len(rows)) is not None:
+            # the graph's output buffer is overwritten by its next replay: this step's rows keep a copy
+            return rows, self.graphs.step(ids, tokens).clone()  # [r, V]
+        from plyx.attn import begin_packed_step
+
+        ids_t, positions, step = begin_packed_step(self.cache, ids, [1] * len(ids), tokens, self.device)
+        out = self.model(ids_t, position_ids=positions, kv_step=step, return_hidden=self._lm_head)  # [1, r, D|V]
+        return rows, self._logits(out[0])  # [r, V]
+
+    def _keep_ahead(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        """After the tokens were accepted: the looked-ahead token of every row still running is computed."""
+        for seq, row in zip(rows, logits.unbind(0)):
+            if seq.status is SeqStatus.RUNNING and not seq.finished:
+                seq.num_computed += 1  # == len(seq.tokens): pending 0, its next logits wait in _ahead
+                self._ahead[seq.seq_id] = row
+                self.stats.looked_ahead += 1
 
     def _graph_step(self, planned: list[tuple[Sequence, int]]) -> bool:
         """A decode-only step that a captured graph bucket holds (replayed instead of a packed eager forward)."""
@@ -477,6 +524,7 @@ class Engine:
 
     def _free(self, seq: Sequence) -> None:
         """Drop a sequence's cache entry and take it out of the queues."""
+        self._ahead.pop(seq.seq_id, None)
         try:
             self.cache.evict(seq.seq_id)
         except KeyError:

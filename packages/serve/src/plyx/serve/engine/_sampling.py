@@ -9,6 +9,7 @@ token does not depend on which other requests share the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -45,8 +46,14 @@ def _plain_greedy(seq: Sequence) -> bool:
 
 
 def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: torch.Generator | None,
+                before_sync: Callable[[torch.Tensor], None] | None = None,
                 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of ``logits`` (``[R, V]`` float32, row i for ``seqs[i]``); and its log-probabilities."""
+    """One token per row of ``logits`` (``[R, V]`` float32, row i for ``seqs[i]``); and its log-probabilities.
+
+    ``before_sync(tokens)`` is called with the chosen tokens still on the device (``[R]``), before the step's one
+    wait for them: the engine queues the next forward there (look-ahead), so the device works while the host
+    reads the tokens and handles them.
+    """
     R, V = logits.shape
     device = logits.device
     if all(_plain_greedy(s) for s in seqs):
@@ -68,6 +75,8 @@ def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: to
         generated = torch.tensor([len(s.tokens) - len(s.request.prompt_ids) for s in seqs], device=device)
         state = SamplingState(prompt_mask, counts, generated, [s.generator for s in seqs], default_generator)
         tokens = pipeline.sample(pipeline.process(logits, state), state)  # [R]
+    if before_sync is not None:
+        before_sync(tokens)
     out = tokens.tolist()  # the one host sync of the step
     for s, t in zip(seqs, out):
         if s.output_counts is not None:
