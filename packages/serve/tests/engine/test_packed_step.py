@@ -229,3 +229,53 @@ def test_look_ahead_changes_no_output(lm):
     assert ahead_outs == plain_outs
     assert pre_a > 0 and pre_p > 0
     assert looked_a > 20 and looked_p == 0  # tokens whose forward was queued before the host read them
+
+
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_decode_only_steps_take_a_graph_bucket_and_mixed_steps_the_packed_forward(lm, look_ahead):
+    """The step-shape choice, checked on CPU with the static step run eagerly (``capture=False``, the path a CUDA
+    graph replays): decode-only steps of up to the largest bucket go through ``DecodeGraphs``, padded up to their
+    bucket; steps holding a prefill chunk, or more decode rows than the largest bucket, run one packed forward."""
+    from plyx.serve._graphs import DecodeGraphs
+
+    prompts = prompts_of(7, seed=70, lo=10, hi=30)
+    sp = SamplingParams(temperature=0, max_new_tokens=9, ignore_eos=True, logprobs=1)
+    want = Engine(lm, config=EngineConfig(max_batch_size=8, max_batch_tokens=32, block_size=4, num_blocks=128,
+                                          packed_step=False)).generate(prompts, sp)
+    engine = Engine(lm, config=EngineConfig(max_batch_size=8, max_batch_tokens=32, block_size=4, num_blocks=128,
+                                            look_ahead=look_ahead))
+    engine.graphs = DecodeGraphs(lm, engine.cache, max_batch=4, capture=False, max_query=1, buckets=[1, 2, 4])
+    kinds = []
+    forwards = []
+    hook = lm.register_forward_pre_hook(lambda m, args, kw: forwards.append(kw["input_ids"].shape if "input_ids"
+                                                                                in kw else args[0].shape),
+                                        with_kwargs=True)
+    try:
+        pending = list(enumerate(prompts))
+        outs = {}
+        while pending or engine.has_unfinished():
+            if pending:
+                i, p = pending.pop(0)
+                engine.add_request(str(i), p, sp)
+            before = (engine.graphs.steps, len(forwards))
+            decodes = [s for s in engine.running if s.pending == 1]
+            # pending 0: the look-ahead computed its logits already; > 1: a prefill chunk
+            only_decodes = not engine.waiting and all(s.pending <= 1 for s in engine.running)
+            for o in engine.step():
+                outs[o.request_id] = outs.get(o.request_id, ()) + o.event.token_ids
+            graph_steps = engine.graphs.steps - before[0]
+            kinds.append((only_decodes, len(decodes), graph_steps, len(forwards) - before[1]))
+    finally:
+        hook.remove()
+    assert [outs[str(i)] for i in range(len(prompts))] == [o.outputs[0].token_ids for o in want]
+    for only_decodes, rows, graph_steps, eager in kinds:
+        if not look_ahead and only_decodes and rows:
+            # a decode-only step: one graph step when a bucket holds it, else the packed forward
+            assert (graph_steps, eager) == ((1, 1) if rows <= 4 else (0, 1))
+        if not only_decodes:
+            assert eager >= 1  # the packed forward (a look-ahead may add a graph step for the next)
+    assert any(not k[0] for k in kinds)
+    if not look_ahead:  # both kinds of decode-only step occurred
+        assert any(k[0] and 0 < k[1] <= 4 for k in kinds) and any(k[0] and k[1] > 4 for k in kinds)
+    else:  # decode steps are fed by the look-ahead: through a graph bucket when it holds them
+        assert engine.stats.looked_ahead > 0 and engine.graphs.steps > 0
