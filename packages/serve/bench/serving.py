@@ -22,6 +22,12 @@ produces exactly its output length.
     python packages/serve/bench/serving.py                          # CPU, small model
     python packages/serve/bench/serving.py --device cuda --model 1b --num-prompts 256 \\
         --max-concurrency 128 --hf-batch 32 --input-len 256 --output-len 128
+
+Decode-heavy, against ``plyx.serve.generate`` at the same batch in the same run (``serving_vs_generate``)::
+
+    python packages/serve/bench/serving.py --device cuda --dtype bfloat16 --model 1.1b --num-prompts 64 \\
+        --max-concurrency 32 --input-len 32 --prefix-len 0 --output-len 512 --range-ratio 0 \\
+        --skip-hf --skip-prefix-off --vs-generate
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ MODELS = {
                   intermediate_size=688, vocab_size=1024),
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=8192, vocab_size=32768),
+    # TinyLlama 1.1B's shape: the model of the GPU figures in issue 27 and of bench_generate's "1.1b"
+    "1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                 intermediate_size=5632, vocab_size=32000),
 }
 
 
@@ -308,6 +317,41 @@ def bench_hf(hf: Any, reqs: list[Request], args: argparse.Namespace, device: str
     return summarize(f"transformers generate (static batch {args.hf_batch})", reqs, timings, duration)
 
 
+# -- the engine's ceiling: generate's decode at the same batch ---------------------------
+def bench_generate(model: Any, reqs: list[Request], args: argparse.Namespace) -> dict[str, Any]:
+    """``plyx.serve.generate`` (CUDA graphs where a GPU runs it) on the same requests, ``--max-concurrency`` at a
+    time in arrival order, EOS ignored: the decode speed a serving engine with as many requests in flight could
+    reach. Its tokens/s is the denominator of ``serving_vs_generate``."""
+    from plyx.serve import SamplingParams, generate
+
+    batch = args.max_concurrency or len(reqs)
+    device = next(model.parameters()).device
+
+    def run(chunk: list[Request]) -> int:
+        params = [SamplingParams(temperature=0, max_new_tokens=r.output_len, ignore_eos=True) for r in chunk]
+        outs = generate(model, [r.prompt for r in chunk], params)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    run(reqs[:min(len(reqs), batch)])  # warm-up: graphs captured, kernels compiled
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    timings = [Timing() for _ in reqs]
+    start = time.perf_counter()
+    for b in range(0, len(reqs), batch):
+        first = time.perf_counter()
+        run(reqs[b:b + batch])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        for i in range(b, min(len(reqs), b + batch)):  # a whole batch returns at once: TTFT is its end
+            t = timings[i]
+            t.ttft = t.e2e = end - first
+            t.output_tokens = reqs[i].output_len
+            t.ok = True
+    duration = time.perf_counter() - start
+    return summarize(f"plyx generate (batch {batch}, no server)", reqs, timings, duration)
+
+
 # -- setup --------------------------------------------------------------------------------
 def build_models(args: argparse.Namespace, directory: Path) -> tuple[Any, Any, Any]:
     from plyx.model import load_hf
@@ -336,7 +380,7 @@ def build_models(args: argparse.Namespace, directory: Path) -> tuple[Any, Any, A
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"], help="default: bfloat16 on CUDA, else float32")
     p.add_argument("--model", default="small", choices=list(MODELS))
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=96)
@@ -360,8 +404,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the engine with one forward per group of rows (EngineConfig.packed_step=False, "
                         "the step before packing), prefix caching on: before/after in one run")
     p.add_argument("--no-graphs", action="store_true", help="EngineConfig.cuda_graphs=False (eager decode steps)")
+    p.add_argument("--skip-prefix-off", action="store_true", help="skip the run with prefix caching off")
+    p.add_argument("--vs-generate", action="store_true",
+                   help="also time plyx generate on the same requests, --max-concurrency at a time, and report "
+                        "serving output tok/s over generate's (serving_vs_generate)")
     p.add_argument("--out", default="", help="result file stem (default: results/serving-<device>-<model>-<date>)")
     args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -370,15 +419,21 @@ def main(argv: list[str] | None = None) -> int:
     # an untimed pass first: one-time costs (imports, lazy module loads, kernel compiles for every shape
     # class, allocator growth) would otherwise land on whichever configuration runs first
     bench_plyx(model, tok, reqs[: min(len(reqs), 32)], args, True)
-    runs = [bench_plyx(model, tok, reqs, args, True), bench_plyx(model, tok, reqs, args, False)]
+    runs = [bench_plyx(model, tok, reqs, args, True)]
+    if not args.skip_prefix_off:
+        runs.append(bench_plyx(model, tok, reqs, args, False))
     if args.compare_grouped:
         runs.append(bench_plyx(model, tok, reqs, args, True, packed=False))
+    extra: dict[str, Any] = {}
+    if args.vs_generate:
+        runs.append(bench_generate(model, reqs, args))
+        extra["serving_vs_generate"] = runs[0]["output_throughput"] / runs[-1]["output_throughput"]
     if not args.skip_hf:
         runs.append(bench_hf(hf, reqs, args, args.device))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
               "torch_threads": torch.get_num_threads(), "args": vars(args) | {"request_rate": str(args.request_rate)},
-              "model_params": sum(x.numel() for x in model.parameters()), "runs": runs}
+              "model_params": sum(x.numel() for x in model.parameters()), "runs": runs, **extra}
     print(render(report))
     RESULTS.mkdir(exist_ok=True)
     stem = args.out or f"serving-{args.device.split(':')[0]}-{args.model}-{dt.date.today().isoformat()}"
@@ -416,6 +471,9 @@ def render(report: dict[str, Any]) -> str:
     row("preemptions", lambda r: str(r.get("preemptions", "-")))
     row("engine steps", lambda r: str(r.get("engine_steps", "-")))
     row("engine step mean (ms)", lambda r: f"{r['engine_step_ms']:.1f}" if "engine_step_ms" in r else "-")
+    if "serving_vs_generate" in report:
+        lines += ["", f"serving output tok/s / generate's at batch {a['max_concurrency'] or a['num_prompts']}: "
+                      f"**{report['serving_vs_generate']:.2f}** (target >= 0.80)"]
     return "\n".join(lines)
 
 
