@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import MODELS, RESULTS  # noqa: E402  (the benchmark's model shapes, one definition)
+from serving import MODELS, RESULTS  # (the benchmark's model shapes, one definition)
 
 
 def build(args: argparse.Namespace) -> Any:
