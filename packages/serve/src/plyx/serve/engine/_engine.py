@@ -548,12 +548,14 @@ class Engine:
         planned: dict[Sequence, tuple[int, int]] = {}  # seq -> (tokens, blocks)
         preempted = False
 
+        taken = 0  # blocks the planned rows will take: kept as a sum (summing planned per call is O(B^2))
+
         def free_blocks() -> int:
-            return self.cache.num_free_blocks() - sum(b for _, b in planned.values())
+            return self.cache.num_free_blocks() - taken
 
         def make_room(seq: Sequence, need: int) -> bool:
             """Evict prefix blocks, then preempt lower-priority running sequences, until ``need`` blocks are free."""
-            nonlocal budget, preempted
+            nonlocal budget, preempted, taken
             while need > free_blocks():
                 if self.prefix is not None and self.prefix.evict(need - free_blocks()):
                     continue
@@ -562,7 +564,9 @@ class Engine:
                     return False
                 victim = max(victims, key=self._key)
                 if victim in planned:
-                    budget += planned.pop(victim)[0]
+                    n, blocks = planned.pop(victim)
+                    budget += n
+                    taken -= blocks
                 self._preempt(victim)
                 preempted = True
             return True
@@ -588,6 +592,7 @@ class Engine:
                 preempted = True
                 continue
             planned[seq] = (n, need)
+            taken += need
             budget -= n
         # 2. admissions, in arrival order, while nothing had to be preempted this step
         while self.waiting and budget > 0 and not preempted:
@@ -618,6 +623,7 @@ class Engine:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             planned[seq] = (n, need)
+            taken += need
             budget -= n
         return [(s, n) for s, (n, _) in planned.items()]
 
