@@ -279,3 +279,27 @@ def test_decode_only_steps_take_a_graph_bucket_and_mixed_steps_the_packed_forwar
         assert any(k[0] and 0 < k[1] <= 4 for k in kinds) and any(k[0] and k[1] > 4 for k in kinds)
     else:  # decode steps are fed by the look-ahead: through a graph bucket when it holds them
         assert engine.stats.looked_ahead > 0 and engine.graphs.steps > 0
+
+
+def test_packed_step_through_packed_projections_and_the_fused_small_step():
+    """With q/k/v and gate/up stacked (what CUDA-graph engines do), the packed step runs the packed GEMM, RoPE +
+    cache store in one kernel (``rope_store_kv``) and, at <= 2 tokens, the fused norm + projection step: same
+    tokens as the per-group path on the unpacked twin."""
+    from plyx.model import TransformerLM
+    from plyx.specs import ModelConfig
+
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=160,
+                      init_std=0.5)
+    torch.manual_seed(3)
+    plain = TransformerLM(cfg).eval()
+    packed_model = TransformerLM(cfg).eval()
+    packed_model.load_state_dict(plain.state_dict())
+    packed_model.pack_projections_()
+    prompts = prompts_of(3, seed=80, lo=5, hi=30)
+    sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=1)
+    kw = dict(max_batch_size=4, max_batch_tokens=16, block_size=4, num_blocks=64)
+    for batch in (prompts[:1], prompts):  # one request: every decode step is one token (the fused path)
+        got = Engine(packed_model, config=EngineConfig(**kw)).generate(batch, sp)
+        want = Engine(plain, config=EngineConfig(packed_step=False, **kw)).generate(batch, sp)
+        assert completions(got) == completions(want)
+        assert_logprobs_close(got, want)
