@@ -360,6 +360,8 @@ class Engine:
         if self.graphs is not None and self.graphs.bucket(len(rows)) is not None:
             # the graph's output buffer is overwritten by its next replay: this step's rows keep a copy
             return rows, self.graphs.step(ids, tokens).clone()  # [r, V]
+        if not self.packed:  # no bucket holds the batch and packed steps are off: the next step feeds it
+            return ()
         from plyx.attn import begin_packed_step
 
         ids_t, positions, step = begin_packed_step(self.cache, ids, [1] * len(ids), tokens, self.device)
