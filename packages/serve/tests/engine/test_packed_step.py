@@ -303,3 +303,37 @@ def test_packed_step_through_packed_projections_and_the_fused_small_step():
         want = Engine(plain, config=EngineConfig(packed_step=False, **kw)).generate(batch, sp)
         assert completions(got) == completions(want)
         assert_logprobs_close(got, want)
+
+
+def test_ngram_speculation_in_the_engine_is_greedy_exact():
+    """Prompt-lookup drafts fed in the packed step and verified by the target's argmax: every row's tokens equal
+    plain greedy decoding, rows that may not speculate (sampled, log-probs, stop ids) ride along, drafts are
+    accepted (the small random model's greedy output loops, so it copies its own context), and fewer steps run;
+    with chunked prefill, preemption and prefix caching in play."""
+    from plyx.model import TransformerLM
+    from plyx.specs import ModelConfig
+
+    torch.manual_seed(0)
+    lm = TransformerLM(ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+                                   max_seq_len=160, init_std=0.1)).eval()
+    rng = random.Random(90)
+    passage = [rng.randrange(256) for _ in range(12)]
+    prompts = [passage * 3 + passage[:i] for i in range(1, 7)] + prompts_of(2, seed=91, lo=5, hi=20)
+    params = [SamplingParams(temperature=0, max_new_tokens=rng.randrange(12, 30), ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, logprobs=1)
+    params[2] = SamplingParams(temperature=0.8, seed=4, max_new_tokens=10, ignore_eos=True)
+    params[3] = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=tuple(passage[5:8]))
+    kw = dict(max_batch_size=8, max_batch_tokens=24, block_size=4, num_blocks=30, max_model_len=80)
+    plain = Engine(lm, config=EngineConfig(**kw))
+    want = plain.generate(prompts, params)
+    spec = Engine(lm, config=EngineConfig(speculative_ngram=4, **kw))
+    got = spec.generate(prompts, params)
+    assert completions(got) == completions(want)
+    assert [[c.finish_reason for c in o.outputs] for o in got] == [[c.finish_reason for c in o.outputs] for o in want]
+    assert_logprobs_close(got, want)
+    assert spec.stats.spec_accepted > 10 and spec.stats.spec_drafted > spec.stats.spec_accepted  # some rejected
+    assert spec.stats.preemptions > 0
+    assert spec.stats.steps < plain.stats.steps
+    assert spec.cache.usage().blocks_used == plain.cache.usage().blocks_used  # cropped: only the prefix cache holds
+    with pytest.raises(Exception, match="speculative_ngram"):
+        EngineConfig(speculative_ngram=17)

@@ -19,7 +19,7 @@ from plyx.serve._processors import SamplingState
 from plyx.serve._structured import GrammarMask
 from plyx.serve.engine._sequence import Sequence
 
-__all__ = ["sample_rows"]
+__all__ = ["plain_greedy", "sample_rows"]
 
 
 def _needs_state(seq: Sequence) -> bool:
@@ -39,7 +39,8 @@ def _row_state(seq: Sequence, vocab: int, device: torch.device) -> None:
             seq.output_counts.index_add_(0, torch.as_tensor(generated, device=device), ones)
 
 
-def _plain_greedy(seq: Sequence) -> bool:
+def plain_greedy(seq: Sequence) -> bool:
+    """Greedy with nothing that changes the argmax (no processors, grammar, penalties, bias, bans, min_tokens)."""
     p = seq.params
     return (p.greedy and seq.matcher is None and not p.processors and p.sampler is None and not _needs_state(seq)
             and not p.logit_bias and not p.banned_token_ids and not p.min_tokens)
@@ -56,7 +57,7 @@ def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: to
     """
     R, V = logits.shape
     device = logits.device
-    if all(_plain_greedy(s) for s in seqs):
+    if all(plain_greedy(s) for s in seqs):
         tokens = logits.argmax(dim=-1)  # [R]
     else:
         params = [s.params for s in seqs]
