@@ -337,3 +337,42 @@ def test_ngram_speculation_in_the_engine_is_greedy_exact():
     assert spec.cache.usage().blocks_used == plain.cache.usage().blocks_used  # cropped: only the prefix cache holds
     with pytest.raises(Exception, match="speculative_ngram"):
         EngineConfig(speculative_ngram=17)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graphs, the Triton paged kernel)")
+def test_cuda_engine_packed_graphs_and_look_ahead_equal_the_eager_per_group_engine():
+    """On a GPU the default engine runs packed steps (Triton paged attention per group, rope_store_kv), decode-only
+    steps as CUDA graphs and the look-ahead: same greedy tokens as the eager per-group engine, float32."""
+    from plyx.model import TransformerLM
+    from plyx.specs import ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=160,
+                      init_std=0.5)
+    ref_model = TransformerLM(cfg).eval().cuda()
+    model = TransformerLM(cfg).eval().cuda()
+    model.load_state_dict(ref_model.state_dict())
+    prompts = prompts_of(12, seed=100, lo=3, hi=70)
+    rng = random.Random(101)
+    params = [SamplingParams(temperature=0, max_new_tokens=rng.randrange(2, 30), ignore_eos=True) for _ in prompts]
+    kw = dict(max_batch_size=8, max_batch_tokens=48, block_size=16, num_blocks=64)
+
+    def run(engine):
+        pending = list(enumerate(zip(prompts, params)))
+        outs: dict[str, list[int]] = {}
+        while pending or engine.has_unfinished():
+            if pending:
+                i, (p, sp) = pending.pop(0)
+                engine.add_request(str(i), p, sp)
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.event.token_ids)
+        return [tuple(outs[str(i)]) for i in range(len(prompts))]
+
+    fast = Engine(model, config=EngineConfig(**kw))
+    assert fast.packed and fast.graphs is not None and fast.look_ahead
+    got = run(fast)
+    want = run(Engine(ref_model, config=EngineConfig(packed_step=False, cuda_graphs=False, look_ahead=False, **kw)))
+    assert got == want
+    assert fast.graphs.replays > 0 and fast.stats.looked_ahead > 0
+    spec = Engine(model, config=EngineConfig(speculative_ngram=4, **kw))
+    assert run(spec) == want
