@@ -168,7 +168,7 @@ def test_packed_structured_output_next_to_free_rows(bpe_lm, bpe):
     assert json.loads(packed[1].outputs[0].text)["answer"] in ("yes", "no")
 
 
-def test_packed_step_is_off_with_resident_adapters_or_when_asked(lm):
+def test_packed_step_is_on_by_default_and_off_when_asked(lm):
     engine = Engine(lm, config=EngineConfig(block_size=4, num_blocks=128, packed_step=False))
     assert not engine.packed
     assert Engine(lm, config=EngineConfig(block_size=4, num_blocks=128)).packed
