@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     for name, before in (("decode-only step", None), ("mixed step", "p")):
         if before:
             engine.add_request("p", prompt(), SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True))
