@@ -114,3 +114,61 @@ def test_cached_steps_equal_one_pass(kind: str, window: int | None) -> None:
     for row in range(2):
         torch.testing.assert_close(torch.cat(outs[row]), full(row), rtol=1e-10, atol=1e-10)
     assert [cache.length(s) for s in (0, 1)] == lens
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("window", [None, 4])
+def test_packed_steps_equal_one_pass(kind: str, window: int | None) -> None:
+    """Packed (varlen) steps: each step's tokens of three sequences in one [1, N] row (prefill chunks of different
+    lengths next to decode rows, attended per group over the paged cache); same outputs as one full pass per row."""
+    from plyx.attn import begin_packed_step
+
+    attn = make(4, 2, sliding_window=window)
+    config = ModelConfig(vocab_size=8, d_model=D, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=8, max_seq_len=32,
+                         dtype="float32")
+    cache = make_cache(kind, config, batch_size=3, block_size=3, dtype=torch.float64)
+    lens = [6, 13, 9]
+    xs = [torch.randn(n, D, dtype=torch.float64) for n in lens]
+    done = [0, 0, 0]
+    outs: list[list[torch.Tensor]] = [[], [], []]
+    # per step: new tokens of each sequence (0: not scheduled); rows go in the order given
+    plan = [[2, 5, 0], [1, 4, 1], [1, 1, 5], [1, 3, 3], [1, 0, 0]]
+    for counts in plan:
+        rows = [(s, n) for s, n in enumerate(counts) if n]
+        rows.sort(key=lambda r: r[1])  # decodes first, equal counts adjacent
+        x = torch.cat([xs[s][done[s]:done[s] + n] for s, n in rows])[None]  # (1, N, D)
+        _, positions, st = begin_packed_step(cache, [s for s, _ in rows], [n for _, n in rows],
+                                             [0] * x.shape[1], x.device)
+        assert st.varlen is not None and len(st.varlen) == len({n for _, n in rows})
+        cos, sin = rope_tables(positions, DH, 10000.0, dtype=torch.float64)
+        y = attn(x, cos, sin, step=st)[0]
+        start = 0
+        for s, n in rows:
+            outs[s].append(y[start:start + n])
+            done[s] += n
+            start += n
+    for s, n in enumerate(lens):
+        cos, sin = rope_tables(torch.arange(n), DH, 10000.0, dtype=torch.float64)
+        torch.testing.assert_close(torch.cat(outs[s]), attn(xs[s][None], cos, sin)[0], rtol=1e-10, atol=1e-10)
+    assert [cache.length(s) for s in range(3)] == lens
+
+
+def test_packed_step_rejects_bad_rows_and_leaves_the_cache() -> None:
+    from plyx.attn import begin_packed_step
+
+    config = ModelConfig(vocab_size=8, d_model=D, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=8, max_seq_len=32,
+                         dtype="float32")
+    cache = make_cache("paged", config, batch_size=2, block_size=4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="tokens"):
+        begin_packed_step(cache, [0, 1], [2, 1], [5, 6], torch.device("cpu"))
+    with pytest.raises(ValueError, match=">= 1 token"):
+        begin_packed_step(cache, [0], [0], [], torch.device("cpu"))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        begin_packed_step(cache, [0, 1], [2, 40], [1] * 42, torch.device("cpu"))
+    assert cache.sequences() == []  # the failed reserve allocated nothing
+
+    class Unaddressable:  # the KVCache contract without block addressing
+        layout = cache.layout
+
+    with pytest.raises(TypeError, match="block-addressable"):
+        begin_packed_step(Unaddressable(), [0], [1], [1], torch.device("cpu"))  # type: ignore[arg-type]

@@ -22,6 +22,12 @@ produces exactly its output length.
     python packages/serve/bench/serving.py                          # CPU, small model
     python packages/serve/bench/serving.py --device cuda --model 1b --num-prompts 256 \\
         --max-concurrency 128 --hf-batch 32 --input-len 256 --output-len 128
+
+Decode-heavy, against ``plyx.serve.generate`` at the same batch in the same run (``serving_vs_generate``)::
+
+    python packages/serve/bench/serving.py --device cuda --dtype bfloat16 --model 1.1b --num-prompts 64 \\
+        --max-concurrency 32 --input-len 32 --prefix-len 0 --output-len 512 --range-ratio 0 \\
+        --skip-hf --skip-prefix-off --vs-generate
 """
 
 from __future__ import annotations
@@ -52,6 +58,9 @@ MODELS = {
                   intermediate_size=688, vocab_size=1024),
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=8192, vocab_size=32768),
+    # TinyLlama 1.1B's shape: the model of the GPU figures in issue 27 and of bench_generate's "1.1b"
+    "1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                 intermediate_size=5632, vocab_size=32000),
 }
 
 
@@ -212,8 +221,8 @@ def run_client(url: str, reqs: list[Request], max_concurrency: int, on_warm: Any
     return [Timing(**t) for t in raw], duration
 
 
-def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.Namespace, prefix_caching: bool
-               ) -> dict[str, Any]:
+def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.Namespace, prefix_caching: bool,
+               packed: bool = True) -> dict[str, Any]:
     from plyx.serve.engine import Engine, EngineConfig
     from plyx.serve.server import ServerSettings, create_app, serve_in_thread
 
@@ -221,6 +230,7 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
     engine = Engine(model, tokenizer=tokenizer, config=EngineConfig(
         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, max_model_len=max_len, prefix_caching=prefix_caching, max_queue=100_000,
+        packed_step=packed, cuda_graphs=not args.no_graphs,
         mixed_chunk=(16 if args.device.startswith("cuda") else 0) if args.mixed_chunk < 0 else args.mixed_chunk))
     app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000,
                                                      switch_interval=args.switch_interval))
@@ -238,15 +248,16 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
     with serve_in_thread(app) as running:
         timings, duration = run_client(running.base_url + "/v1/completions", reqs, args.max_concurrency, on_warm)
     p = engine.prefix
-    extra = {"prefix_caching": prefix_caching, "preemptions": engine.stats.preemptions - marks["preemptions"],
+    extra = {"prefix_caching": prefix_caching, "packed_step": engine.packed, "preemptions": engine.stats.preemptions - marks["preemptions"],
              "engine_steps": engine.stats.steps - marks["steps"],
              # the engine's own time per step (the thread's wall time in Engine.step): TPOT above it is the
              # scheduling of requests and the HTTP path
              "engine_step_ms": (aengine.step_seconds - marks["step_s"]) * 1e3 / max(1, engine.stats.steps - marks["steps"]),
              "prefix_hit_rate": (p.hit_tokens - marks["hits"]) / max(1, p.queried_tokens - marks["queried"])
              if p is not None else 0.0}
-    return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'})", reqs, timings, duration,
-                     extra)
+    step = "" if packed else ", one forward per group"
+    return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'}{step})", reqs, timings,
+                     duration, extra)
 
 
 # -- baseline: transformers generate, one static batch at a time --------------------------
@@ -306,6 +317,41 @@ def bench_hf(hf: Any, reqs: list[Request], args: argparse.Namespace, device: str
     return summarize(f"transformers generate (static batch {args.hf_batch})", reqs, timings, duration)
 
 
+# -- the engine's ceiling: generate's decode at the same batch ---------------------------
+def bench_generate(model: Any, reqs: list[Request], args: argparse.Namespace) -> dict[str, Any]:
+    """``plyx.serve.generate`` (CUDA graphs where a GPU runs it) on the same requests, ``--max-concurrency`` at a
+    time in arrival order, EOS ignored: the decode speed a serving engine with as many requests in flight could
+    reach. Its tokens/s is the denominator of ``serving_vs_generate``."""
+    from plyx.serve import SamplingParams, generate
+
+    batch = args.max_concurrency or len(reqs)
+    device = next(model.parameters()).device
+
+    def run(chunk: list[Request]) -> int:
+        params = [SamplingParams(temperature=0, max_new_tokens=r.output_len, ignore_eos=True) for r in chunk]
+        outs = generate(model, [r.prompt for r in chunk], params)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    run(reqs[:min(len(reqs), batch)])  # warm-up: graphs captured, kernels compiled
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    timings = [Timing() for _ in reqs]
+    start = time.perf_counter()
+    for b in range(0, len(reqs), batch):
+        first = time.perf_counter()
+        run(reqs[b:b + batch])
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+        for i in range(b, min(len(reqs), b + batch)):  # a whole batch returns at once: TTFT is its end
+            t = timings[i]
+            t.ttft = t.e2e = end - first
+            t.output_tokens = reqs[i].output_len
+            t.ok = True
+    duration = time.perf_counter() - start
+    return summarize(f"plyx generate (batch {batch}, no server)", reqs, timings, duration)
+
+
 # -- setup --------------------------------------------------------------------------------
 def build_models(args: argparse.Namespace, directory: Path) -> tuple[Any, Any, Any]:
     from plyx.model import load_hf
@@ -334,7 +380,7 @@ def build_models(args: argparse.Namespace, directory: Path) -> tuple[Any, Any, A
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"], help="default: bfloat16 on CUDA, else float32")
     p.add_argument("--model", default="small", choices=list(MODELS))
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=96)
@@ -354,8 +400,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="ServerSettings.switch_interval: sys.setswitchinterval in the server (0: Python's 5 ms)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--compare-grouped", action="store_true",
+                   help="also run the engine with one forward per group of rows (EngineConfig.packed_step=False, "
+                        "the step before packing), prefix caching on: before/after in one run")
+    p.add_argument("--no-graphs", action="store_true", help="EngineConfig.cuda_graphs=False (eager decode steps)")
+    p.add_argument("--skip-prefix-off", action="store_true", help="skip the run with prefix caching off")
+    p.add_argument("--vs-generate", action="store_true",
+                   help="also time plyx generate on the same requests, --max-concurrency at a time, and report "
+                        "serving output tok/s over generate's (serving_vs_generate)")
     p.add_argument("--out", default="", help="result file stem (default: results/serving-<device>-<model>-<date>)")
     args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -364,13 +419,21 @@ def main(argv: list[str] | None = None) -> int:
     # an untimed pass first: one-time costs (imports, lazy module loads, kernel compiles for every shape
     # class, allocator growth) would otherwise land on whichever configuration runs first
     bench_plyx(model, tok, reqs[: min(len(reqs), 32)], args, True)
-    runs = [bench_plyx(model, tok, reqs, args, True), bench_plyx(model, tok, reqs, args, False)]
+    runs = [bench_plyx(model, tok, reqs, args, True)]
+    if not args.skip_prefix_off:
+        runs.append(bench_plyx(model, tok, reqs, args, False))
+    if args.compare_grouped:
+        runs.append(bench_plyx(model, tok, reqs, args, True, packed=False))
+    extra: dict[str, Any] = {}
+    if args.vs_generate:
+        runs.append(bench_generate(model, reqs, args))
+        extra["serving_vs_generate"] = runs[0]["output_throughput"] / runs[-1]["output_throughput"]
     if not args.skip_hf:
         runs.append(bench_hf(hf, reqs, args, args.device))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
               "torch_threads": torch.get_num_threads(), "args": vars(args) | {"request_rate": str(args.request_rate)},
-              "model_params": sum(x.numel() for x in model.parameters()), "runs": runs}
+              "model_params": sum(x.numel() for x in model.parameters()), "runs": runs, **extra}
     print(render(report))
     RESULTS.mkdir(exist_ok=True)
     stem = args.out or f"serving-{args.device.split(':')[0]}-{args.model}-{dt.date.today().isoformat()}"
@@ -408,6 +471,9 @@ def render(report: dict[str, Any]) -> str:
     row("preemptions", lambda r: str(r.get("preemptions", "-")))
     row("engine steps", lambda r: str(r.get("engine_steps", "-")))
     row("engine step mean (ms)", lambda r: f"{r['engine_step_ms']:.1f}" if "engine_step_ms" in r else "-")
+    if "serving_vs_generate" in report:
+        lines += ["", f"serving output tok/s / generate's at batch {a['max_concurrency'] or a['num_prompts']}: "
+                      f"**{report['serving_vs_generate']:.2f}** (target >= 0.80)"]
     return "\n".join(lines)
 
 

@@ -50,3 +50,33 @@ def test_a_client_that_cannot_connect_fails_the_run_instead_of_hanging(serving):
         serving.run_client(f"http://127.0.0.1:{port}/v1/completions", [serving.Request([1, 2], 2, 0.0)], 0,
                            lambda: warmed.append(True))
     assert warmed == []
+
+
+def test_decode_heavy_run_against_generate_and_the_grouped_step(serving, tmp_path):
+    argv = ["--model", "tiny", "--num-prompts", "4", "--max-concurrency", "4", "--input-len", "8", "--prefix-len", "0",
+            "--output-len", "6", "--range-ratio", "0", "--threads", "1", "--skip-hf", "--skip-prefix-off",
+            "--compare-grouped", "--vs-generate", "--out", str(tmp_path / "d")]
+    assert serving.main(argv) == 0
+    report = json.loads((tmp_path / "d.json").read_text())
+    packed, grouped, gen = report["runs"]
+    assert packed["packed_step"] and not grouped["packed_step"] and gen["name"].startswith("plyx generate")
+    for run in (packed, grouped, gen):
+        assert (run["completed"], run["failed"], run["total_output_tokens"]) == (4, 0, 24)
+    ratio = packed["output_throughput"] / gen["output_throughput"]
+    assert report["serving_vs_generate"] == pytest.approx(ratio)
+    assert f"**{ratio:.2f}**" in (tmp_path / "d.md").read_text()
+
+
+def test_profile_of_one_serving_step(tmp_path):
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import profile_serving
+    finally:
+        sys.path.remove(str(BENCH))
+    assert profile_serving.main(["--model", "tiny", "--batch", "3", "--input-len", "8", "--prefix-len", "4",
+                                 "--steps", "3", "--top", "5", "--out", str(tmp_path / "p")]) == 0
+    text = (tmp_path / "p.txt").read_text()
+    for part in ("decode-only step:", "mixed step (one prompt of 12 tokens + 3 decodes)", "packed step True",
+                 "torch.profiler: one mixed step", "cProfile: host side"):
+        assert part in text

@@ -195,7 +195,7 @@ def test_mixed_chunks_share_the_decode_forward_and_change_nothing(lm):
         for mixed in (0, 8):
             calls.clear()
             engine = Engine(lm, config=EngineConfig(max_batch_size=12, max_batch_tokens=64, block_size=4,
-                                                    num_blocks=160, mixed_chunk=mixed))
+                                                    num_blocks=160, mixed_chunk=mixed, packed_step=False))
             # arrivals spread over the run, so prompts are prefilled while others decode
             pending = list(enumerate(prompts))
             outs: dict[str, list[int]] = {}

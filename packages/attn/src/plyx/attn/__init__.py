@@ -15,6 +15,8 @@ __all__ = [
     "RMSNorm",
     "STATIC_MAX_QUERY",
     "StaticDecode",
+    "VarlenGroup",
+    "begin_packed_step",
     "begin_step",
     "cache_kinds",
     "cache_layout",
@@ -23,6 +25,7 @@ __all__ = [
     "packed_for_inference",
     "packed_linear",
     "supports_static_decode",
+    "varlen_groups",
     "weight_reads_exact",
 ]
 

@@ -164,13 +164,13 @@ class Attention(nn.Module):
         Returns ``[B, T, D]``, or None when that path is not available (QK-norm, or no ``rope_store_kv``
         kernel): the caller then runs ``forward``.
         """
-        if self.q_norm is not None or step.paged is None:
+        if self.q_norm is not None or (step.paged is None and step.varlen is None):
             return None
         q = self._rope_and_store(qkv, cos, sin, step)
         if q is None:
             return None
         B, T = qkv.shape[:2]
-        out = self._attend_paged(q, step)
+        out = self._attend_varlen(q, step) if step.varlen is not None else self._attend_paged(q, step)
         return self._project_out(out.to(qkv.dtype).reshape(B, T, self.n_heads * self.head_dim))
 
     def _project_out(self, out: torch.Tensor) -> torch.Tensor:
@@ -194,8 +194,24 @@ class Attention(nn.Module):
         fn = kernel("paged_attention", q, k_pool, v_pool, head_dim=self.head_dim)
         return fn(q, k_pool, v_pool, tables, lens, scale=self.scale, window=self.sliding_window)  # type: ignore[no-any-return]
 
+    def _attend_varlen(self, q: torch.Tensor, step: KVStep) -> torch.Tensor:
+        """Paged attention of a packed step's queries ``[1, N, H, Dh]``, one launch per group of rows that feed
+        the same number of tokens (``plyx.attn.begin_packed_step``); ``[1, N, H, Dh]``."""
+        k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
+        H, Dh = self.n_heads, self.head_dim
+        flat = q.to(k_pool.dtype).reshape(-1, H, Dh)  # (N, H, Dh)
+        outs = []
+        for g in step.varlen:  # type: ignore[union-attr]
+            qg = flat[g.start:g.start + g.rows * g.query_len].view(g.rows, g.query_len, H, Dh)
+            fn = kernel("paged_attention", qg, k_pool, v_pool, head_dim=Dh)
+            o = fn(qg, k_pool, v_pool, g.block_tables, g.context_lens, scale=self.scale, window=self.sliding_window)
+            outs.append(o.reshape(-1, H, Dh))  # (rows * query_len, H, Dh)
+        return (outs[0] if len(outs) == 1 else torch.cat(outs))[None]  # (1, N, H, Dh)
+
     def _attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: KVStep) -> torch.Tensor:
         step.store(self.layer_idx, k, v)
+        if step.varlen is not None:
+            return self._attend_varlen(q, step)
         if step.paged is not None:
             return self._attend_paged(q, step)
         keys, values = step.gather(self.layer_idx)  # (B, S, KV, Dh), left-padded

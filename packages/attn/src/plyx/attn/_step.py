@@ -19,6 +19,7 @@ sequence's own ``context_lens[i] = L_i`` and the same alignment holds per row.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -47,6 +48,9 @@ class KVStep:
         slots: long ``[B*T]`` for a static step (``plyx.attn.StaticDecode``): the flat slot of each new
             token (row-major) in the cache's ``kv_blocks`` view, written directly (no ``append``, no
             host work), so the step can be captured in a CUDA graph. None: ``append`` as usual.
+        varlen: a packed step's attention groups (``plyx.attn.begin_packed_step``): the batch is one row of
+            ``N`` tokens from several sequences, written through ``slots`` and attended group by group
+            through the paged kernel. None: rows are sequences.
     """
 
     cache: KVCache
@@ -57,6 +61,7 @@ class KVStep:
     paged: tuple[torch.Tensor, torch.Tensor] | None
     key_mask: torch.Tensor | None
     slots: torch.Tensor | None = None
+    varlen: tuple[Any, ...] | None = None
 
     def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s keys and values as ``[num_blocks, block_size, KV, Dh]``, the layout ``paged_attention`` reads."""

@@ -35,6 +35,28 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     Worth it where a forward's fixed cost dominates (GPU: kernel launches and Python); on CPU the padded
     decode rows cost compute, so 0 (off) keeps separate forwards."""
 
+    packed_step: bool = True
+    """Run each step as one packed (varlen) forward: prefill chunks and decode rows of every scheduled sequence
+    flattened into one token batch, attention over the paged cache per group of equal counts. False: one
+    forward per group of equal new-token counts (the path before packing; adapters always take it)."""
+
+    speculative_ngram: int = 0
+    """Prompt-lookup (n-gram) speculation in the engine: each plain-greedy decoding row (no processors, grammar
+    or log-probs) proposes up to this many draft tokens copied from its own context and feeds them in the step's
+    packed forward; the target's argmax verifies them (output identical to plain greedy), so a row may gain
+    several tokens per step. 0: off. Needs packed steps; turns the look-ahead off."""
+    prompt_lookup_min: int = 1
+    """Shortest n-gram looked up for a draft (``speculative_ngram``)."""
+    prompt_lookup_max: int = 3
+    """Longest n-gram looked up for a draft, tried first."""
+
+    look_ahead: bool | None = None
+    """When every running sequence sampled this step and none waits, queue the next step's forward (each row fed
+    the token just chosen, on the device) before reading the tokens on the host, so the device computes step
+    N + 1 while the host handles step N (``generate``'s look-ahead). A row that turns out finished wasted one
+    token of that forward. None: on where the device runs asynchronously (CUDA), off on CPU (the forward runs
+    inline there, so it would only add the finished rows' work)."""
+
     cuda_graphs: bool = True
     """On a CUDA device, replay decode steps as CUDA graphs (one per batch-size bucket, captured on first
     use); prefill chunks then run in their own forward (``mixed_chunk`` is ignored). No effect on CPU."""
@@ -50,6 +72,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         if not 0 <= self.mixed_chunk <= PAGED_MAX_QUERY:
             raise ConfigError("EngineConfig.mixed_chunk", f"mixed_chunk must be in [0, {PAGED_MAX_QUERY}]",
                               value=self.mixed_chunk, fix=f"use 0 (off) or up to {PAGED_MAX_QUERY}")
+        if not 0 <= self.speculative_ngram <= 16:
+            raise ConfigError("EngineConfig.speculative_ngram", "speculative_ngram must be in [0, 16]",
+                              value=self.speculative_ngram, fix="use 0 (off) or a few draft tokens, e.g. 4")
+        from plyx.serve._ngram import check_lookup
+
+        check_lookup(self.prompt_lookup_min, self.prompt_lookup_max)
         for name in ("num_blocks", "max_model_len"):
             value = getattr(self, name)
             if value < 0:

@@ -10,8 +10,11 @@ Every ``step()``:
    When blocks run out: evict unused prefix-cache blocks (LRU), then preempt the
    latest-arrived running sequence (its cache entry is dropped, its tokens are
    kept, it is recomputed when resumed: same tokens, same generator, same output).
-2. **execute**: one forward per group of equal new-token counts (decodes form one
-   group and use the paged-attention kernel), so no row is padded.
+2. **execute**: one packed forward over every scheduled token (``plyx.attn.begin_packed_step``:
+   prefill chunks and decode rows flattened into one ``[1, N]`` batch, attention through the
+   paged kernel per group of equal counts); decode-only steps replay a CUDA graph of their
+   batch bucket where one is captured. Without a block-addressable cache (or with resident
+   adapters) one forward per group of equal new-token counts, so no row is padded.
 3. **sample** the rows that reached the end of their tokens, each with its own
    processors and seeded generator; completions ``n > 1`` fork completion 0's
    cache once its prompt is computed.
@@ -81,6 +84,9 @@ class EngineStats:
         self.preemptions = 0
         self.requests_finished = 0
         self.requests_aborted = 0
+        self.looked_ahead = 0  # tokens fed by a look-ahead forward that the next step sampled from
+        self.spec_drafted = 0  # draft tokens fed (speculative_ngram)
+        self.spec_accepted = 0  # draft tokens the target's argmax confirmed
         self.last_batch_tokens = 0
         self.last_batch_seqs = 0
 
@@ -153,8 +159,28 @@ class Engine:
         # resident adapters (``plyx.serve.MultiLora``): requests name one; a step's rows may mix them
         self.lora = lora
         self.graphs = self._decode_graphs() if lora is None else None  # graphs bake in one adapter map
-        # decode steps replayed as graphs must hold decodes alone: prefill chunks get their own forward
-        self._mixed = 0 if self.graphs is not None else c.mixed_chunk
+        # one packed (varlen) forward per step: every scheduled token in one [1, N] row
+        self.packed = self._can_pack()
+        # decode steps replayed as graphs must hold decodes alone, and a packed step needs no padded ride-along
+        self._mixed = 0 if self.graphs is not None or self.packed else c.mixed_chunk
+        # look-ahead: the next token's logits of sequences whose last sampled token was fed before the host read it
+        # prompt-lookup speculation: drafts ride in the packed forward as the row's extra tokens
+        self.spec_k = c.speculative_ngram if self.packed else 0
+        self._drafts: dict[int, list[int]] = {}  # seq_id -> this step's draft tokens
+        ahead = self.device.type == "cuda" if c.look_ahead is None else c.look_ahead
+        self.look_ahead = ahead and (self.packed or self.graphs is not None) and not self.spec_k
+        self._ahead: dict[int, torch.Tensor] = {}  # seq_id -> logits [V] (that token counts as computed)
+
+    def _can_pack(self) -> bool:
+        """Whether steps run as one packed forward: asked for, a block-addressable cache, a model with the
+        prepared-step entry point (``kv_step``), and no resident adapters (they select weights per batch row)."""
+        import inspect
+
+        from plyx.attn import supports_static_decode
+
+        if not self.config.packed_step or self.lora is not None or not supports_static_decode(self.cache):
+            return False
+        return "kv_step" in inspect.signature(self.model.forward).parameters
 
     def _decode_graphs(self) -> Any:
         """CUDA-graph decode steps (``DecodeGraphs``) when the config asks and the model and device allow."""
@@ -296,17 +322,170 @@ class Engine:
         self.stats.steps += 1
         self.stats.last_batch_seqs = len(planned)
         self.stats.last_batch_tokens = sum(n for _, n in planned)
-        finishing: list[Sequence] = []
-        rows: list[torch.Tensor] = []
-        for group in self._groups(planned):
-            rows.extend(self._forward(group, finishing))
+        # rows whose logits the previous step's look-ahead computed sample without a forward
+        finishing = [s for s, n in planned if n == 0]
+        rows = [self._ahead.pop(s.seq_id) for s in finishing]
+        work = [(s, n) for s, n in planned if n > 0]
+        verify: list[tuple[Sequence, list[int], int]] = []  # speculating rows: (seq, drafts, offset in greedy)
+        greedy: torch.Tensor | None = None
+        if work and self.packed and not self._graph_step(work):
+            step_rows, verify, greedy = self._forward_packed(work, finishing)
+            rows += step_rows
+        elif work:
+            for group in self._groups(work):
+                rows.extend(self._forward(group, finishing))
         outputs: list[EngineOutput] = []
         if finishing:
             seqs, logits = self._with_followers(finishing, rows)  # [R, V]
-            tokens, logprobs = sample_rows(seqs, logits, self.generator)
+            ahead: list[Any] = []
+            launch = (lambda tokens: ahead.extend(self._look_ahead_step(seqs, tokens))) if self.look_ahead else None
+            tokens, logprobs = sample_rows(seqs, logits, self.generator, before_sync=launch)
             for seq, tok, lp in zip(seqs, tokens, logprobs):
                 outputs.extend(self._accept(seq, tok, lp))
+            if ahead:
+                self._keep_ahead(*ahead)
+        if verify:
+            outputs.extend(self._verify_drafts(verify, greedy.tolist()))  # type: ignore[union-attr]
         return outputs
+
+    def _speculates(self, seq: Sequence) -> bool:
+        """Whether a decoding row may feed drafts: plain greedy (argmax verification is then exact), no
+        log-probs asked, base model."""
+        from plyx.serve.engine._sampling import plain_greedy
+
+        return plain_greedy(seq) and seq.params.logprobs is None and seq.request.adapter is None
+
+    def _propose(self, seq: Sequence, budget: int) -> list[int]:
+        """This step's drafts of a decoding row: at most what its length limit, the context and the step's
+        token budget leave after its one real token."""
+        from plyx.serve._ngram import propose
+
+        c = self.config
+        room = min(self.spec_k, seq.completion.limit - len(seq.completion.token_ids) - 1,
+                   self.max_model_len - len(seq.tokens), budget - 1)
+        return propose(seq.tokens, room, c.prompt_lookup_min, c.prompt_lookup_max) if room > 0 else []
+
+    def _verify_drafts(self, rows: list[tuple[Sequence, list[int], int]], greedy: list[int]) -> list[EngineOutput]:
+        """Greedy verification: a row keeps its drafts up to the first the target's argmax disagrees with, plus
+        the argmax there (the token plain greedy decoding would emit next); the rejected drafts' keys and values
+        are cropped from the cache."""
+        outputs: list[EngineOutput] = []
+        for seq, drafts, offset in rows:
+            choice = greedy[offset:offset + len(drafts) + 1]  # argmax after the real token and after each draft
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == choice[accepted]:
+                accepted += 1
+            self.stats.spec_drafted += len(drafts)
+            self.stats.spec_accepted += accepted
+            seq.num_computed += accepted  # the accepted drafts' keys and values stay
+            outputs.extend(self._accept_tokens(seq, drafts[:accepted] + [choice[accepted]]))
+            if seq.status is not SeqStatus.FINISHED:
+                self.cache.crop(seq.seq_id, seq.num_computed)
+        return outputs
+
+    def _accept_tokens(self, seq: Sequence, tokens: list[int]) -> list[EngineOutput]:
+        """``_accept`` of several tokens at once (the completion takes them up to the first that finishes it)."""
+        req = seq.request
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        event = seq.completion.add(tokens)
+        taken = list(event.token_ids) if event is not None else []
+        seq.tokens.extend(taken)
+        self.stats.generated_tokens += len(taken)
+        if not seq.completion.finished:
+            return [EngineOutput(req.request_id, seq.index, event)]
+        if seq.num_computed > len(seq.tokens) - 1:  # finished inside the accepted drafts: nothing to keep anyway
+            seq.num_computed = len(seq.tokens) - 1
+        self._free(seq)
+        seq.status = SeqStatus.FINISHED
+        done = req.finished
+        if done:
+            req.finish_time = time.monotonic()
+            self.requests.pop(req.request_id, None)
+            self.stats.requests_finished += 1
+        return [EngineOutput(req.request_id, seq.index, event, request_finished=done)]
+
+    def _look_ahead_step(self, seqs: list[Sequence], tokens: torch.Tensor) -> tuple[list[Sequence], torch.Tensor] | tuple[()]:
+        """Queue the forward of each row's just-sampled token (``tokens [R]``, still on the device) when the next step
+        would be exactly that decode step: every running sequence sampled, nothing waits, the blocks are free.
+
+        Rows that reach their length limit are left out (they finish); rows that end by EOS or a stop string are
+        only known after the host reads the tokens: their share of this forward is wasted and their blocks freed.
+        Returns ``(rows, logits [r, V])``, or ``()`` when nothing was queued.
+        """
+        if self.waiting or any(s.pending for s in self.running):
+            return ()
+        keep = [i for i, s in enumerate(seqs) if len(s.completion.token_ids) + 1 < s.completion.limit]
+        if not keep:
+            return ()
+        rows = [seqs[i] for i in keep]
+        ids = [s.seq_id for s in rows]
+        if len(set(ids)) != len(ids) or self.cache.blocks_needed(ids, [1] * len(ids)) > self.cache.num_free_blocks():
+            return ()
+        if len(keep) != len(seqs):
+            tokens = tokens.index_select(0, torch.tensor(keep, device=tokens.device))
+        if self.graphs is not None and self.graphs.bucket(len(rows)) is not None:
+            # the graph's output buffer is overwritten by its next replay: this step's rows keep a copy
+            return rows, self.graphs.step(ids, tokens).clone()  # [r, V]
+        if not self.packed:  # no bucket holds the batch and packed steps are off: the next step feeds it
+            return ()
+        from plyx.attn import begin_packed_step
+
+        ids_t, positions, step = begin_packed_step(self.cache, ids, [1] * len(ids), tokens, self.device)
+        out = self.model(ids_t, position_ids=positions, kv_step=step, return_hidden=self._lm_head)  # [1, r, D|V]
+        return rows, self._logits(out[0])  # [r, V]
+
+    def _keep_ahead(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        """After the tokens were accepted: the looked-ahead token of every row still running is computed."""
+        for seq, row in zip(rows, logits.unbind(0)):
+            if seq.status is SeqStatus.RUNNING and not seq.finished:
+                seq.num_computed += 1  # == len(seq.tokens): pending 0, its next logits wait in _ahead
+                self._ahead[seq.seq_id] = row
+                self.stats.looked_ahead += 1
+
+    def _graph_step(self, planned: list[tuple[Sequence, int]]) -> bool:
+        """A decode-only step that a captured graph bucket holds (replayed instead of a packed eager forward)."""
+        return (self.graphs is not None and all(n == 1 for _, n in planned)
+                and self.graphs.bucket(len(planned)) is not None)
+
+    def _forward_packed(self, planned: list[tuple[Sequence, int]], finishing: list[Sequence]
+                        ) -> tuple[list[torch.Tensor], list[tuple[Sequence, list[int], int]], torch.Tensor | None]:
+        """One forward over every scheduled token (``plyx.attn.begin_packed_step``).
+
+        Rows go decodes first, then prefill chunks by length, so rows feeding equal token counts lie next to each
+        other and share one attention launch per layer; everything else runs once over all ``N`` tokens.
+
+        Returns the last position's logits ``[V]`` of the rows that reached their end (they sample, in
+        ``finishing`` order); the speculating rows ``(seq, drafts, offset)``; and the argmax ``[M]`` after each
+        of their fed tokens (row r's at ``offset .. offset + len(drafts)``), or None.
+        """
+        from plyx.attn import begin_packed_step
+
+        group = sorted(planned, key=lambda p: p[1])  # stable: arrival order within a length
+        counts = [n for _, n in group]
+        drafts = self._drafts
+        tokens = [t for s, n in group
+                  for t in (s.tokens[s.num_computed:] + drafts[s.seq_id] if s.seq_id in drafts
+                            else s.tokens[s.num_computed:s.num_computed + n])]
+        ids, positions, step = begin_packed_step(self.cache, [s.seq_id for s, _ in group], counts, tokens,
+                                                 self.device)
+        out = self.model(ids, position_ids=positions, kv_step=step, return_hidden=self._lm_head)  # [1, N, D|V]
+        ends = list(itertools.accumulate(counts))  # row i's last token is ends[i] - 1
+        plain = [i for i, (s, _) in enumerate(group) if s.seq_id not in drafts]
+        done = self._advance([group[i] for i in plain], finishing)
+        picks = [ends[plain[j]] - 1 for j in done]
+        verify: list[tuple[Sequence, list[int], int]] = []
+        for i, (seq, n) in enumerate(group):
+            if seq.seq_id in drafts:  # its real token is computed; the drafts wait for verification
+                seq.num_computed += 1
+                verify.append((seq, drafts[seq.seq_id], len(picks) - len(done)))
+                picks.extend(range(ends[i] - n, ends[i]))
+        if not picks:
+            return [], [], None
+        # the LM head only on rows that sample and on speculating rows' fed positions
+        logits = self._logits(out[0].index_select(0, torch.tensor(picks, device=self.device)))  # [R + M, V]
+        greedy = logits[len(done):].argmax(dim=-1) if verify else None  # [M]
+        return list(logits[:len(done)].unbind(0)), verify, greedy
 
     def _groups(self, planned: list[tuple[Sequence, int]]) -> Iterable[list[tuple[Sequence, int]]]:
         """Rows of equal new-token counts share a forward (no padding); long chunks also need equal cached
@@ -430,6 +609,7 @@ class Engine:
 
     def _free(self, seq: Sequence) -> None:
         """Drop a sequence's cache entry and take it out of the queues."""
+        self._ahead.pop(seq.seq_id, None)
         try:
             self.cache.evict(seq.seq_id)
         except KeyError:
@@ -451,14 +631,17 @@ class Engine:
     def _schedule(self) -> list[tuple[Sequence, int]]:
         budget = self.config.max_batch_tokens
         planned: dict[Sequence, tuple[int, int]] = {}  # seq -> (tokens, blocks)
+        self._drafts = {}
         preempted = False
 
+        taken = 0  # blocks the planned rows will take: kept as a sum (summing planned per call is O(B^2))
+
         def free_blocks() -> int:
-            return self.cache.num_free_blocks() - sum(b for _, b in planned.values())
+            return self.cache.num_free_blocks() - taken
 
         def make_room(seq: Sequence, need: int) -> bool:
             """Evict prefix blocks, then preempt lower-priority running sequences, until ``need`` blocks are free."""
-            nonlocal budget, preempted
+            nonlocal budget, preempted, taken
             while need > free_blocks():
                 if self.prefix is not None and self.prefix.evict(need - free_blocks()):
                     continue
@@ -467,7 +650,10 @@ class Engine:
                     return False
                 victim = max(victims, key=self._key)
                 if victim in planned:
-                    budget += planned.pop(victim)[0]
+                    self._drafts.pop(victim.seq_id, None)
+                    n, blocks = planned.pop(victim)
+                    budget += n
+                    taken -= blocks
                 self._preempt(victim)
                 preempted = True
             return True
@@ -492,7 +678,14 @@ class Engine:
                 self._preempt(seq)
                 preempted = True
                 continue
+            if self.spec_k and n == 1 and seq.pending == 1 and self._speculates(seq):
+                drafts = self._propose(seq, budget)
+                more = self.cache.blocks_needed([seq.seq_id], [1 + len(drafts)]) if drafts else need
+                if drafts and more <= free_blocks():  # drafts never evict or preempt anything
+                    self._drafts[seq.seq_id] = drafts
+                    n, need = 1 + len(drafts), more
             planned[seq] = (n, need)
+            taken += need
             budget -= n
         # 2. admissions, in arrival order, while nothing had to be preempted this step
         while self.waiting and budget > 0 and not preempted:
@@ -523,6 +716,7 @@ class Engine:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             planned[seq] = (n, need)
+            taken += need
             budget -= n
         return [(s, n) for s, (n, _) in planned.items()]
 

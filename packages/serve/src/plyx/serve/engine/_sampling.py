@@ -9,6 +9,7 @@ token does not depend on which other requests share the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
@@ -18,7 +19,7 @@ from plyx.serve._processors import SamplingState
 from plyx.serve._structured import GrammarMask
 from plyx.serve.engine._sequence import Sequence
 
-__all__ = ["sample_rows"]
+__all__ = ["plain_greedy", "sample_rows"]
 
 
 def _needs_state(seq: Sequence) -> bool:
@@ -38,18 +39,25 @@ def _row_state(seq: Sequence, vocab: int, device: torch.device) -> None:
             seq.output_counts.index_add_(0, torch.as_tensor(generated, device=device), ones)
 
 
-def _plain_greedy(seq: Sequence) -> bool:
+def plain_greedy(seq: Sequence) -> bool:
+    """Greedy with nothing that changes the argmax (no processors, grammar, penalties, bias, bans, min_tokens)."""
     p = seq.params
     return (p.greedy and seq.matcher is None and not p.processors and p.sampler is None and not _needs_state(seq)
             and not p.logit_bias and not p.banned_token_ids and not p.min_tokens)
 
 
 def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: torch.Generator | None,
+                before_sync: Callable[[torch.Tensor], None] | None = None,
                 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of ``logits`` (``[R, V]`` float32, row i for ``seqs[i]``); and its log-probabilities."""
+    """One token per row of ``logits`` (``[R, V]`` float32, row i for ``seqs[i]``); and its log-probabilities.
+
+    ``before_sync(tokens)`` is called with the chosen tokens still on the device (``[R]``), before the step's one
+    wait for them: the engine queues the next forward there (look-ahead), so the device works while the host
+    reads the tokens and handles them.
+    """
     R, V = logits.shape
     device = logits.device
-    if all(_plain_greedy(s) for s in seqs):
+    if all(plain_greedy(s) for s in seqs):
         tokens = logits.argmax(dim=-1)  # [R]
     else:
         params = [s.params for s in seqs]
@@ -68,6 +76,8 @@ def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: to
         generated = torch.tensor([len(s.tokens) - len(s.request.prompt_ids) for s in seqs], device=device)
         state = SamplingState(prompt_mask, counts, generated, [s.generator for s in seqs], default_generator)
         tokens = pipeline.sample(pipeline.process(logits, state), state)  # [R]
+    if before_sync is not None:
+        before_sync(tokens)
     out = tokens.tolist()  # the one host sync of the step
     for s, t in zip(seqs, out):
         if s.output_counts is not None:

@@ -1,0 +1,164 @@
+"""Where one serving step's time goes: the engine's decode-only and mixed (prefill chunk + decodes) steps.
+
+Builds the engine over a random Llama-shaped model (``serving.py``'s shapes), fills it with ``--batch``
+running requests (prompt ``--input-len`` + a shared ``--prefix-len``), decodes until the batch is in
+steady state, then measures:
+
+1. the mean wall time of ``--steps`` decode-only steps and of mixed steps (a new request's prompt chunk
+   packed with every decode row), and the share of one step spent on the host before the device waits;
+2. ``torch.profiler`` tables of one decode-only and one mixed step (top ops by self device time on CUDA,
+   by self CPU time on CPU);
+3. ``cProfile`` of the host side of decode-only steps (the Python functions the engine runs per step).
+
+    python packages/serve/bench/profile_serving.py                                   # CPU, tiny
+    python packages/serve/bench/profile_serving.py --device cuda --model 1.1b --batch 32
+
+Printed, and written to ``bench/results/profile-serving-<device>-<model>-<date>.txt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime as dt
+import io
+import platform
+import pstats
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import MODELS, RESULTS  # (the benchmark's model shapes, one definition)
+
+
+def build(args: argparse.Namespace) -> Any:
+    from plyx.model import TransformerLM, config_from_hf
+    from transformers import LlamaConfig
+
+    hc = LlamaConfig(**MODELS[args.model], max_position_embeddings=4096, rms_norm_eps=1e-5,
+                     tie_word_embeddings=False, bos_token_id=1, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    with torch.device(args.device):
+        model = TransformerLM(config_from_hf(hc.to_dict()))
+    return model.to(dtype).eval()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"], help="default: bfloat16 on CUDA")
+    p.add_argument("--model", default="tiny", choices=list(MODELS))
+    p.add_argument("--batch", type=int, default=8, help="running requests (decode rows)")
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--prefix-len", type=int, default=16)
+    p.add_argument("--max-batch-tokens", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20, help="decode-only steps timed")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    from plyx.serve import SamplingParams
+    from plyx.serve.engine import Engine, EngineConfig
+
+    model = build(args)
+    device = next(model.parameters()).device
+    rng = random.Random(0)
+    vocab = MODELS[args.model]["vocab_size"]
+    prefix = [rng.randrange(8, vocab) for _ in range(args.prefix_len)]
+
+    def prompt() -> list[int]:
+        return prefix + [rng.randrange(8, vocab) for _ in range(args.input_len)]
+
+    max_len = args.prefix_len + args.input_len + args.steps * 4 + 64
+    engine = Engine(model, config=EngineConfig(max_batch_size=args.batch + 1, max_batch_tokens=args.max_batch_tokens,
+                                               max_model_len=max_len, cuda_graphs=not args.no_graphs))
+    params = SamplingParams(temperature=0, max_new_tokens=max_len - args.prefix_len - args.input_len - 1,
+                            ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", prompt(), params)
+    while any(s.pending > 1 for s in engine.running) or engine.waiting:  # prefill every prompt
+        engine.step()
+    for _ in range(3):  # warm: graphs captured, kernels compiled
+        engine.step()
+    _sync(device)
+
+    def timed_decode(n: int) -> float:
+        start = time.perf_counter()
+        for _ in range(n):
+            engine.step()
+        _sync(device)
+        return (time.perf_counter() - start) / n
+
+    decode_s = timed_decode(args.steps)
+    mixed = []
+    for j in range(3):  # a new request's prompt packed with every decode row
+        engine.add_request(f"m{j}", prompt(), SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True))
+        _sync(device)
+        start = time.perf_counter()
+        engine.step()
+        _sync(device)
+        mixed.append(time.perf_counter() - start)
+    # host share: the time step() takes to return with the device not synchronised by us (look-ahead queued)
+    start = time.perf_counter()
+    engine.step()
+    host_s = time.perf_counter() - start
+    _sync(device)
+
+    lines = [
+        f"# one serving step — {torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}"
+        f", {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}",
+        "",
+        f"model `{args.model}` ({sum(x.numel() for x in model.parameters()) / 1e6:.1f} M params, {args.dtype}), "
+        f"{args.batch} decode rows, prompts {args.prefix_len}+{args.input_len}, packed step {engine.packed}, "
+        f"CUDA graphs {engine.graphs is not None}, look-ahead {engine.look_ahead}",
+        "",
+        f"decode-only step: {decode_s * 1e3:.2f} ms ({args.batch / decode_s:.0f} tok/s)",
+        f"mixed step (one prompt of {args.prefix_len + args.input_len} tokens + {args.batch} decodes): "
+        f"{min(mixed) * 1e3:.2f} ms (best of 3)",
+        f"host time of one decode step, until step() returns: {host_s * 1e3:.2f} ms",
+        "",
+    ]
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    for name, before in (("decode-only step", None), ("mixed step", "p")):
+        if before:
+            engine.add_request("p", prompt(), SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True))
+        _sync(device)
+        with profile(activities=activities) as prof:
+            engine.step()
+            _sync(device)
+        lines += [f"## torch.profiler: one {name}", "", "```",
+                  prof.key_averages().table(sort_by=sort, row_limit=args.top), "```", ""]
+    prof_host = cProfile.Profile()
+    prof_host.enable()
+    for _ in range(5):
+        engine.step()
+    _sync(device)
+    prof_host.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof_host, stream=buf).sort_stats("tottime").print_stats(args.top)
+    lines += ["## cProfile: host side of 5 decode-only steps (by own time)", "", "```", buf.getvalue().strip(), "```"]
+    text = "\n".join(lines)
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    stem = args.out or f"profile-serving-{device.type}-{args.model}-{dt.date.today().isoformat()}"
+    (RESULTS / f"{stem}.txt").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
