@@ -149,6 +149,10 @@ class Attention(nn.Module):
     def _rope_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: KVStep) -> torch.Tensor | None:
         """q rotated; k rotated and v written to the step's slots (one ``rope_store_kv`` launch); None: no such kernel."""
         H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        if step.scales(self.layer_idx) is not None:  # a quantised cache: RoPE, then its quantising store
+            q, k, v = self._rotate_packed(qkv, cos, sin)
+            step.store(self.layer_idx, k, v)
+            return q
         try:
             fn = kernel("rope_store_kv", qkv, cos, sin, head_dim=Dh)
         except KernelNotFoundError:
@@ -190,6 +194,12 @@ class Attention(nn.Module):
         """Paged attention of ``q`` over what ``step`` cached (the new tokens included)."""
         k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
         tables, lens = step.paged  # type: ignore[misc]
+        scales = step.scales(self.layer_idx)
+        if scales is not None:  # int8 / fp8 pools, (num_blocks, block_size, KV) float32 scales: q keeps its dtype
+            fp8 = int(k_pool.dtype == torch.float8_e4m3fn)
+            fn = kernel("paged_attention_quant", q, k_pool, v_pool, head_dim=self.head_dim, fp8=fp8)
+            return fn(q, k_pool, v_pool, *scales, tables, lens, scale=self.scale,  # type: ignore[no-any-return]
+                      window=self.sliding_window)
         q = q.to(k_pool.dtype)
         fn = kernel("paged_attention", q, k_pool, v_pool, head_dim=self.head_dim)
         return fn(q, k_pool, v_pool, tables, lens, scale=self.scale, window=self.sliding_window)  # type: ignore[no-any-return]
