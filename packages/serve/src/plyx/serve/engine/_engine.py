@@ -112,7 +112,7 @@ class Engine:
 
     def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
                  eos_token_id: int | Seq[int] | None = None, seed: int = 0, lora: Any = None) -> None:
-        from plyx.attn import PagedKVCache, cache_layout
+        from plyx.attn import cache_layout
 
         self.model = model.eval()
         self.config = config or EngineConfig()
@@ -138,7 +138,7 @@ class Engine:
                               fix=f"pass num_blocks >= {per_seq + 1} or lower max_model_len")
         layout = cache_layout(mcfg, max_seq_len=self.max_model_len, block_size=bs, num_blocks=num_blocks,
                               device=str(self.device), dtype=dtype)
-        self.cache = PagedKVCache(layout)
+        self.cache = c.paged_cache(layout)  # PagedKVCache, or QuantizedPagedKVCache (kv_cache_dtype)
         self.prefix: PrefixCache | None = PrefixCache(self.cache, bs) if c.prefix_caching else None
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: list[Sequence] = []  # sorted by priority (arrival order)
