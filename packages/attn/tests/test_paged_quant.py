@@ -142,3 +142,31 @@ def test_the_kit_catches_a_quantised_cache_that_hides_its_loss():
 
     with pytest.raises(AssertionError):
         check_kvcache(lambda layout: Lying(layout, kv_dtype="int8"), default_layout())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton store and paged kernels)")
+@pytest.mark.parametrize("kv_dtype", KINDS)
+def test_cuda_bf16_attention_over_the_quantised_cache(kv_dtype):
+    """On a GPU in bfloat16 (head_dim 64: the Triton kernels), eager and static steps against the oracle."""
+    if kv_dtype == "fp8_e4m3" and torch.cuda.get_device_capability() < (9, 0):
+        with pytest.raises(ValueError, match="int8"):
+            QuantizedPagedKVCache(_layout("bfloat16", device="cuda"), kv_dtype=kv_dtype)
+        return
+    dh, d = 64, 256
+    torch.manual_seed(0)
+    attn = Attention(d_model=d, n_heads=4, n_kv_heads=2, head_dim=dh, device="cuda", dtype=torch.bfloat16)
+    layout = _layout("bfloat16", device="cuda", head_dim=dh, block_size=16, num_blocks=16, max_seq_len=128)
+    cache = QuantizedPagedKVCache(layout, kv_dtype=kv_dtype)
+    oracle = FakeQuant(layout, cache)
+    xs = torch.randn(2, 40, d, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for chunk in (slice(0, 20), slice(20, 23), slice(23, 24), slice(24, 25)):
+            outs = []
+            for c in (cache, oracle):
+                x = xs[:, chunk]
+                st = begin_step(c, [0, 1], 2, x.shape[1], None, x.device)
+                positions = st.lengths_before[:, None] + torch.arange(x.shape[1], device="cuda")
+                cos, sin = rope_tables(positions, dh, 10000.0, dtype=torch.bfloat16)
+                outs.append(attn(x, cos, sin, step=st).float())
+            err = (outs[0] - outs[1]).norm() / outs[1].norm()
+            assert float(err) < 2e-2, (kv_dtype, chunk, float(err))  # bf16 roundings of P and the output

@@ -12,6 +12,10 @@ teacher-forced top-1 agreement (argmax equal to the unquantised run's), and free
 ``--gen`` tokens generated from a held-out prompt, the share equal to the unquantised run's and the length
 of the common prefix.
 
+``kernel``: one layer's decode attention at long context (the speed model's heads), ``paged_attention`` over
+bf16 pools against ``paged_attention_quant`` over int8 / fp8 pools, median of CUDA-event timings, with the
+pool bytes read per second.
+
 ``speed``: decode throughput at long context with ``plyx.serve``'s engine (CUDA graphs on a GPU): a random
 model of a Llama shape, ``--batch`` prompts of ``--context`` random tokens, ``--new-tokens`` greedy tokens.
 Decode tok/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1)): the prefill and the first token cancel.
@@ -41,11 +45,13 @@ PRESETS = {
     # 2-core CI box: a small model trained for a few hundred steps, contexts 128 and 512
     "cpu": dict(quality_model=dict(d_model=96, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=256),
                 train_steps=250, train_batch=8, train_len=256, lr=3e-3, contexts=(128, 512), windows=4, chunk=16,
-                gen=48, speed_model="tiny", context=512, batch=2, new_tokens=17, dtype="float32"),
+                gen=48, speed_model="tiny", context=512, batch=2, new_tokens=17, dtype="float32",
+                kernel_contexts=(512,), kernel_batches=(1, 4)),
     # one H100/H200: head_dim 64 (the Triton kernels' sizes), trained at the longest context evaluated
     "gpu": dict(quality_model=dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=2, d_ff=1536),
                 train_steps=400, train_batch=4, train_len=8192, lr=1e-3, contexts=(2048, 8192), windows=4, chunk=16,
-                gen=128, speed_model="1.1b", context=8192, batch=16, new_tokens=129, dtype="bfloat16"),
+                gen=128, speed_model="1.1b", context=8192, batch=16, new_tokens=257, dtype="bfloat16",
+                kernel_contexts=(8192, 32768), kernel_batches=(1, 16, 64)),
 }
 
 #: random-weight models of the speed test (Llama shapes)
@@ -232,10 +238,77 @@ def speed(p: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
+def _time(fn, device: torch.device, reps: int = 20) -> float:
+    """Median seconds of ``fn()`` (CUDA events on a GPU, after warm-up)."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t)
+    return sorted(samples)[len(samples) // 2]
+
+
+@torch.no_grad()
+def kernels(p: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """One decode step's attention of one layer of the speed model's shape: ``paged_attention`` over bf16 pools
+    against ``paged_attention_quant`` over int8 / fp8 pools, through the registry (what a model step calls)."""
+    from plyx.kernel import registry
+    from plyx.kernel.reference.store_kv_quant import quantize_kv
+
+    cfg = SPEED_MODELS[p["speed_model"]]
+    H, KV = cfg["n_heads"], cfg["n_kv_heads"]
+    D = cfg["d_model"] // H
+    bs = 16
+    rows = []
+    kinds = _kv_dtypes(device)
+    storage = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+    for ctx in p["kernel_contexts"]:
+        for batch in p["kernel_batches"]:
+            width = -(-ctx // bs)
+            gen = torch.Generator(device=device).manual_seed(0)
+            k = torch.randn(batch * width, bs, KV, D, device=device, dtype=dtype, generator=gen)
+            v = torch.randn(batch * width, bs, KV, D, device=device, dtype=dtype, generator=gen)
+            q = torch.randn(batch, 1, H, D, device=device, dtype=dtype, generator=gen)
+            tables = torch.arange(batch * width, device=device, dtype=torch.int32).view(batch, width)
+            lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+            base = None
+            for kind in kinds:
+                if kind == "auto":
+                    fn = registry().get("paged_attention", q, k, v, head_dim=D)
+                    args: tuple = (q, k, v, tables, lens)
+                    pool_bytes = 2 * k.numel() * k.element_size()
+                else:
+                    qk, sk = quantize_kv(k, storage[kind])
+                    qv, sv = quantize_kv(v, storage[kind])
+                    fn = registry().get("paged_attention_quant", q, qk, qv, head_dim=D, fp8=int(kind == "fp8_e4m3"))
+                    args = (q, qk, qv, sk, sv, tables, lens)
+                    pool_bytes = 2 * (qk.numel() * qk.element_size() + sk.numel() * sk.element_size())
+                seconds = _time(lambda: fn(*args), device)
+                base = base or seconds
+                rows.append(dict(mode="kernel", kv_cache_dtype=kind, impl=getattr(fn, "__name__", "?"), heads=H,
+                                 kv_heads=KV, head_dim=D, context=ctx, batch=batch, us=round(seconds * 1e6, 2),
+                                 GB_s=round(pool_bytes / seconds / 1e9, 1), speedup=round(base / seconds, 3)))
+                del args
+            del k, v
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--mode", choices=["quality", "speed", "all"], default="all")
+    ap.add_argument("--mode", choices=["quality", "speed", "kernel", "all"], default="all")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--train-steps", type=int, default=None, help="override the preset's training steps")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -253,6 +326,8 @@ def main() -> None:
     rows: list[dict] = []
     if args.mode in ("quality", "all"):
         rows += quality(p, device, dtype, args.train_steps)
+    if args.mode in ("kernel", "all"):
+        rows += kernels(p, device, dtype)
     if args.mode in ("speed", "all"):
         rows += speed(p, device, dtype)
     out = Path(args.out)
