@@ -238,22 +238,22 @@ def speed(p: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
     return rows
 
 
-def _time(fn, device: torch.device, reps: int = 20) -> float:
-    """Median seconds of ``fn()`` (CUDA events on a GPU, after warm-up)."""
+def _time(fn, args: tuple, device: torch.device, reps: int = 20) -> float:
+    """Median seconds of ``fn(*args)`` (CUDA events on a GPU, after warm-up)."""
     for _ in range(3):
-        fn()
+        fn(*args)
     samples = []
     for _ in range(reps):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            fn(*args)
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end) / 1e3)
         else:
             t = time.perf_counter()
-            fn()
+            fn(*args)
             samples.append(time.perf_counter() - t)
     return sorted(samples)[len(samples) // 2]
 
@@ -293,7 +293,7 @@ def kernels(p: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
                     fn = registry().get("paged_attention_quant", q, qk, qv, head_dim=D, fp8=int(kind == "fp8_e4m3"))
                     args = (q, qk, qv, sk, sv, tables, lens)
                     pool_bytes = 2 * (qk.numel() * qk.element_size() + sk.numel() * sk.element_size())
-                seconds = _time(lambda: fn(*args), device)
+                seconds = _time(fn, args, device)
                 base = base or seconds
                 rows.append(dict(mode="kernel", kv_cache_dtype=kind, impl=getattr(fn, "__name__", "?"), heads=H,
                                  kv_heads=KV, head_dim=D, context=ctx, batch=batch, us=round(seconds * 1e6, 2),
