@@ -36,6 +36,7 @@ import json
 import math
 import os
 import platform
+import re
 import time
 from pathlib import Path
 
@@ -91,7 +92,8 @@ def _model(config: dict, vocab: int, max_seq_len: int, device: torch.device, dty
 
     torch.manual_seed(seed)
     cfg = ModelConfig(vocab_size=vocab, max_seq_len=max_seq_len, **config)
-    return TransformerLM(cfg).to(device=device, dtype=dtype)
+    with torch.device(device):  # initialised where it runs: a 1B model's float32 init on the host takes minutes
+        return TransformerLM(cfg).to(dtype=dtype)
 
 
 def train_char_model(p: dict, device: torch.device, steps: int | None = None):
@@ -332,7 +334,8 @@ def main() -> None:
         rows += speed(p, device, dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "cpu" if device.type == "cpu" else "cuda-" + name.split()[-1].lower().replace(" ", "")
+    model_id = re.search(r"\b[A-Z]{1,2}\d{2,4}\b", name)  # "NVIDIA H100 80GB HBM3" -> h100
+    tag = "cpu" if device.type == "cpu" else "cuda-" + (model_id.group(0) if model_id else "gpu").lower()
     path = out / f"kv-quant-{tag}.jsonl"
     with path.open("a") as f:
         for row in rows:
