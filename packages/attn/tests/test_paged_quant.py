@@ -85,9 +85,11 @@ def test_attention_reads_and_writes_the_quantised_cache(kv_dtype):
     assert 0 < float(err) < (0.02 if kv_dtype == "int8" else 0.1)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["rope_store_kv_quant", "write_slots"])
 @pytest.mark.parametrize("kv_dtype", KINDS)
-def test_static_decode_step_writes_through_the_quantising_store(kv_dtype):
-    """A static (graph-capturable) step writes its keys with ``write_slots`` and attends like an eager step."""
+def test_static_decode_step_writes_through_the_quantising_store(kv_dtype, fused):
+    """A static (graph-capturable) step quantises its keys and values (``rope_store_kv_quant``, or the cache's
+    ``write_slots``) and attends like an eager step (``append``: ``store_kv_quant``), writing the same bytes."""
     attn = _attention()
     caches = [QuantizedPagedKVCache(_layout(), kv_dtype=kv_dtype) for _ in range(2)]
     xs = [torch.randn(12, D, dtype=torch.float64) for _ in range(2)]
@@ -100,7 +102,10 @@ def test_static_decode_step_writes_through_the_quantising_store(kv_dtype):
     x = torch.stack([xs[0][9:10], xs[1][5:6]])  # (2, 1, D)
     cos, sin = rope_tables(positions, DH, 10000.0, dtype=torch.float64)
     attn.pack_projections_()
-    y = attn(x, cos, sin, step=st)
+    # packed projections are read at inference only (then rope_store_kv_quant writes, one launch); with a
+    # gradient the step projects unpacked and stores through the cache's write_slots
+    with torch.set_grad_enabled(not fused):
+        y = attn(x, cos, sin, step=st)
     for row in range(2):
         torch.testing.assert_close(y[row], eager[row], rtol=1e-10, atol=1e-10)
         for a, b in zip(caches[0].read(0, row), caches[1].read(0, row)):

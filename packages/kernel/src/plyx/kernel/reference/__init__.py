@@ -15,8 +15,9 @@ from plyx.kernel.reference.rmsnorm import rmsnorm
 from plyx.kernel.reference.rmsnorm_linear import rmsnorm_linear
 from plyx.kernel.reference.rope import rope
 from plyx.kernel.reference.rope_store_kv import rope_store_kv
+from plyx.kernel.reference.rope_store_kv_quant import rope_store_kv_quant
 from plyx.kernel.reference.store_kv_quant import KV_QUANT_DTYPES, dequantize_kv, quantize_kv, store_kv_quant
 from plyx.kernel.reference.swiglu import swiglu
 from plyx.kernel.reference.swiglu_linear import swiglu_linear
 
-__all__ = ["KV_QUANT_DTYPES", "dequantize_kv", "quantize_kv", "store_kv_quant", "cross_entropy", "gemv", "grouped_gemm", "linear_cross_entropy", "matmul", "moe_permute", "moe_unpermute", "rmsnorm", "rmsnorm_linear", "rope", "rope_store_kv", "swiglu", "swiglu_linear"]
+__all__ = ["KV_QUANT_DTYPES", "dequantize_kv", "quantize_kv", "store_kv_quant", "cross_entropy", "gemv", "grouped_gemm", "linear_cross_entropy", "matmul", "moe_permute", "moe_unpermute", "rmsnorm", "rmsnorm_linear", "rope", "rope_store_kv", "rope_store_kv_quant", "swiglu", "swiglu_linear"]

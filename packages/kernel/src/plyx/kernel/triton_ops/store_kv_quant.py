@@ -20,7 +20,7 @@ from plyx.kernel.reference.store_kv_quant import QMAX, check_store_kv_quant
 from plyx.kernel.triton_ops._common import interpreting, next_power_of_2, pdl
 from plyx.kernel.triton_ops._tiles import wait_for_inputs
 
-__all__ = ["store_kv_quant", "check_fp8_device"]
+__all__ = ["store_kv_quant", "check_fp8_device", "quantize", "quantize_rows", "row_scale"]
 
 _NAME = "store_kv_quant:triton"
 #: float8_e4m3fn conversions in Triton: sm_90 (Hopper) and newer
@@ -56,21 +56,30 @@ def _round_e4m3(y):
 
 
 @triton.jit
-def _quantize_rows(X, DST, SCALE, x_off, dst_off, scale_off, mask, d, DH, QMAX: tl.constexpr, FP8: tl.constexpr):
-    """Quantise the ``[BLOCK_H, BLOCK_D]`` rows at ``X + x_off`` into ``DST + dst_off`` and their scales."""
-    dmask = mask[:, None] & (d < DH)[None, :]
-    x = tl.load(X + x_off[:, None] + d[None, :], mask=dmask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), 1)  # (BLOCK_H,)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
+def row_scale(amax, QMAX: tl.constexpr):
+    """The scale of rows whose absolute maximum is ``amax`` (1 for an all-zero row)."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, QMAX), 1.0)
+
+
+@triton.jit
+def quantize(x, scale, dtype: tl.constexpr, QMAX: tl.constexpr, FP8: tl.constexpr):
+    """float32 ``x`` (``[BLOCK_H, n]``) over its rows' ``scale`` (``[BLOCK_H]``), as ``dtype`` (int8 or e4m3)."""
     y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if FP8:
         if _INTERPRETER:
             y = _round_e4m3(y)
-        q = y.to(DST.dtype.element_ty)
-    else:
-        q = tl.floor(y + 0.5).to(tl.int8)
-    tl.store(DST + dst_off[:, None] + d[None, :], q, mask=dmask)
+        return y.to(dtype)
+    return tl.floor(y + 0.5).to(tl.int8)
+
+
+@triton.jit
+def quantize_rows(X, DST, SCALE, x_off, dst_off, scale_off, mask, d, DH, QMAX: tl.constexpr, FP8: tl.constexpr):
+    """Quantise the ``[BLOCK_H, BLOCK_D]`` rows at ``X + x_off`` into ``DST + dst_off`` and their scales."""
+    dmask = mask[:, None] & (d < DH)[None, :]
+    x = tl.load(X + x_off[:, None] + d[None, :], mask=dmask, other=0.0).to(tl.float32)
+    scale = row_scale(tl.max(tl.abs(x), 1), QMAX)  # (BLOCK_H,)
+    tl.store(DST + dst_off[:, None] + d[None, :], quantize(x, scale, DST.dtype.element_ty, QMAX, FP8), mask=dmask)
     tl.store(SCALE + scale_off, scale, mask=mask)
 
 
@@ -85,9 +94,9 @@ def _store_kv_quant_kernel(K, V, KC, VC, KS, VS, SLOTS, KV, DH, skn, skh, svn, s
     # broadcast before comparing: the interpreter's scalar bool & block bool gives an int mask it then refuses
     mask = (heads < KV) & ((tl.zeros([BLOCK_H], dtype=tl.int64) + slot) >= 0)
     d = tl.arange(0, BLOCK_D)
-    _quantize_rows(K, KC, KS, n * skn + heads * skh, slot * skcs + heads * skch, slot * skss + heads * sksh,
+    quantize_rows(K, KC, KS, n * skn + heads * skh, slot * skcs + heads * skch, slot * skss + heads * sksh,
                    mask, d, DH, QMAX, FP8)
-    _quantize_rows(V, VC, VS, n * svn + heads * svh, slot * svcs + heads * svch, slot * svss + heads * svsh,
+    quantize_rows(V, VC, VS, n * svn + heads * svh, slot * svcs + heads * svch, slot * svss + heads * svsh,
                    mask, d, DH, QMAX, FP8)
 
 
