@@ -138,8 +138,9 @@ def _cache(kind: str, model, batch: int, max_len: int):
     from plyx.attn import make_cache
 
     name = {"auto": "paged", "int8": "paged_int8", "fp8_e4m3": "paged_fp8_e4m3"}[kind]
-    device = next(model.parameters()).device
-    return make_cache(name, model.config, batch_size=batch, block_size=16, max_seq_len=max_len, device=device)
+    param = next(model.parameters())  # the cache in the model's dtype (bf16 on a GPU), as the engine builds it
+    return make_cache(name, model.config, batch_size=batch, block_size=16, max_seq_len=max_len, device=param.device,
+                      dtype=param.dtype)
 
 
 @torch.no_grad()

@@ -19,8 +19,10 @@ def _greedy(model, prompt, steps, kind):
     """The oracle: a plain greedy loop over the model with a fresh cache of ``kind`` (no engine)."""
     from plyx.attn import make_cache
 
-    device = next(model.parameters()).device
-    cache = make_cache(kind, model.config, batch_size=1, block_size=16, max_seq_len=64, device=device)
+    param = next(model.parameters())
+    device = param.device
+    cache = make_cache(kind, model.config, batch_size=1, block_size=16, max_seq_len=64, device=device,
+                       dtype=param.dtype)
     ids, out = torch.tensor([prompt], device=device), []
     with torch.no_grad():
         for _ in range(steps):
