@@ -3,8 +3,8 @@
 Two measurements, each written to ``bench/results/kv-quant-<device>.jsonl`` (one JSON line per row, with the
 device, the date and the versions) and printed as a table:
 
-``quality``: a char-level model trained here on the first 90% of Tiny Shakespeare (``plyx.train``'s copy of
-the text), evaluated on the held-out last 10% at two context lengths. Each window of ``ctx`` characters is
+``quality``: a char-level model trained here on the first 90% of Tiny Shakespeare (plyx-train's copy of
+the text, read from this checkout), evaluated on the held-out last 10% at two context lengths. Each window of ``ctx`` characters is
 fed through the cache in chunks of ``--chunk`` tokens (<= 16: every token attends through the paged
 decode kernel, i.e. through the quantised pools), so token t's logits see the quantised keys and values of
 all tokens before it. Reported per cache dtype: perplexity and its delta against the unquantised cache,
@@ -80,10 +80,12 @@ def _kv_dtypes(device: torch.device) -> list[str]:
     return out
 
 
-def _text() -> str:
-    import importlib.resources
+#: plyx-train's copy of Tiny Shakespeare, read from the checkout (a GPU machine has the tree, maybe not plyx-train)
+TEXT = Path(__file__).resolve().parents[3] / "packages" / "train" / "src" / "plyx" / "train" / "data" / "tinyshakespeare.txt"
 
-    return importlib.resources.files("plyx.train").joinpath("data/tinyshakespeare.txt").read_text(encoding="utf-8")
+
+def _text() -> str:
+    return TEXT.read_text(encoding="utf-8")
 
 
 def _model(config: dict, vocab: int, max_seq_len: int, device: torch.device, dtype: torch.dtype, seed: int = 0):
