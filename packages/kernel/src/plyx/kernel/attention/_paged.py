@@ -19,6 +19,13 @@ a second kernel combines them::
 
 The number of splits depends only on B, KV, the table width and the GPU, so
 no device-to-host sync (no ``context_lens.max()``) is needed.
+
+Quantised pools (``QUANT``, ``paged_attention_quant``): int8 or float8_e4m3fn pools with a float32
+scale per (token, kv head) in ``[num_blocks, block_size, KV]`` pools beside them. A stored key is
+``k_int * s_k``, so ``q . k = (q . k_int) * s_k`` and ``sum_n p_n v_n = sum_n (p_n s_v,n) v_int,n``:
+the 8-bit tiles go through the tensor cores as q's dtype (exact: every int8 and e4m3 value is a
+bf16/fp16 number) and the scales multiply the ``[BM, BN]`` scores and probabilities instead of the
+``[BN, D]`` tiles. The cache bytes read per key/value head halve; the program is otherwise unchanged.
 """
 
 from __future__ import annotations
