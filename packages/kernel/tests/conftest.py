@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if not HAVE_TRITON:
     collect_ignore = ["test_rmsnorm.py", "test_swiglu.py", "test_rope.py", "test_cross_entropy.py",
-                      "test_linear_cross_entropy.py", "test_matmul.py", "test_rope_store_kv.py", "test_rmsnorm_linear.py", "test_swiglu_linear.py",
+                      "test_linear_cross_entropy.py", "test_matmul.py", "test_rope_store_kv.py", "test_store_kv_quant.py", "test_rope_store_kv_quant.py", "test_rmsnorm_linear.py", "test_swiglu_linear.py",
                       "test_gemv.py", "test_grouped_gemm.py", "test_moe_permute.py", "test_moe_unpermute.py",
                       "test_compile_triton_boundary.py"]
 

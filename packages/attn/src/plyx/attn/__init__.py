@@ -7,11 +7,13 @@ by name from the plyx kernel registry; no implementation is imported here.
 from typing import Any
 
 __all__ = [
+    "KV_CACHE_DTYPES",
     "PAGED_MAX_QUERY",
     "Attention",
     "ContiguousKVCache",
     "KVStep",
     "PagedKVCache",
+    "QuantizedPagedKVCache",
     "RMSNorm",
     "STATIC_MAX_QUERY",
     "StaticDecode",
@@ -20,6 +22,7 @@ __all__ = [
     "begin_step",
     "cache_kinds",
     "cache_layout",
+    "check_kv_cache_dtype",
     "make_cache",
     "pack_linears_",
     "packed_for_inference",

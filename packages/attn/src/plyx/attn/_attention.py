@@ -149,11 +149,22 @@ class Attention(nn.Module):
     def _rope_and_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: KVStep) -> torch.Tensor | None:
         """q rotated; k rotated and v written to the step's slots (one ``rope_store_kv`` launch); None: no such kernel."""
         H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        scales = step.scales(self.layer_idx)
+        k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
+        if scales is not None:  # a quantised cache: k and v quantised into its pools in the same launch
+            try:
+                fn = kernel("rope_store_kv_quant", qkv, cos, sin, head_dim=Dh)
+            except KernelNotFoundError:  # an older plyx-kernel: RoPE, then the cache's quantising store
+                q, k, v = self._rotate_packed(qkv, cos, sin)
+                step.store(self.layer_idx, k, v)
+                return q
+            k_scale, v_scale = scales  # (num_blocks, block_size, KV) each
+            return fn(qkv, cos, sin, k_pool.view(-1, KV, Dh), v_pool.view(-1, KV, Dh),  # type: ignore[no-any-return]
+                      k_scale.view(-1, KV), v_scale.view(-1, KV), step.slots, n_heads=H, n_kv_heads=KV)
         try:
             fn = kernel("rope_store_kv", qkv, cos, sin, head_dim=Dh)
         except KernelNotFoundError:
             return None
-        k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
         return fn(qkv, cos, sin, k_pool.view(-1, KV, Dh), v_pool.view(-1, KV, Dh), step.slots,  # type: ignore[no-any-return]
                   n_heads=H, n_kv_heads=KV)
 
@@ -190,6 +201,12 @@ class Attention(nn.Module):
         """Paged attention of ``q`` over what ``step`` cached (the new tokens included)."""
         k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
         tables, lens = step.paged  # type: ignore[misc]
+        scales = step.scales(self.layer_idx)
+        if scales is not None:  # int8 / fp8 pools, (num_blocks, block_size, KV) float32 scales: q keeps its dtype
+            fp8 = int(k_pool.dtype == torch.float8_e4m3fn)
+            fn = kernel("paged_attention_quant", q, k_pool, v_pool, head_dim=self.head_dim, fp8=fp8)
+            return fn(q, k_pool, v_pool, *scales, tables, lens, scale=self.scale,  # type: ignore[no-any-return]
+                      window=self.sliding_window)
         q = q.to(k_pool.dtype)
         fn = kernel("paged_attention", q, k_pool, v_pool, head_dim=self.head_dim)
         return fn(q, k_pool, v_pool, tables, lens, scale=self.scale, window=self.sliding_window)  # type: ignore[no-any-return]

@@ -66,11 +66,7 @@ class PagedKVCache:
                 f"block_size ({layout.block_size}) and num_blocks ({layout.num_blocks}) must be >= 1"
             )
         self._layout = layout
-        dtype = dtype_of(layout.dtype)
-        shape = (layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        # one tensor per layer and side: [num_blocks, block_size, KV, Dh]
-        self._k = [torch.zeros(shape, dtype=dtype, device=layout.device) for _ in range(layout.num_layers)]
-        self._v = [torch.zeros(shape, dtype=dtype, device=layout.device) for _ in range(layout.num_layers)]
+        self._allocate_pools((layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim))
         self._refs = [0] * layout.num_blocks
         # a stack popped from the end: lowest ids are handed out first (deterministic)
         self._free = list(range(layout.num_blocks - 1, -1, -1))
@@ -106,8 +102,7 @@ class PagedKVCache:
             if cow:
                 old = seq.blocks[-1]
                 fresh = self._take()
-                for pool in (*self._k, *self._v):
-                    pool[fresh].copy_(pool[old])
+                self._copy_block(old, fresh)
                 self._refs[old] -= 1
                 seq.blocks[-1] = fresh
             for _ in range(new_blocks):
@@ -240,6 +235,17 @@ class PagedKVCache:
         return self._get(seq_id).blocks
 
     # -- internals -------------------------------------------------------------------
+    def _allocate_pools(self, shape: tuple[int, int, int, int]) -> None:
+        """The pools: one tensor per layer and side, ``[num_blocks, block_size, KV, Dh]``."""
+        dtype, device = dtype_of(self._layout.dtype), self._layout.device
+        self._k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self._layout.num_layers)]
+        self._v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self._layout.num_layers)]
+
+    def _copy_block(self, old: int, fresh: int) -> None:
+        """Copy-on-write: block ``old``'s contents into ``fresh``, on every layer."""
+        for pool in (*self._k, *self._v):
+            pool[fresh].copy_(pool[old])
+
     def _plan(self, ids: list[int], counts: list[int]) -> tuple[list[tuple[_Seq, bool, int]], int]:
         """Per sequence: (state, copy its shared last block?, blocks to add); and the total blocks needed.
 

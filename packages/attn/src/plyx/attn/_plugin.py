@@ -25,9 +25,24 @@ def _paged(layout: Any) -> Any:
     return PagedKVCache(layout)
 
 
+def _paged_int8(layout: Any) -> Any:
+    from plyx.attn._paged_quant import QuantizedPagedKVCache
+
+    return QuantizedPagedKVCache(layout, kv_dtype="int8")
+
+
+def _paged_fp8(layout: Any) -> Any:
+    from plyx.attn._paged_quant import QuantizedPagedKVCache
+
+    return QuantizedPagedKVCache(layout, kv_dtype="fp8_e4m3")
+
+
 @hookimpl
 def plyx_kv_cache_kinds() -> list[Component]:
     return [
         Component("contiguous", _contiguous, "one preallocated [max_batch, max_seq_len] row per sequence"),
         Component("paged", _paged, "fixed-size blocks in a pool, refcounted copy-on-write prefix sharing"),
+        Component("paged_int8", _paged_int8, "the paged cache storing int8 keys/values, per-token per-head scales"),
+        Component("paged_fp8_e4m3", _paged_fp8,
+                  "the paged cache storing float8_e4m3fn keys/values, per-token per-head scales (CPU, Hopper)"),
     ]

@@ -69,10 +69,19 @@ class KVStep:
             return self.cache.kv_blocks(layer)  # type: ignore[attr-defined]
         return self.cache.kv_pool(layer)  # type: ignore[return-value]
 
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A quantised cache's scale pools of ``layer`` (``[num_blocks, block_size, KV]`` float32), else None."""
+        fn = getattr(self.cache, "kv_scales", None)
+        return None if fn is None else fn(layer)  # type: ignore[no-any-return]
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append the real tokens of ``k``, ``v`` (``[B, T, KV, Dh]``) to ``layer``."""
         kv = k.shape[2:]
         k_flat, v_flat = k.reshape(-1, *kv), v.reshape(-1, *kv)  # (B*T, KV, Dh)
+        write = getattr(self.cache, "write_slots", None) if self.slots is not None else None
+        if write is not None:  # a quantised cache: its own kernel quantises into the slots
+            write(layer, self.slots, k_flat, v_flat)
+            return
         if self.slots is not None:
             k_pool, v_pool = self.pools(layer)
             k_pool.view(-1, *kv).index_copy_(0, self.slots, k_flat.to(k_pool.dtype))

@@ -21,6 +21,8 @@ _REFERENCES = {
     "rope": "PyTorch RoPE, rotate-half or interleaved, partial rotary",
     "rope_qk": "PyTorch RoPE of q and k (rope twice), rotate-half or interleaved, partial rotary, GQA",
     "rope_store_kv": "PyTorch RoPE of q and k, k and v stored at cache slots",
+    "store_kv_quant": "PyTorch int8 / fp8_e4m3 quantisation (per token and head scales), stored at cache slots",
+    "rope_store_kv_quant": "PyTorch RoPE of q and k, k and v quantised (int8 / fp8_e4m3) into cache slots",
     "rmsnorm_linear": "PyTorch RMSNorm (+ residual) then the projection (+ SwiGLU)",
     "swiglu_linear": "PyTorch silu(gate) * up of a packed gate/up output, then the down projection",
     "gemv": "torch.nn.functional.linear (cuBLAS on CUDA), any number of rows",

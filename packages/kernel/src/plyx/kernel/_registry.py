@@ -547,6 +547,9 @@ def default_sizes(name: str, tensors: tuple[Any, ...]) -> dict[str, int]:
     if not t or not t[0].dim():
         return {}
     last = int(t[0].shape[-1])
+    if name == "paged_attention_quant":  # (q, k_pool, ...): the pools' storage picks the implementation
+        fp8 = len(t) > 1 and str(getattr(t[1], "dtype", "")) == "torch.float8_e4m3fn"
+        return {"head_dim": last, "fp8": int(fp8)}
     if name in ("rope", "rope_qk") or name.endswith("attention"):
         return {"head_dim": last}
     if name == "cross_entropy":

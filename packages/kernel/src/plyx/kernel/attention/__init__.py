@@ -1,7 +1,8 @@
 """Attention kernels of plyx-kernel: ``attention`` and ``paged_attention``.
 
-Implementations (all follow the contracts documented on ``attention_reference``
-and ``paged_attention_reference``):
+Implementations (all follow the contracts documented on ``attention_reference``,
+``paged_attention_reference`` and ``paged_attention_quant_reference``: paged decode
+attention over an int8 / float8_e4m3fn cache with per-token, per-head scales):
 
 - ``reference``: plain torch, any device and dtype, float64 gradcheck-able (priority 0);
 - ``sdpa``: torch's scaled_dot_product_attention (priority 10);
@@ -25,13 +26,19 @@ import types
 from typing import Any
 
 from plyx.kernel._registry import _tracing
-from plyx.kernel.attention._reference import attention_reference, paged_attention_reference
+from plyx.kernel.attention._reference import (
+    attention_reference,
+    paged_attention_quant_reference,
+    paged_attention_reference,
+)
 from plyx.kernel.attention._sdpa import attention_sdpa
 
 __all__ = [
     "attention_reference",
     "attention_sdpa",
     "attention_triton",
+    "paged_attention_quant_reference",
+    "paged_attention_quant_triton",
     "paged_attention_reference",
     "paged_attention_triton",
     "register",
@@ -73,6 +80,13 @@ def paged_attention_triton(*args: Any, **kwargs: Any) -> Any:
 
         return reached_under_compile("paged_attention", _load_paged, args, kwargs)
     return _load_paged()(*args, **kwargs)
+
+
+def paged_attention_quant_triton(*args: Any, **kwargs: Any) -> Any:
+    """The Triton paged decode attention over int8 / fp8 pools (``paged_attention_quant``); imports Triton on first call."""
+    from plyx.kernel.attention._paged import paged_attention_quant
+
+    return paged_attention_quant(*args, **kwargs)
 
 
 def register(registry: Any) -> None:

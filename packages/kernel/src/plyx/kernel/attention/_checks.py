@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["AttentionArgs", "check_attention", "check_paged"]
+__all__ = ["AttentionArgs", "check_attention", "check_paged", "check_paged_quant"]
 
 
 class AttentionArgs:
@@ -116,3 +116,44 @@ def check_paged(
     if q.dtype != k_pool.dtype or k_pool.dtype != v_pool.dtype:
         raise TypeError(f"paged_attention: q, k_pool, v_pool dtypes differ ({q.dtype}, {k_pool.dtype}, {v_pool.dtype})")
     return B, Tq, H, KV, D, block_size
+
+
+#: storage dtypes of quantised pools (``paged_attention_quant``)
+QUANT_POOL_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def check_paged_quant(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> tuple[int, int, int, int, int, int]:
+    """Validate the ``paged_attention_quant`` contract; returns (B, Tq, H, KV, Dh, block_size).
+
+    As ``check_paged``, except that the pools hold int8 or float8_e4m3fn (q is a float dtype) and each has a
+    float32 scale pool ``[num_blocks, block_size, KV]`` (one scale per token and key/value head).
+    """
+    if k_pool.dtype not in QUANT_POOL_DTYPES or v_pool.dtype != k_pool.dtype:
+        raise TypeError(
+            f"paged_attention_quant: k_pool/v_pool must both be int8 or float8_e4m3fn (got {k_pool.dtype}, "
+            f"{v_pool.dtype}); pass a quantised cache's pools, or use paged_attention for float pools"
+        )
+    if not q.is_floating_point() or q.dtype in QUANT_POOL_DTYPES:
+        raise TypeError(f"paged_attention_quant: q must be a float tensor (got {q.dtype}); pass the model's queries")
+    # the shape checks of check_paged, on float views of the same sizes
+    probe = torch.empty((1, 1, 1, 1), dtype=q.dtype, device=k_pool.device).expand(*k_pool.shape)  # no memory
+    dims = check_paged(q, probe, probe, block_tables, context_lens)
+    if v_pool.shape != k_pool.shape:
+        raise _shape_error("v_pool", v_pool, f"{tuple(k_pool.shape)} (the shape of k_pool)", "keys and values share one layout")
+    for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if sc.dtype != torch.float32 or tuple(sc.shape) != tuple(k_pool.shape[:3]):
+            raise ValueError(
+                f"paged_attention_quant: `{name}` is {sc.dtype} {tuple(sc.shape)}, expected float32 "
+                f"{tuple(k_pool.shape[:3])} (num_blocks, block_size, KV); pass the cache's kv_scales(layer)"
+            )
+        if sc.stride(-1) != 1:
+            raise ValueError(f"paged_attention_quant: `{name}` needs a unit stride on KV; call .contiguous() on it")
+    return dims

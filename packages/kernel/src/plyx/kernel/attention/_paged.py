@@ -19,6 +19,13 @@ a second kernel combines them::
 
 The number of splits depends only on B, KV, the table width and the GPU, so
 no device-to-host sync (no ``context_lens.max()``) is needed.
+
+Quantised pools (``QUANT``, ``paged_attention_quant``): int8 or float8_e4m3fn pools with a float32
+scale per (token, kv head) in ``[num_blocks, block_size, KV]`` pools beside them. A stored key is
+``k_int * s_k``, so ``q . k = (q . k_int) * s_k`` and ``sum_n p_n v_n = sum_n (p_n s_v,n) v_int,n``:
+the 8-bit tiles go through the tensor cores as q's dtype (exact: every int8 and e4m3 value is a
+bf16/fp16 number) and the scales multiply the ``[BM, BN]`` scores and probabilities instead of the
+``[BN, D]`` tiles. The cache bytes read per key/value head halve; the program is otherwise unchanged.
 """
 
 from __future__ import annotations
@@ -28,28 +35,30 @@ import os
 import torch
 import triton
 import triton.language as tl
-from plyx.kernel.attention._checks import check_paged
-from plyx.kernel.attention._tl import mm, mma
+from plyx.kernel.attention._checks import check_paged, check_paged_quant
+from plyx.kernel.attention._tl import mm, mma, widen
 from plyx.kernel.triton_ops._common import pdl
 from plyx.kernel.triton_ops._tiles import wait_for_inputs
+from plyx.kernel.triton_ops.store_kv_quant import check_fp8_device
 
-__all__ = ["paged_attention", "num_splits_for"]
+__all__ = ["paged_attention", "paged_attention_quant", "num_splits_for"]
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _paged_fwd(
-    Q, K_POOL, V_POOL, BLOCK_TABLES, CONTEXT_LENS, OUT, PART_ACC, PART_ML,
+    Q, K_POOL, V_POOL, K_SCALE, V_SCALE, BLOCK_TABLES, CONTEXT_LENS, OUT, PART_ACC, PART_ML,
     stride_qb, stride_qt, stride_qh,
     stride_kblk, stride_kslot, stride_kh,
     stride_vblk, stride_vslot, stride_vh,
+    stride_ksblk, stride_ksslot, stride_vsblk, stride_vsslot,
     stride_bt_b,
     stride_ob, stride_ot, stride_oh,
     Tq, KV, qk_scale, window, chunk, table_width,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_TILES: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_GDC: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_GDC: tl.constexpr, QUANT: tl.constexpr,
 ):
     # programmatic dependent launch: the previous kernel may have written the new keys, q or the tables, so
     # nothing is read before the wait
@@ -99,9 +108,20 @@ def _paged_fwd(
         # of memory round trips (length, block ids, keys, values), and this takes one out of it
         v = tl.load(V_POOL + blk[:, None] * stride_vblk + slot[:, None] * stride_vslot + kvh * stride_vh
                     + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BN, D]
+        if QUANT:
+            # int8 / fp8 pools, one float32 scale per (token, kv head): the integers (exact in 16 bits) go
+            # through the tensor cores in q's dtype and the scales multiply the [BM, BN] scores and
+            # probabilities, never the [BN, D] tiles (so the dequantisation costs 2 BN multiplies per row)
+            ks = tl.load(K_SCALE + blk * stride_ksblk + slot * stride_ksslot + kvh, mask=valid, other=0.0)
+            vs = tl.load(V_SCALE + blk * stride_vsblk + slot * stride_vsslot + kvh, mask=valid, other=0.0)
+            kt = widen(kt, q.dtype)
+            v = widen(v, q.dtype)
         following = offs_n + BLOCK_N  # the next tile's block ids, fetched while this one computes
         blk = tl.load(table + following // BLOCK_SIZE, mask=following < max_ctx, other=0).to(tl.int64)
-        s = mm(q, kt) * qk_scale  # [BM, BN], base 2
+        if QUANT:
+            s = mm(q, kt) * (ks[None, :] * qk_scale)  # [BM, BN], base 2: (q . k_int) * k_scale
+        else:
+            s = mm(q, kt) * qk_scale  # [BM, BN], base 2
         allowed = valid[None, :] & (offs_n[None, :] <= pos[:, None])  # causal among the new tokens
         if HAS_WINDOW:
             allowed = allowed & ((pos[:, None] - offs_n[None, :]) < window)
@@ -111,7 +131,10 @@ def _paged_fwd(
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
+        if QUANT:
+            acc = mma((p * vs[None, :]).to(v.dtype), v, acc * alpha[:, None])  # sum_n p_n v_scale_n v_int_n
+        else:
+            acc = mma(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
     if SPLIT:
@@ -203,14 +226,24 @@ def paged_attention(
     scale: float | None = None,
     window: int | None = None,
     num_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The ``paged_attention`` contract (see ``paged_attention_reference``) in Triton.
 
     ``num_splits`` forces the split-K factor (1 = no split); by default it is
     chosen from the batch, the heads, the table width and the GPU's size.
     Context lengths are trusted (no host sync): each must be >= Tq and fit the table.
+    With ``k_scale``/``v_scale`` (``[num_blocks, block_size, KV]`` float32) the pools are
+    int8 / float8_e4m3fn and are dequantised in registers (``paged_attention_quant``).
     """
-    B, Tq, H, KV, D, block_size = check_paged(q, k_pool, v_pool, block_tables, context_lens)
+    quant = k_scale is not None
+    if quant:
+        B, Tq, H, KV, D, block_size = check_paged_quant(q, k_pool, v_pool, k_scale, v_scale, block_tables,
+                                                        context_lens)
+        check_fp8_device("paged_attention_quant:triton", "k_pool", k_pool)
+    else:
+        B, Tq, H, KV, D, block_size = check_paged(q, k_pool, v_pool, block_tables, context_lens)
     if D not in (16, 32, 64, 128, 256):
         raise ValueError(f"paged_attention: head_dim={D} must be a power of two in [16, 256]; use the reference")
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1:
@@ -246,16 +279,18 @@ def paged_attention(
         part_ml = _empty((B, KV, num_splits, 2, row_tiles * block_m), like=q, dtype=torch.float32)
     else:
         part_acc = part_ml = o  # never touched: SPLIT is False
+    ks, vs = (k_scale, v_scale) if quant else (k_pool, v_pool)  # never read without QUANT
     _paged_fwd[(B, KV * row_tiles, num_splits)](
-        q, k_pool, v_pool, block_tables, context_lens, o, part_acc, part_ml,
+        q, k_pool, v_pool, ks, vs, block_tables, context_lens, o, part_acc, part_ml,
         q.stride(0), q.stride(1), q.stride(2),
         k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2),
+        ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2),
         Tq, KV, scale * LOG2E, window or 0, chunk, block_tables.shape[1],
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, ROW_TILES=row_tiles,
-        SPLIT=split, HAS_WINDOW=window is not None, USE_GDC=gdc, num_warps=config["num_warps"],
+        SPLIT=split, HAS_WINDOW=window is not None, USE_GDC=gdc, QUANT=quant, num_warps=config["num_warps"],
         num_stages=config["num_stages"], launch_pdl=gdc,
     )
     if split:
@@ -264,3 +299,22 @@ def paged_attention(
             GROUP=group, HEAD_DIM=D, ROWS=row_tiles * block_m, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return o
+
+
+def paged_attention_quant(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """The ``paged_attention_quant`` contract (see ``paged_attention_quant_reference``) in Triton: the paged
+    kernel above with int8 / float8_e4m3fn pools dequantised in registers (float8 on Hopper or newer)."""
+    return paged_attention(q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window,
+                           num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)

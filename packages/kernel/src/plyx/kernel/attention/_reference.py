@@ -18,9 +18,10 @@ Math (per batch b, head h, query i, key j; g = H // KV is the GQA group)::
 from __future__ import annotations
 
 import torch
-from plyx.kernel.attention._checks import check_attention, check_paged
+from plyx.kernel.attention._checks import check_attention, check_paged, check_paged_quant
 
-__all__ = ["allowed_mask", "attention_reference", "paged_attention_per_sequence", "paged_attention_reference"]
+__all__ = ["allowed_mask", "attention_reference", "paged_attention_per_sequence", "paged_attention_quant_reference",
+           "paged_attention_reference"]
 
 
 def allowed_mask(
@@ -206,3 +207,49 @@ def paged_attention_per_sequence(q: torch.Tensor, k_pool: torch.Tensor, v_pool: 
         v = v_pool[blocks].reshape(n_blocks * block_size, KV, D)[:length]
         out.append(attention_reference(q[b : b + 1], k[None], v[None], causal=True, scale=scale, window=window))
     return torch.cat(out, dim=0)
+
+
+def paged_attention_quant_reference(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Paged decode attention over a quantised cache: ``paged_attention`` of the dequantised keys and values.
+
+    Args:
+        q: [B, Tq, H, Dh], a float dtype (the model's).
+        k_pool, v_pool: int8 or float8_e4m3fn [num_blocks, block_size, KV, Dh].
+        k_scale, v_scale: float32 [num_blocks, block_size, KV]: token n of a block holds
+            ``k_pool[blk, n].float() * k_scale[blk, n, :, None]`` (``plyx.kernel.reference.store_kv_quant``).
+        block_tables, context_lens, scale, window: as in ``paged_attention_reference``.
+
+    Returns:
+        o [B, Tq, H, Dh] in q's dtype.
+
+    Only the blocks the tables name (up to the longest sequence) are dequantised, into a compact pool
+    of float32 (float64 when q is float64), which ``paged_attention_reference`` then reads.
+    """
+    B, Tq, H, KV, D, block_size = check_paged_quant(q, k_pool, v_pool, k_scale, v_scale, block_tables, context_lens)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lens = context_lens.to(device=q.device, dtype=torch.long)
+    longest = int(lens.max()) if B else Tq  # one host sync
+    n_blocks = max(1, min(-(-longest // block_size), block_tables.shape[1]))
+    table = block_tables[:, :n_blocks].to(device=k_pool.device, dtype=torch.long)  # (B, n_blocks)
+    flat = table.reshape(-1)
+
+    def gather(pool: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+        raw = pool.view(torch.uint8) if pool.dtype == torch.float8_e4m3fn else pool  # no float8 index_select on CPU
+        blocks = raw.index_select(0, flat).view(pool.dtype)  # (B*n_blocks, block_size, KV, Dh)
+        return blocks.to(compute) * sc.index_select(0, flat).to(compute)[..., None]
+
+    compact = torch.arange(B * n_blocks, device=k_pool.device, dtype=torch.int32).view(B, n_blocks)
+    out = paged_attention_reference(q.to(compute), gather(k_pool, k_scale), gather(v_pool, v_scale), compact,
+                                    context_lens, scale=scale, window=window)
+    return out.to(q.dtype)

@@ -13,6 +13,8 @@ TRITON_HEAD_DIMS = frozenset({64, 128})
 TRITON_DTYPES = frozenset({"bfloat16", "float16"})
 #: Ampere or newer: bf16 tensor cores and the shared memory the tiles need
 TRITON_MIN_CC = (8, 0)
+#: float8_e4m3fn conversions in Triton: Hopper or newer
+FP8_MIN_CC = (9, 0)
 
 
 def register_all(registry: Any) -> None:
@@ -82,3 +84,35 @@ def register_all(registry: Any) -> None:
             description="Triton paged decode attention over a block table, split-K for long contexts, GQA",
         )
     )
+
+    # quantised pools (int8 / float8_e4m3fn with per-token, per-head scales). The query's dtype is q's; the
+    # storage is told by the shape key `fp8` (0: int8, 1: float8_e4m3fn), so fp8 takes the Triton kernel on
+    # Hopper only (float8 conversions) and int8 on any GPU the paged kernel runs on
+    registry.register(
+        KernelImpl(
+            name="paged_attention_quant",
+            impl="reference",
+            fn=attn.paged_attention_quant_reference,
+            capability=Capability(),
+            priority=0,
+            description="plain torch: dequantises the tables' blocks, then the paged reference; any device and dtype",
+        )
+    )
+    for impl, fp8, min_cc, what in (("triton", 0, TRITON_MIN_CC, "int8"), ("triton_fp8", 1, FP8_MIN_CC, "fp8_e4m3")):
+        registry.register(
+            KernelImpl(
+                name="paged_attention_quant",
+                impl=impl,
+                fn=attn.paged_attention_quant_triton,
+                capability=Capability(
+                    devices={"cuda"},
+                    dtypes=TRITON_DTYPES,
+                    min_compute_capability=min_cc,
+                    shape_in={"head_dim": TRITON_HEAD_DIMS, "fp8": frozenset({fp8})},
+                    requires=("triton",),
+                    backward=False,
+                ),
+                priority=20,
+                description=f"Triton paged decode attention over {what} pools, dequantised in registers, split-K, GQA",
+            )
+        )

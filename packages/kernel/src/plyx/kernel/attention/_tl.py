@@ -15,7 +15,7 @@ import os
 import triton
 import triton.language as tl
 
-__all__ = ["mm", "mma"]
+__all__ = ["mm", "mma", "widen"]
 
 _WIDEN = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -36,3 +36,12 @@ def mma(a, b, acc):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc)
+
+
+@triton.jit
+def widen(x, dtype: tl.constexpr):
+    """``x`` (an int8 or float8 tile) as ``dtype`` for the tensor cores; float32 under the interpreter, whose
+    bfloat16 is an integer type (int8 -> bfloat16 there gives garbage)."""
+    if _WIDEN:
+        return x.to(tl.float32)
+    return x.to(dtype)

@@ -59,6 +59,11 @@ _OPS: dict[str, tuple[int, dict[str, Any], str]] = {
     # no backward: with grad required the registry falls back to the reference, which explains the error
     "rope_store_kv": (10, {"shape_limits": {"head_dim": (2, 1024)}, "backward": False},
                       "Triton RoPE of q and k, k and v stored at cache slots, one launch (inference only)"),
+    # float8 caches need Hopper: the op refuses them on older GPUs with an error naming the fix (use int8)
+    "store_kv_quant": (10, {"backward": False},
+                       "Triton int8 / fp8_e4m3 quantisation of k and v (per token and head scales) at cache slots"),
+    "rope_store_kv_quant": (10, {"shape_limits": {"head_dim": (2, 1024)}, "backward": False},
+                            "Triton RoPE of q and k, k and v quantised (int8 / fp8_e4m3) into cache slots, one launch"),
     # decode-sized only (the rows limit is triton_ops.rmsnorm_linear.MAX_ROWS); larger M takes the reference
     "rmsnorm_linear": (10, {"shape_limits": {"rows": (1, 2)}, "backward": False},
                        "Triton RMSNorm (+ residual) fused into a skinny projection (+ SwiGLU), M <= 2 (inference only)"),

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from plyx.specs.errors import ConfigError
 
-__all__ = ["EngineConfig"]
+__all__ = ["EngineConfig", "KV_CACHE_DTYPES"]
+
+#: the values of ``EngineConfig.kv_cache_dtype`` (``--kv-cache-dtype``)
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8_e4m3")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -56,6 +61,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     N + 1 while the host handles step N (``generate``'s look-ahead). A row that turns out finished wasted one
     token of that forward. None: on where the device runs asynchronously (CUDA), off on CPU (the forward runs
     inline there, so it would only add the finished rows' work)."""
+    kv_cache_dtype: str = "auto"
+    """KV-cache storage: ``auto`` (the model's dtype), ``bf16``, or quantised with per-token, per-head scales
+    (about half the memory per token of bf16): ``int8`` (any device) or ``fp8_e4m3`` (Hopper GPUs, CPU)."""
 
     cuda_graphs: bool = True
     """On a CUDA device, replay decode steps as CUDA graphs (one per batch-size bucket, captured on first
@@ -83,8 +91,26 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
             if value < 0:
                 raise ConfigError(f"EngineConfig.{name}", f"{name} must be >= 0", value=value,
                                   fix="use 0 for the default")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError("EngineConfig.kv_cache_dtype", f"unknown KV-cache dtype {self.kv_cache_dtype!r}",
+                              value=self.kv_cache_dtype, fix=f"use one of {', '.join(KV_CACHE_DTYPES)}")
         if self.max_batch_tokens < self.max_batch_size:
             raise ConfigError("EngineConfig.max_batch_tokens",
                               f"max_batch_tokens must be >= max_batch_size ({self.max_batch_size}) so a full "
                               "decode step fits", value=self.max_batch_tokens,
                               fix="raise max_batch_tokens or lower max_batch_size")
+
+    def paged_cache(self, layout: Any) -> Any:
+        """The engine's paged KV cache for ``layout`` (a ``CacheLayout`` in the model's dtype), as
+        ``kv_cache_dtype`` says: ``plyx.attn.PagedKVCache`` or ``plyx.attn.QuantizedPagedKVCache``.
+        A dtype the device does not support is a ``ConfigError`` naming the fix."""
+        import attrs
+        from plyx.attn import PagedKVCache, QuantizedPagedKVCache
+
+        if self.kv_cache_dtype in ("auto", "bf16"):
+            return PagedKVCache(layout if self.kv_cache_dtype == "auto" else attrs.evolve(layout, dtype="bfloat16"))
+        try:
+            return QuantizedPagedKVCache(layout, kv_dtype=self.kv_cache_dtype)
+        except ValueError as exc:
+            raise ConfigError("EngineConfig.kv_cache_dtype", str(exc), value=self.kv_cache_dtype,
+                              fix="set it (plyx serve: --kv-cache-dtype) to a dtype this device runs") from None

@@ -118,7 +118,7 @@ class Engine:
 
     def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
                  eos_token_id: int | Seq[int] | None = None, seed: int = 0, lora: Any = None) -> None:
-        from plyx.attn import PagedKVCache, cache_layout
+        from plyx.attn import cache_layout
 
         self.model = model.eval()
         self.config = config or EngineConfig()
@@ -144,7 +144,7 @@ class Engine:
                               fix=f"pass num_blocks >= {per_seq + 1} or lower max_model_len")
         layout = cache_layout(mcfg, max_seq_len=self.max_model_len, block_size=bs, num_blocks=num_blocks,
                               device=str(self.device), dtype=dtype)
-        self.cache = PagedKVCache(layout)
+        self.cache = c.paged_cache(layout)  # PagedKVCache, or QuantizedPagedKVCache (kv_cache_dtype)
         self.prefix: PrefixCache | None = PrefixCache(self.cache, bs) if c.prefix_caching else None
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: list[Sequence] = []  # sorted by priority (arrival order)
@@ -173,12 +173,16 @@ class Engine:
 
     def _can_pack(self) -> bool:
         """Whether steps run as one packed forward: asked for, a block-addressable cache, a model with the
-        prepared-step entry point (``kv_step``), and no resident adapters (they select weights per batch row)."""
+        prepared-step entry point (``kv_step``), and no resident adapters (they select weights per batch row).
+        A quantised cache (``kv_scales``: int8/fp8 pools) takes the per-group path, whose writes quantise: the
+        packed step's store casts into the pools."""
         import inspect
 
         from plyx.attn import supports_static_decode
 
         if not self.config.packed_step or self.lora is not None or not supports_static_decode(self.cache):
+            return False
+        if hasattr(self.cache, "kv_scales"):
             return False
         return "kv_step" in inspect.signature(self.model.forward).parameters
 

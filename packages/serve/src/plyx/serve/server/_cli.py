@@ -30,6 +30,8 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     p.add_argument("--num-blocks", type=int, default=0, help="KV-cache blocks (0: sized from --memory-fraction)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "int8", "fp8_e4m3"],
+                   help="KV-cache storage: int8 (any device) / fp8_e4m3 (Hopper) halve its memory per token")
     p.add_argument("--memory-fraction", type=float, default=0.5, help="share of free GPU memory for the KV cache")
     p.add_argument("--max-batch-size", type=int, default=64, help="most sequences per step")
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="token budget per step (prefill chunking)")
@@ -68,7 +70,7 @@ def serve_config_from_args(args: argparse.Namespace) -> Any:
     )
 
 
-def _num_blocks(cfg: Any, model: Any, device: Any) -> int:
+def _num_blocks(cfg: Any, model: Any, device: Any, kv_cache_dtype: str = "auto") -> int:
     """0 (the engine's default: max_batch_size full sequences) on CPU; a share of free memory on a GPU."""
     import torch
 
@@ -76,7 +78,10 @@ def _num_blocks(cfg: Any, model: Any, device: Any) -> int:
         return cfg.num_blocks
     free, _ = torch.cuda.mem_get_info(device)
     c = model.config
-    bytes_per_block = 2 * c.n_layers * cfg.block_size * c.kv_heads * c.dim_per_head * next(model.parameters()).element_size()
+    # per token, head and side: Dh values (1 byte quantised, plus a float32 scale) or Dh of the cache dtype
+    row = {"int8": c.dim_per_head + 4, "fp8_e4m3": c.dim_per_head + 4, "bf16": 2 * c.dim_per_head}.get(
+        kv_cache_dtype, c.dim_per_head * next(model.parameters()).element_size())
+    bytes_per_block = 2 * c.n_layers * cfg.block_size * c.kv_heads * row
     return max(1, int(free * cfg.memory_fraction) // bytes_per_block)
 
 
@@ -98,7 +103,7 @@ def lora_specs(values: list[str]) -> dict[str, str]:
 
 def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: int = 512,
                  drain_timeout: float = 30.0, mixed_chunk: int = -1, lora: dict[str, str] | None = None,
-                 tool_parser: str = "hermes") -> Any:
+                 tool_parser: str = "hermes", kv_cache_dtype: str = "auto") -> Any:
     """The FastAPI app of a ``ServeConfig`` (model loaded, engine built; its thread starts with the app).
 
     ``lora`` maps served names to PEFT adapter directories (``plyx.serve.MultiLora``); a name is then a model
@@ -124,7 +129,8 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
         lora=multi,
         config=EngineConfig(
             max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens, block_size=cfg.block_size,
-            num_blocks=_num_blocks(cfg, model, torch.device(device)), max_model_len=cfg.max_model_len,
+            num_blocks=_num_blocks(cfg, model, torch.device(device), kv_cache_dtype), max_model_len=cfg.max_model_len,
+            kv_cache_dtype=kv_cache_dtype,
             prefix_caching=cfg.prefix_caching, max_queue=cfg.max_queue,
             mixed_chunk=(16 if torch.device(device).type == "cuda" else 0) if mixed_chunk < 0 else mixed_chunk,
         ),
@@ -149,7 +155,8 @@ def _run(args: argparse.Namespace) -> int:
         cfg = serve_config_from_args(args)
         app = build_server(cfg, chat_template=args.chat_template, max_concurrent=args.max_concurrent,
                            drain_timeout=args.drain_timeout, mixed_chunk=args.mixed_chunk,
-                           lora=lora_specs(args.lora), tool_parser=args.tool_call_parser)
+                           lora=lora_specs(args.lora), tool_parser=args.tool_call_parser,
+                           kv_cache_dtype=args.kv_cache_dtype)
     except (PathError, PlyxError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

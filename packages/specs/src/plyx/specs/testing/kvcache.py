@@ -10,6 +10,13 @@ Usage (any distribution, any kind)::
     def test_my_cache(check):
         check(lambda layout: MyCache(layout))
 
+A cache whose storage is lossy (quantised keys and values) exposes
+``storage_roundtrip(x [N, KV, Dh]) -> [N, KV, Dh]``, what ``read`` returns for rows
+``x`` once appended (a row's result must depend on that row alone); the checks then
+compare reads with it, exactly, instead of with the written values. Its pools are then
+read through ``kv_scales(layer)`` (two ``[num_blocks, block_size, KV]`` scale pools): a
+stored row is ``pool[block, slot].float() * scale[block, slot, :, None]``.
+
 A factory receives a ``CacheLayout`` (``default_layout()`` unless one is
 passed) and returns a fresh, empty cache. The checks drive the contract
 exactly as a model does (allocate, reserve, append per layer, read) and
@@ -90,6 +97,9 @@ class _Model:
                 assert cache.length(sid) == n, f"{what}: length({sid}) = {cache.length(sid)}, expected {n}"
                 assert k.shape[0] == n and v.shape[0] == n, f"{what}: read({layer}, {sid}) has {k.shape[0]} tokens, expected {n}"
                 if n:
+                    lossy = getattr(cache, "storage_roundtrip", None)
+                    if lossy is not None:  # quantised storage: reads equal what it makes of the written rows
+                        want_k, want_v = lossy(want_k.to(k.device)), lossy(want_v.to(k.device))
                     assert torch.equal(k.cpu(), want_k.cpu().to(k.dtype)), f"{what}: keys of seq {sid} layer {layer} differ"
                     assert torch.equal(v.cpu(), want_v.cpu().to(v.dtype)), f"{what}: values of seq {sid} layer {layer} differ"
 
@@ -313,6 +323,11 @@ def check_block_table(factory: Factory, layout: CacheLayout | None = None) -> No
             k = k_pool[blocks].reshape(-1, layout.num_kv_heads, layout.head_dim)[:n]
             v = v_pool[blocks].reshape(-1, layout.num_kv_heads, layout.head_dim)[:n]
             rk, rv = cache.read(layer, sid)
+            scales = getattr(cache, "kv_scales", None)
+            if scales is not None:  # quantised pools: a row holds pool * scale (one scale per token and head)
+                k_s, v_s = (s[blocks].reshape(-1, layout.num_kv_heads)[:n] for s in scales(layer))
+                k = (k.to(torch.float32) * k_s[..., None]).to(rk.dtype)
+                v = (v.to(torch.float32) * v_s[..., None]).to(rv.dtype)
             assert torch.equal(k, rk) and torch.equal(v, rv), f"pool via block table != read() for seq {sid} layer {layer}"
 
 

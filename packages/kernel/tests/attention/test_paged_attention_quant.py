@@ -1,0 +1,110 @@
+"""``paged_attention_quant``: paged decode attention over int8 / fp8_e4m3 pools with per-token, per-head scales.
+
+The reference is checked against the per-sequence float64 oracle run on pools dequantised by hand; the
+Triton kernel (the paged kernel with its QUANT path; interpreter on CPU) against the float64 reference on
+the same quantised pools. Pools hold random data everywhere, tables are random permutations.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plyx.kernel import registry
+from plyx.kernel.attention import paged_attention_quant_reference, paged_attention_quant_triton
+from plyx.kernel.attention._reference import paged_attention_per_sequence
+from plyx.kernel.reference.store_kv_quant import quantize_kv
+
+from .conftest import INTERPRETING, TRITON_DEVICE, rel_err
+
+STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+#: relative error against the float64 reference on the same quantised pools: the kernel's own roundings
+#: (P, and P * v_scale, rounded once to q's dtype before the tensor cores)
+TOL = {torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
+
+
+def _inputs(lens, Tq, H, KV, D, block_size, dtype, storage, device="cpu", extra_blocks=3):
+    B = len(lens)
+    width = max(-(-n // block_size) for n in lens) + 1  # one spare column: never read
+    num_blocks = B * width + extra_blocks
+    # per-token magnitudes spread over 3 decades: the scales matter
+    mag = torch.logspace(-1, 2, num_blocks * block_size).view(num_blocks, block_size, 1, 1)
+    k, s_k = quantize_kv(torch.randn(num_blocks, block_size, KV, D) * mag, STORAGE[storage])
+    v, s_v = quantize_kv(torch.randn(num_blocks, block_size, KV, D) * mag, STORAGE[storage])
+    tables = torch.randperm(num_blocks)[: B * width].view(B, width).to(torch.int32)
+    q = torch.randn(B, Tq, H, D) * 0.1
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(q.to(dtype)), to(k), to(v), to(s_k), to(s_v), to(tables), to(torch.tensor(lens, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_reference_is_attention_over_the_dequantised_pools(storage, window):
+    q, k, v, s_k, s_v, tables, lens = _inputs([3, 17, 40], 3, 4, 2, 8, 4, torch.float64, storage)
+    got = paged_attention_quant_reference(q, k, v, s_k, s_v, tables, lens, window=window)
+    kd = k.double() * s_k.double()[..., None]
+    vd = v.double() * s_v.double()[..., None]
+    want = paged_attention_per_sequence(q, kd, vd, tables, lens, window=window)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_reference_errors_name_the_fix():
+    q, k, v, s_k, s_v, tables, lens = _inputs([5], 1, 2, 2, 8, 4, torch.float32, "int8")
+    with pytest.raises(TypeError, match="int8 or float8_e4m3fn"):
+        paged_attention_quant_reference(q, k.float(), v.float(), s_k, s_v, tables, lens)
+    with pytest.raises(ValueError, match="k_scale.*kv_scales"):
+        paged_attention_quant_reference(q, k, v, s_k[..., :1], s_v, tables, lens)
+
+
+needs_triton = pytest.mark.skipif(not INTERPRETING and not torch.cuda.is_available(),
+                                  reason="needs CUDA or TRITON_INTERPRET=1")
+
+
+def _fp8_ok() -> bool:
+    return INTERPRETING or (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0))
+
+
+@needs_triton
+@pytest.mark.parametrize("storage", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("Tq,H,KV,lens,kw", [
+    (1, 4, 4, [1, 16, 37], {}),                     # MHA, one new token
+    (3, 8, 2, [3, 90, 41], {"num_splits": 3}),      # GQA, split-K, a few new tokens
+    (2, 4, 1, [200, 5], {"window": 7}),             # MQA, sliding window
+], ids=["mha", "gqa-split", "mqa-window"])
+def test_triton_matches_the_float64_reference(storage, dtype, Tq, H, KV, lens, kw):
+    if storage == "fp8" and not _fp8_ok():
+        pytest.skip("float8 KV kernels need Hopper")
+    q, k, v, s_k, s_v, tables, lens_t = _inputs(lens, Tq, H, KV, 64, 16, dtype, storage, device=TRITON_DEVICE)
+    o = paged_attention_quant_triton(q, k, v, s_k, s_v, tables, lens_t, **kw)
+    ref_kw = {key: val for key, val in kw.items() if key != "num_splits"}
+    ref = paged_attention_quant_reference(q.double(), k, v, s_k, s_v, tables, lens_t, **ref_kw)
+    assert o.shape == q.shape and o.dtype == dtype
+    assert rel_err(o, ref) < TOL[dtype], (storage, dtype, Tq, H, KV, lens, kw)
+
+
+@needs_triton
+def test_triton_writes_every_output_element(poison):
+    poison()  # output and split workspaces start as NaN
+    q, k, v, s_k, s_v, tables, lens = _inputs([2, 70, 45], 2, 8, 2, 64, 8, torch.float16, "int8", device=TRITON_DEVICE)
+    o = paged_attention_quant_triton(q, k, v, s_k, s_v, tables, lens, num_splits=4)
+    ref = paged_attention_quant_reference(q.double(), k, v, s_k, s_v, tables, lens)
+    assert rel_err(o, ref) < TOL[torch.float16]
+
+
+def test_registry_picks_by_storage():
+    """int8 takes the Triton kernel on any GPU the paged kernel runs on; fp8 only from compute capability 9.0."""
+    from plyx.specs.kernels import KernelQuery
+
+    def chosen(fp8: int, cc: tuple[int, int]) -> str:
+        query = KernelQuery(device_type="cuda", dtype="bfloat16", compute_capability=cc,
+                            shape={"head_dim": 128, "fp8": fp8})
+        return next(c.impl.impl for c in registry().explain("paged_attention_quant", query) if c.taken)
+
+    if chosen(0, (8, 0)) == "reference":  # no triton installed: every query takes the reference
+        pytest.skip("triton is not installed")
+    assert chosen(0, (8, 0)) == "triton"
+    assert chosen(1, (8, 0)) == "reference"
+    assert chosen(1, (9, 0)) == "triton_fp8"
+    cpu = KernelQuery(device_type="cpu", dtype="float32", shape={"head_dim": 64, "fp8": 1})
+    assert next(c.impl.impl for c in registry().explain("paged_attention_quant", cpu) if c.taken) == "reference"
