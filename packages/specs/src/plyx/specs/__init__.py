@@ -26,7 +26,7 @@ from plyx.specs.plugins import components, get_plugin_manager, plugin_report, re
 _LAZY = {
     "Batch": "batch",
     "Checkpoint": "checkpoint", "ModelCard": "checkpoint", "TensorEntry": "checkpoint",
-    **dict.fromkeys(("ConfigBase", "DataConfig", "DistConfig", "KernelConfig", "ModelConfig", "OptimizerConfig", "RopeScaling",
+    **dict.fromkeys(("ConfigBase", "DataConfig", "DistConfig", "DraftConfig", "KernelConfig", "ModelConfig", "OptimizerConfig", "RopeScaling",
                      "ScheduleConfig", "ServeConfig", "TrainConfig", "dump_config", "load_config", "migration"),
                     "config"),
     **dict.fromkeys(("Candidate", "Capability", "KernelImpl", "KernelNotFoundError", "KernelQuery", "KernelRegistry",
@@ -51,6 +51,7 @@ __all__ = [
     "ConfigError",
     "ContractError",
     "DataConfig",
+    "DraftConfig",
     "DistConfig",
     "IncompatiblePluginError",
     "KVCache",

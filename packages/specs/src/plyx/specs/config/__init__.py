@@ -12,12 +12,13 @@ from plyx.specs.config.dist import DistConfig
 from plyx.specs.config.kernel import KernelConfig
 from plyx.specs.config.model import ModelConfig, MoEConfig, RopeScaling
 from plyx.specs.config.serve import ServeConfig
-from plyx.specs.config.train import DataConfig, OptimizerConfig, ScheduleConfig, TrainConfig
+from plyx.specs.config.train import DataConfig, DraftConfig, OptimizerConfig, ScheduleConfig, TrainConfig
 
 __all__ = [
     "FORMATS",
     "ConfigBase",
     "DataConfig",
+    "DraftConfig",
     "DistConfig",
     "KernelConfig",
     "MoEConfig",
