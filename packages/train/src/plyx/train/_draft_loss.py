@@ -55,7 +55,7 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, *, decay: floa
         if not bool(valid.any()):
             accuracy.append(head_logits.new_zeros(()))
             continue
-        ce = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+        ce = F.cross_entropy(_wide(logits).reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE_INDEX)
         loss = loss + decay ** k * ce
         with torch.no_grad():
             accuracy.append((logits.argmax(dim=-1) == labels)[valid].float().mean())
@@ -77,9 +77,9 @@ def eagle_loss(predicted: torch.Tensor, features: torch.Tensor, lm_head_weight: 
     Returns:
         ``(loss, parts)``: the 0-dim loss and ``{"reg", "cls", "accuracy"}`` (0-dim, detached).
     """
-    target = features.detach().float()
-    pred = predicted.float()
-    weight = lm_head_weight.detach().float()
+    target = _wide(features.detach())
+    pred = _wide(predicted)
+    weight = _wide(lm_head_weight.detach())
     if mask is None:
         mask = torch.ones(pred.shape[:2], dtype=torch.bool, device=pred.device)
     m = mask.float()
@@ -95,3 +95,8 @@ def eagle_loss(predicted: torch.Tensor, features: torch.Tensor, lm_head_weight: 
         hit = (pred_logits.argmax(dim=-1) == target_logits.argmax(dim=-1)).float()
         accuracy = (hit * m).sum() / count
     return loss, {"reg": reg.detach(), "cls": cls.detach(), "accuracy": accuracy}
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 (bf16 hidden states and logits are widened for the loss; float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
