@@ -194,7 +194,7 @@ def test_bad_heads_are_named(trained, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="is not a draft-heads checkpoint: it has no draft_heads.json"):
         generate(base, PROMPTS, params, draft_model=str(tmp_path / "empty"))
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="is neither 'ngram' .prompt lookup. nor an existing draft-heads directory"):
         generate(base, PROMPTS, params, draft_model=str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match="use_cache"):
         generate(base, PROMPTS, params, draft_model=heads["medusa"], use_cache=False)

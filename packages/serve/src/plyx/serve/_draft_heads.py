@@ -66,6 +66,11 @@ def resolve_heads(draft: Any, model: Any) -> Any:
     from plyx.model import DraftHeadsError, load_draft_heads
     from plyx.model._draft_heads import check_base
 
+    if isinstance(draft, (str, os.PathLike)) and not Path(draft).exists():
+        raise ConfigError("draft_model", f"draft_model {str(draft)!r} is neither 'ngram' (prompt lookup) nor an "
+                          "existing draft-heads directory", value=str(draft),
+                          fix="pass 'ngram', a draft model with the target's vocabulary, or the directory `plyx train` "
+                          "wrote with a [draft] table (it holds draft_heads.json)")
     try:
         if isinstance(draft, (str, os.PathLike)):
             return load_draft_heads(Path(draft), model, device=model_device(model))

@@ -119,9 +119,9 @@ class DraftTrainer:
         targets = batch.targets.to(dev)
         docs = None if batch.document_ids is None else batch.document_ids.to(dev)
         pos = None if batch.position_ids is None else batch.position_ids.to(dev)
-        with torch.no_grad():  # the frozen base: features only
-            hidden = self.base(ids, position_ids=pos, document_ids=docs, return_hidden=True)  # (B, T, D)
         autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=self.config.precision == "bf16-autocast")
+        with torch.no_grad(), autocast:  # the frozen base: features only
+            hidden = self.base(ids, position_ids=pos, document_ids=docs, return_hidden=True)  # (B, T, D)
         d = self.draft
         with autocast:
             if d.kind == "medusa":
