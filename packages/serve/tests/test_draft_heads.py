@@ -200,3 +200,17 @@ def test_bad_heads_are_named(trained, tmp_path):
         generate(base, PROMPTS, params, draft_model=heads["medusa"], use_cache=False)
     with pytest.raises(ConfigError, match="repetition_penalty"):
         generate(base, PROMPTS, SamplingParams(repetition_penalty=1.2), draft_model=heads["eagle"])
+
+
+def test_streamed_events_rebuild_the_output(trained):
+    from plyx.serve import stream_generate
+
+    base, heads = trained
+    params = SamplingParams(temperature=0, max_new_tokens=15, ignore_eos=True, stop_token_ids=[int(SUCC[SUCC[9]])])
+    ref = generate(base, PROMPTS, params)
+    stream = stream_generate(base, PROMPTS, params, draft_model=heads["eagle"], num_speculative_tokens=3)
+    got: dict[int, list[int]] = {}
+    for event in stream:
+        got.setdefault(event.request_index, []).extend(event.token_ids)
+    assert [got.get(i, []) for i in range(len(PROMPTS))] == [list(r.outputs[0].token_ids) for r in ref]
+    assert [o.outputs[0].finish_reason for o in stream.outputs()] == [r.outputs[0].finish_reason for r in ref]
