@@ -268,7 +268,9 @@ class HeadsDecoder:
         # 2. base: one pass over [last, d_1..d_k] -> hidden states and p_1..p_{k+1}
         last = torch.tensor([c.token_ids[-1] for c in rows], device=self.device)
         verify = torch.cat([last[:, None], drafts], dim=1)  # [b, k + 1]
-        hidden = torch.stack(self._hidden([c.seq_id for c in rows], verify.tolist()))  # [b, k + 1, D]
+        # every row verifies k + 1 tokens: no padding, so the ids stay on the device (no host sync before the pass)
+        hidden = self.model(verify, cache=self.target.cache, seq_ids=[c.seq_id for c in rows],
+                            return_hidden=True)  # [b, k + 1, D]
         tlogits = self._logits(hidden)  # [b, k + 1, V]
         rep = LogitsPipeline([p for p in params for _ in range(k + 1)], [[] for _ in range(b * (k + 1))])
         processed = rep.process(tlogits.reshape(b * (k + 1), -1),
