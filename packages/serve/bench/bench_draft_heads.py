@@ -69,7 +69,8 @@ def train_base(size: str, steps: int, work: Path, device: str) -> Path:
     return Path(result.checkpoint)
 
 
-def train_heads(kind: str, base: Path, steps: int, work: Path, device: str, num_heads: int) -> Path:
+def train_heads(kind: str, base: Path, steps: int, work: Path, device: str, num_heads: int,
+                targets: str = "data") -> Path:
     """Heads of ``kind`` trained on the frozen base (plyx-train's draft mode); returns their directory."""
     from plyx.specs import TrainConfig
     from plyx.train._draft import DraftTrainer
@@ -80,7 +81,7 @@ def train_heads(kind: str, base: Path, steps: int, work: Path, device: str, num_
         "steps": steps, "batch_size": 16, "device": device, "out_dir": str(work / f"{kind}-{base.parent.parent.name}"),
         "log_every": max(1, steps // 5), "eval_every": steps, "eval_steps": 4,
         "precision": "bf16-autocast" if device.startswith("cuda") else "float32",
-        "draft": {"kind": kind, "base": str(base), "num_heads": num_heads},
+        "draft": {"kind": kind, "base": str(base), "num_heads": num_heads, "targets": targets},
     })
     trainer = DraftTrainer(config, progress=False, tensorboard=False, print_fn=print, data_cache=str(work / "data"))
     result = trainer.fit()
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--base-steps", type=int, default=300)
     ap.add_argument("--heads-steps", type=int, default=300)
     ap.add_argument("--num-heads", type=int, default=4, help="Medusa heads")
+    ap.add_argument("--medusa-targets", default="base", choices=["data", "base"],
+                    help="Medusa's labels: the corpus (Medusa-1) or the base's own distribution (self-distillation)")
     ap.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
@@ -142,7 +145,7 @@ def main() -> None:
     base_path = Path(args.base) if args.base else train_base(args.size, args.base_steps, work, args.device)
     heads_paths = {
         "medusa": Path(args.medusa) if args.medusa else train_heads("medusa", base_path, args.heads_steps, work,
-                                                                    args.device, args.num_heads),
+                                                                    args.device, args.num_heads, args.medusa_targets),
         "eagle": Path(args.eagle) if args.eagle else train_heads("eagle", base_path, args.heads_steps, work,
                                                                  args.device, args.num_heads),
     }
@@ -154,7 +157,8 @@ def main() -> None:
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# draft heads vs n-gram vs plain greedy: base {args.size} ({model.num_params() / 1e6:.1f}M, trained "
-        f"{args.base_steps if not args.base else '?'} steps on Tiny Shakespeare), heads {args.heads_steps} steps; "
+        f"{args.base_steps if not args.base else '?'} steps on Tiny Shakespeare), heads {args.heads_steps} steps "
+        f"(Medusa targets: {args.medusa_targets if not args.medusa else '?'}); "
         f"{args.device} ({device_name}), {dtype}, torch {torch.__version__}, {date}",
         f"# k={args.k}, Medusa heads {heads['medusa'].num_heads}, prompt {PROMPT} held-out tokens, {args.new_tokens} "
         f"new tokens, {args.cache} cache, best of {args.repeats}; training took {train_s:.0f} s",

@@ -62,6 +62,29 @@ def test_medusa_loss_masks_labels_from_another_document():
     assert float(logits.grad[0, 0, 1].abs().sum()) > 0.0
 
 
+def test_medusa_self_distillation_targets_the_base_distribution():
+    torch.manual_seed(3)
+    K, B, T, V = 2, 2, 6, 7
+    logits = torch.randn(K, B, T, V, dtype=torch.float64)
+    teacher = torch.randn(B, T, V, dtype=torch.float64)
+    targets = torch.randint(0, V, (B, T))
+    targets[0, 5] = -100
+    loss, acc = medusa_loss(logits, targets, decay=0.8, teacher_logits=teacher)
+    want = 0.0
+    for k in range(1, K + 1):
+        terms, hits = [], []
+        for b in range(B):
+            for t in range(T - k):
+                if int(targets[b, t + k]) == -100:
+                    continue
+                p = teacher[b, t + k].softmax(-1)  # the base's distribution over x_{t+k+1}
+                terms.append(-float((p * logits[k - 1, b, t].log_softmax(-1)).sum()))
+                hits.append(int(logits[k - 1, b, t].argmax()) == int(teacher[b, t + k].argmax()))
+        want += 0.8 ** k * sum(terms) / len(terms)
+        assert abs(float(acc[k - 1]) - sum(hits) / len(hits)) < 1e-6
+    assert abs(float(loss) - want) < 1e-10
+
+
 def test_eagle_loss_is_smooth_l1_plus_soft_cross_entropy():
     torch.manual_seed(2)
     B, N, D, V = 2, 5, 4, 9
@@ -106,12 +129,13 @@ def _draft_config(prepared: Path, out: Path, base: Path, **draft) -> TrainConfig
     return TrainConfig.from_dict({**cfg.to_dict(), "draft": {"base": str(base), "num_heads": 2, **draft}})
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_training_raises_head_accuracy_above_chance_with_the_base_frozen(prepared, base_checkpoint, tmp_path, kind):
+@pytest.mark.parametrize("kind, targets", [("medusa", "data"), ("medusa", "base"), ("eagle", "data")])
+def test_training_raises_head_accuracy_above_chance_with_the_base_frozen(prepared, base_checkpoint, tmp_path, kind,
+                                                                        targets):
     from plyx.model import load_checkpoint, load_draft_heads
     from plyx.train._draft import DraftTrainer
 
-    cfg = _draft_config(prepared, tmp_path, base_checkpoint, kind=kind)
+    cfg = _draft_config(prepared, tmp_path, base_checkpoint, kind=kind, targets=targets)
     trainer = DraftTrainer(cfg, progress=False, tensorboard=False)
     before = {k: v.clone() for k, v in trainer.base.state_dict().items()}
     result = trainer.fit()

@@ -125,7 +125,12 @@ class DraftTrainer:
         d = self.draft
         with autocast:
             if d.kind == "medusa":
-                loss, acc = medusa_loss(self.heads(hidden.float()), targets, decay=d.decay, document_ids=docs)
+                teacher = None
+                if d.targets == "base":  # self-distillation: the base's own next-token logits as soft labels
+                    with torch.no_grad():
+                        teacher = hidden.float() @ self.base.lm_head_weight.float().t()  # (B, T, V)
+                loss, acc = medusa_loss(self.heads(hidden.float()), targets, decay=d.decay, document_ids=docs,
+                                        teacher_logits=teacher)
                 return loss, dict(zip(self.acc_names, acc))
             # entry i = [embed(x_{i+1}); f_i] -> f_{i+1}, i = 0..T-2 (teacher forcing on the base's features)
             feats = hidden[:, :-1].float()

@@ -11,7 +11,9 @@ EAGLE (Li et al. 2024, §4.2): the draft predicts ``f̂_{t+1}`` from ``[embed(x_
     L_cls = CrossEntropy(p_{t+2}, p̂_{t+2}),  p = softmax(LMHead(f_{t+1})), p̂ = softmax(LMHead(f̂_{t+1}))
     L     = L_reg + w_cls * L_cls                                 (the paper: w_cls = 0.1)
 
-The cross-entropy is against the base's distribution over token t+2 (soft labels through the frozen LM
+With ``teacher_logits`` Medusa's heads are self-distilled (the paper's §2.3.2): head k's target is the base's
+own distribution at position t+k (soft cross-entropy), so the heads learn what the base will say, which is
+what verification accepts, rather than the corpus. The EAGLE cross-entropy is against the base's distribution over token t+2 (soft labels through the frozen LM
 head), as the paper writes it and its code computes it. Top-1 accuracy of a head is how often its argmax
 equals the token it is trained on (Medusa) or the base's argmax (EAGLE: what greedy verification accepts).
 """
@@ -27,7 +29,8 @@ IGNORE_INDEX = -100
 
 
 def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, *, decay: float = 0.8,
-                document_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                document_ids: torch.Tensor | None = None, teacher_logits: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Medusa-1's weighted sum of per-head cross-entropies.
 
     Args:
@@ -36,6 +39,9 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, *, decay: floa
             head k's label at position t is then ``y_{t+k}``.
         decay: lambda_k = decay ** k.
         document_ids: ``[B, T]`` packed documents: a label from another document than position t is masked.
+        teacher_logits: ``[B, T, V]`` the base's own logits: self-distillation (Medusa §2.3.2) -- head k at
+            t is trained on the base's distribution at position t+k (soft cross-entropy) instead of the
+            data's token; accuracy is then agreement with the base's argmax (what greedy verification accepts).
 
     Returns:
         ``(loss, accuracy)``: the 0-dim loss and each head's top-1 accuracy (0-dim tensors, no grad).
@@ -55,10 +61,17 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, *, decay: floa
         if not bool(valid.any()):
             accuracy.append(head_logits.new_zeros(()))
             continue
-        ce = F.cross_entropy(_wide(logits).reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+        if teacher_logits is None:
+            ce = F.cross_entropy(_wide(logits).reshape(-1, V), labels.reshape(-1), ignore_index=IGNORE_INDEX)
+            hit = logits.argmax(dim=-1) == labels
+        else:
+            teacher = _wide(teacher_logits[:, k:].detach())  # (B, T - k, V): the base's p at position t+k
+            per = -(teacher.softmax(dim=-1) * _wide(logits).log_softmax(dim=-1)).sum(dim=-1)  # (B, T - k)
+            ce = per[valid].mean()
+            hit = logits.argmax(dim=-1) == teacher.argmax(dim=-1)
         loss = loss + decay ** k * ce
         with torch.no_grad():
-            accuracy.append((logits.argmax(dim=-1) == labels)[valid].float().mean())
+            accuracy.append(hit[valid].float().mean())
     return loss, accuracy
 
 

@@ -76,6 +76,9 @@ class DraftConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     """(medusa) residual blocks per head."""
     decay: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.8
     """(medusa) loss weight of head k is decay ** k (the paper's lambda_k = 0.8 ** k)."""
+    targets: Literal["data", "base"] = "data"
+    """(medusa) data: each head learns the corpus' token t+k+1 (Medusa-1) | base: self-distillation, each head
+    learns the base's own distribution at that position (the paper's section 2.3.2; higher acceptance)."""
     cls_weight: NonNegFloat = 0.1
     """(eagle) weight of the token cross-entropy next to the feature regression (the paper's 0.1)."""
     feature_noise: NonNegFloat = 0.0
