@@ -214,3 +214,20 @@ def test_streamed_events_rebuild_the_output(trained):
         got.setdefault(event.request_index, []).extend(event.token_ids)
     assert [got.get(i, []) for i in range(len(PROMPTS))] == [list(r.outputs[0].token_ids) for r in ref]
     assert [o.outputs[0].finish_reason for o in stream.outputs()] == [r.outputs[0].finish_reason for r in ref]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_cuda_greedy_equals_base_greedy(trained, kind):
+    """On the GPU (float32, paged cache) the heads' output is still the base's greedy output."""
+    import copy
+
+    base, heads = trained
+    base, draft = copy.deepcopy(base).cuda(), copy.deepcopy(heads[kind]).cuda()
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    ref = generate(base, PROMPTS, params, cache="paged", cuda_graphs=False)
+    out = generate(base, PROMPTS, params, cache="paged", draft_cache="paged", draft_model=draft,
+                   num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in out] == [r.outputs[0].token_ids for r in ref]
+    assert sum(o.outputs[0].metrics.draft_accepted for o in out) > 0
