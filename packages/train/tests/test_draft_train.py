@@ -193,3 +193,25 @@ def test_training_loss_matches_the_module_loss(prepared, base_checkpoint, tmp_pa
     want = sum(0.5 ** k * F.cross_entropy(logits[k - 1, :, :-k].reshape(-1, logits.shape[-1]),
                                           batch.targets[:, k:].reshape(-1), ignore_index=-100) for k in (1, 2))
     assert abs(float(loss.detach()) - float(want)) < 1e-5
+
+
+def test_interrupt_saves_the_heads_so_far(prepared, base_checkpoint, tmp_path):
+    """Ctrl-C mid-run: the heads of the completed steps are written (atomically) and the result says so."""
+    from plyx.model import load_draft_heads
+    from plyx.train._draft import DraftTrainer
+
+    trainer = DraftTrainer(_draft_config(prepared, tmp_path, base_checkpoint, kind="eagle"), progress=False,
+                           tensorboard=False)
+    real, calls = trainer.loss, []
+
+    def interrupted(batch):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(batch)
+
+    trainer.loss = interrupted
+    result = trainer.fit()
+    assert result.stopped == "SIGINT" and result.step == 3
+    heads = load_draft_heads(result.heads)
+    assert torch.equal(heads.fc.weight, trainer.heads.fc.weight.detach().cpu())
