@@ -1,5 +1,6 @@
 """plyx-model: the TransformerLM (Llama, Qwen2/3, Mistral; MoE: Mixtral, Qwen2/3-MoE, OLMoE), checkpoints, layer
-streaming, Hugging Face interop and adapters (``plyx.model.adapters``: LoRA, rsLoRA, DoRA, PEFT interop, NEFTune)."""
+streaming, Hugging Face interop and adapters (``plyx.model.adapters``: LoRA, rsLoRA, DoRA, PEFT interop, NEFTune) and draft heads for speculative decoding
+(Medusa, EAGLE)."""
 
 from typing import Any
 
@@ -9,17 +10,23 @@ __all__ = [
     "CheckpointError",
     "CheckpointIntegrityError",
     "CheckpointMismatchError",
+    "DRAFT_KINDS",
+    "DraftHeadsError",
+    "EagleDraft",
     "LayerStreamer",
     "LoraConfig",
+    "MedusaHeads",
     "ROUTER_METRICS",
     "SparseMoE",
     "TransformerLM",
     "UnsupportedArchitectureError",
     "add_adapter",
+    "build_draft_heads",
     "config_from_hf",
     "config_to_hf",
     "disable_adapters",
     "load_checkpoint",
+    "load_draft_heads",
     "load_balancing_loss",
     "load_hf",
     "load_peft",
@@ -28,6 +35,7 @@ __all__ = [
     "open_checkpoint",
     "router_z_loss",
     "save_checkpoint",
+    "save_draft_heads",
     "save_hf",
     "save_peft",
     "set_adapter",

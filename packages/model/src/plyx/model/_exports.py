@@ -10,6 +10,15 @@ from plyx.model._checkpoint import (
     save_checkpoint,
     save_hf,
 )
+from plyx.model._draft_heads import (
+    DRAFT_KINDS,
+    DraftHeadsError,
+    EagleDraft,
+    MedusaHeads,
+    build_draft_heads,
+    load_draft_heads,
+    save_draft_heads,
+)
 from plyx.model._errors import (
     CheckpointError,
     CheckpointIntegrityError,

@@ -249,9 +249,11 @@ def stream_generate(
     """
     plan = _Plan(model, prompts, params, tokenizer, eos_token_id)
     if draft_model is not None:
+        from plyx.serve._draft_heads import HeadsDecoder, is_draft_heads
         from plyx.serve._speculative import SpeculativeDecoder
 
-        spec = SpeculativeDecoder(plan, model, draft_model, num_speculative_tokens=num_speculative_tokens,
+        decoder = HeadsDecoder if is_draft_heads(draft_model) else SpeculativeDecoder  # Medusa/EAGLE heads
+        spec = decoder(plan, model, draft_model, num_speculative_tokens=num_speculative_tokens,
                                   cache=cache if use_cache else None, draft_cache=draft_cache if use_cache else None,
                                   prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
         return GenerationStream(plan, spec.rows, spec.run(generator))
@@ -446,7 +448,8 @@ def generate(
             generate allocates its own sequence ids in it and evicts them when done.
         use_cache: False recomputes the whole sequence at each step (reference path).
         draft_model: a smaller model with the same vocabulary: speculative decoding; or ``"ngram"``:
-            prompt-lookup speculation, drafts copied from the sequence's own context (no extra model).
+            prompt-lookup speculation, drafts copied from the sequence's own context (no extra model); or
+            draft heads on the base (``plyx.model.MedusaHeads`` / ``EagleDraft``, or their saved directory).
         num_speculative_tokens: draft tokens proposed per verification step (k).
         draft_cache: the draft model's KV-cache kind or instance.
         prompt_lookup_min, prompt_lookup_max: n-gram sizes ``draft_model="ngram"`` looks up, longest first.

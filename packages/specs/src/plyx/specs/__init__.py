@@ -26,7 +26,7 @@ from plyx.specs.plugins import components, get_plugin_manager, plugin_report, re
 _LAZY = {
     "Batch": "batch",
     "Checkpoint": "checkpoint", "ModelCard": "checkpoint", "TensorEntry": "checkpoint",
-    **dict.fromkeys(("CardConfig", "ConfigBase", "DataConfig", "DistConfig", "KernelConfig", "ModelConfig", "OptimizerConfig", "RopeScaling",
+    **dict.fromkeys(("CardConfig", "ConfigBase", "DataConfig", "DistConfig", "DraftConfig", "KernelConfig", "ModelConfig", "OptimizerConfig", "RopeScaling",
                      "ScheduleConfig", "ServeConfig", "TrainConfig", "dump_config", "load_config", "migration"),
                     "config"),
     **dict.fromkeys(("Candidate", "Capability", "KernelImpl", "KernelNotFoundError", "KernelQuery", "KernelRegistry",
@@ -52,6 +52,7 @@ __all__ = [
     "ConfigError",
     "ContractError",
     "DataConfig",
+    "DraftConfig",
     "DistConfig",
     "IncompatiblePluginError",
     "KVCache",

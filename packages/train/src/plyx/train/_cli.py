@@ -121,6 +121,8 @@ def run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
+    if config.draft is not None:
+        return _run_draft(args, config)
     if args.resume == "auto":
         from plyx.train._checkpoint import CheckpointManager
 
@@ -174,6 +176,45 @@ def run_train(args: argparse.Namespace) -> int:
         print("sample:\n" + result.sample)
     if result.checkpoint is not None:
         print("next:\n" + next_commands(Path(result.checkpoint), model_id=args.name or config.card.name or None))
+    return 0
+
+
+def _run_draft(args: argparse.Namespace, config: TrainConfig) -> int:
+    """``plyx train CONFIG`` with a ``[draft]`` table: heads trained on the frozen ``draft.base``."""
+    from plyx.train._draft import DraftTrainer
+
+    if args.resume:
+        print("error: --resume: a draft-heads run is short and restarts from the base; drop --resume",
+              file=sys.stderr)
+        return 2
+    say = functools.partial(print, flush=True)
+    try:
+        trainer = DraftTrainer(config, progress=not args.no_progress, tensorboard=not args.no_tensorboard,
+                               print_fn=say)
+    except (PlyxError, ValueError, FileNotFoundError, LookupError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    d = config.draft
+    assert d is not None
+    trained = sum(p.numel() for p in trainer.heads.parameters())
+    say(f"plyx train: {d.kind} draft heads ({trained:,} parameters) on the frozen base {d.base} "
+        f"({trainer.base.num_params():,} parameters) on {trainer.device}, data {trainer.data_dir}, {config.steps} "
+        f"steps of {config.batch_size}x{config.data.seq_len} tokens -> {trainer.out_dir}")
+    try:
+        result = trainer.fit()
+    except (PlyxError, FloatingPointError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    accs = {k: v for k, v in result.metrics.items() if k.startswith(("acc/", "val_acc/"))}
+    print(f"step {result.step}: loss {result.metrics.get('loss', float('nan')):.4f}; top-1 accuracy "
+          + ", ".join(f"{k} {v:.3f}" for k, v in accs.items()))
+    print(f"draft heads: {result.heads}")
+    if result.stopped:
+        print(f"stopped by {result.stopped}; the heads so far are saved")
+        return 130
+    print("next (Python, plyx-serve):\n"
+          f"  generate(load_checkpoint({str(d.base)!r}), prompts, params, draft_model={str(result.heads)!r})\n"
+          f"  python packages/serve/bench/bench_draft_heads.py --base ... --heads ...   # acceptance, speedup")
     return 0
 
 

@@ -12,13 +12,14 @@ from plyx.specs.config.dist import DistConfig
 from plyx.specs.config.kernel import KernelConfig
 from plyx.specs.config.model import ModelConfig, MoEConfig, RopeScaling
 from plyx.specs.config.serve import ServeConfig
-from plyx.specs.config.train import CardConfig, DataConfig, OptimizerConfig, ScheduleConfig, TrainConfig
+from plyx.specs.config.train import CardConfig, DataConfig, DraftConfig, OptimizerConfig, ScheduleConfig, TrainConfig
 
 __all__ = [
     "FORMATS",
     "CardConfig",
     "ConfigBase",
     "DataConfig",
+    "DraftConfig",
     "DistConfig",
     "KernelConfig",
     "MoEConfig",

@@ -10,7 +10,7 @@ from plyx.specs.config.dist import DistConfig
 from plyx.specs.config.model import ModelConfig
 from plyx.specs.errors import ConfigError
 
-__all__ = ["TrainConfig", "CardConfig", "DataConfig", "OptimizerConfig", "ScheduleConfig"]
+__all__ = ["TrainConfig", "CardConfig", "DataConfig", "DraftConfig", "OptimizerConfig", "ScheduleConfig"]
 
 Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -71,6 +71,29 @@ class CardConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_field
     """SPDX licence id of the weights (``Apache-2.0``, ``MIT``...); empty: ``NOASSERTION``."""
     description: str = ""
     """One paragraph for people; empty: architecture, size, data, steps and final losses."""
+class DraftConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Draft heads trained on a frozen base for speculative decoding (``plyx train`` with a ``[draft]`` table):
+    the base's weights never change; only the heads train, on ``data``, with ``optimizer`` and ``schedule``."""
+
+    kind: Literal["medusa", "eagle"] = "medusa"
+    """medusa: K heads on the last hidden state, head k predicting token t+k+1 (Cai et al. 2024) |
+    eagle: a one-layer draft over [embedding of token t+1; feature t] predicting feature t+1 (Li et al. 2024)."""
+    base: str = ""
+    """The frozen base's checkpoint (plyx or Hugging Face directory); required. Its config replaces ``model``."""
+    num_heads: Annotated[int, msgspec.Meta(ge=1, le=32)] = 4
+    """medusa: heads K (the most draft tokens per round) | eagle: default draft length when serving."""
+    num_layers: Annotated[int, msgspec.Meta(ge=1, le=8)] = 1
+    """(medusa) residual blocks per head."""
+    decay: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.8
+    """(medusa) loss weight of head k is decay ** k (the paper's lambda_k = 0.8 ** k)."""
+    targets: Literal["data", "base"] = "data"
+    """(medusa) data: each head learns the corpus' token t+k+1 (Medusa-1) | base: self-distillation, each head
+    learns the base's own distribution at that position (the paper's section 2.3.2; higher acceptance)."""
+    cls_weight: NonNegFloat = 0.1
+    """(eagle) weight of the token cross-entropy next to the feature regression (the paper's 0.1)."""
+    feature_noise: NonNegFloat = 0.0
+    """(eagle) uniform noise U(-a, a) added to the input features while training (the paper uses 0.2
+    on 0.1-scale features for robustness to its own errors); 0: off."""
 
 
 class TrainConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -123,8 +146,14 @@ class TrainConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
     dist: DistConfig = msgspec.field(default_factory=DistConfig)
     """How a distributed run (``plyx train --nproc N``, ``torchrun``) is parallelised; batch_size
     stays per data-parallel rank, so the global batch is batch_size x grad_accum x data ranks."""
+    draft: DraftConfig | None = None
+    """Train draft heads (Medusa / EAGLE) on the frozen ``draft.base`` instead of ``model``; None: an
+    ordinary run."""
 
     def check(self) -> None:
+        if self.draft is not None and not self.draft.base:
+            raise ConfigError("draft.base", "draft heads train on a frozen base checkpoint, and none is given",
+                              value="", fix='set draft.base = "runs/NAME/checkpoints/latest" (a plyx or HF checkpoint)')
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 "data.seq_len",
