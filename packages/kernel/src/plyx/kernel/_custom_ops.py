@@ -312,7 +312,7 @@ def reached_under_compile(name: str, load: Callable[[], Callable[..., Any]], arg
     Returns:
         What the implementation returns.
     """
-    if torch.compiler.is_exporting():
+    if _exporting():
         return load()(*args, **kwargs)
     op = _CALLS.get(name)
     if op is not None:
@@ -333,6 +333,18 @@ def traceable(name: str) -> Callable[..., Any] | None:
     (which ``torch.compiler.is_compiling()`` also reports) it returns None: an exported program must hold
     the implementation's own ops (ONNX has no translation for ``plyx::`` ops).
     """
-    if torch.compiler.is_exporting():
+    if _exporting():
         return None
     return _CALLS.get(name)
+
+
+def _exporting() -> bool:
+    """Whether ``torch.export`` (not ``torch.compile``) is tracing.
+
+    ``torch.compiler.is_exporting()`` alone is not enough: on torch 2.11 (the H100 image, 2026-11-24) it
+    answers True inside a plain ``torch.compile`` trace, so the custom ops were skipped and Inductor traced
+    into the Triton kernels (the compiled 1B step's crash). A Dynamo trace therefore counts as compile;
+    ``torch.export``'s default non-strict trace (the one ``torch.onnx.export(dynamo=True)`` tries first)
+    runs without Dynamo and still sees the implementations' own ops.
+    """
+    return torch.compiler.is_exporting() and not torch.compiler.is_dynamo_compiling()
