@@ -48,7 +48,7 @@ def check_rope(kernel: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def half_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotate-half layout's tables over all R dims, ``(B|1, T, 1, R)``: ``[cos, cos]`` and ``[-sin, sin]``,
-    so that ``rope(x) = x * C + roll(x, R/2) * S`` (``roll`` swaps the halves: ``[b, a]``)."""
+    so that ``rope(x) = x * C + swap(x) * S`` (``swap`` exchanges the halves: ``[b, a]``)."""
     c = (cos if cos.dim() == 3 else cos[None]).to(dtype)  # (B|1, T, R/2)
     s = (sin if sin.dim() == 3 else sin[None]).to(dtype)
     return torch.cat((c, c), dim=-1)[:, :, None, :], torch.cat((-s, s), dim=-1)[:, :, None, :]
@@ -57,14 +57,18 @@ def half_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tup
 def rotate(x: torch.Tensor, rotary: int, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotate-half RoPE of ``x``'s first ``rotary`` dims with ``half_tables``' ``(C, S)``, in their dtype.
 
-    ``x * C + roll(x) * S`` is ``(a cos - b sin, b cos + a sin)`` in three ops (a multiply, a roll and one
-    fused multiply-add), forward and backward: on CPU, where each op is a pass over q or k, about half the
+    ``x * C + swap(x) * S`` is ``(a cos - b sin, b cos + a sin)`` in three ops (a multiply, the halves'
+    swap and one fused multiply-add), forward and backward: on CPU, where each op is a pass over q or k, about half the
     time of the halves' four products, two sums and concatenations (nanoGPT's CPU recipe, issue 20).
     """
     C, S = tables
     full = rotary == x.shape[-1]
     xr = (x if full else x[..., :rotary]).to(C.dtype)  # (B, T, H, R)
-    out = torch.addcmul(xr * C, xr.roll(rotary // 2, dims=-1), S).to(x.dtype)
+    half = rotary // 2
+    # the swap as two slices and a concatenation, not ``roll``: onnxscript 0.6's slice rewrite rule crashes on
+    # the ONNX lowering of ``roll`` (the oldest-resolution export tests), and both are one copy on CPU
+    swapped = torch.cat((xr[..., half:], xr[..., :half]), dim=-1)
+    out = torch.addcmul(xr * C, swapped, S).to(x.dtype)
     return out if full else torch.cat((out, x[..., rotary:]), dim=-1)  # partial rotary: the rest unchanged
 
 
