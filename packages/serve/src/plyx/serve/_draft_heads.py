@@ -37,6 +37,7 @@ from plyx.serve._params import SamplingParams
 from plyx.serve._pipeline import LogitsPipeline
 from plyx.serve._processors import SamplingState, exponential_noise, uniform_noise
 from plyx.serve._runner import Runner, left_pad, model_device
+from plyx.serve._speculative import _logprobs as speculative_logprobs
 from plyx.specs.errors import ConfigError
 
 __all__ = ["HeadsDecoder", "is_draft_heads", "resolve_heads"]
@@ -334,28 +335,6 @@ class HeadsDecoder:
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]
               ) -> list[list[TokenLogprob] | None]:
-    """Raw log-probs of ``tokens`` ``[b, m]`` under ``logits`` ``[b, m, V]`` (and top alternatives) for the
-    rows that asked; one host copy."""
-    want = [p.logprobs for p in params]
-    if all(w is None for w in want):
-        return [None] * len(params)
-    lp = logits.float().log_softmax(dim=-1)  # [b, m, V]
-    m = tokens.shape[1]
-    lp = lp[:, :m]
-    chosen = lp.gather(2, tokens[..., None])[..., 0].tolist()  # [b, m]
-    k_top = max(w or 0 for w in want)
-    tv, ti = lp.topk(k_top, dim=-1) if k_top else (None, None)
-    toks = tokens.tolist()
-    tvl = tv.tolist() if tv is not None else None
-    til = ti.tolist() if ti is not None else None
-    out: list[list[TokenLogprob] | None] = []
-    for r, w in enumerate(want):
-        if w is None:
-            out.append(None)
-            continue
-        out.append([
-            TokenLogprob(toks[r][j], chosen[r][j],
-                         tuple(zip(til[r][j][:w], tvl[r][j][:w])) if w and til is not None and tvl is not None else ())
-            for j in range(len(toks[r]))
-        ])
-    return out
+    """Raw log-probs of ``tokens`` ``[b, m]`` under the first m positions of ``logits`` ``[b, >=m, V]``:
+    the speculative decoder's helper on the verified prefix."""
+    return speculative_logprobs(logits[:, :tokens.shape[1]], tokens, params)
