@@ -551,7 +551,8 @@ def _run_case(case: KernelCase, fn: Callable[..., Any], dtype_name: str, device:
     except Exception as exc:
         return [forward, result("backward", "fail", f"{where}: backward raised {type(exc).__name__}: {exc}")]
     grads64 = torch.autograd.grad([w for _, w in floats], [_pick(args64, kwargs64, i) for i in grad_args],
-                                  [c.to(torch.float64) for c in cotangents], allow_unused=True)
+                                  [c.to(device=w.device, dtype=torch.float64) for (_, w), c in zip(floats, cotangents)],
+                                  allow_unused=True)
     grad_tol = tolerance(dtype_name, case.reduction, grad=True)
     for index, g, w in zip(grad_args, grads, grads64):
         if w is None:
