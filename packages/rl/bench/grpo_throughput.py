@@ -68,7 +68,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batch-groups", type=int, default=4)
-    parser.add_argument("--no-share-prompt", action="store_true", help="the log-prob pass without prompt sharing")
+    parser.add_argument("--share-prompt", choices=("auto", "on", "off"), default="auto",
+                        help="the log-prob pass's prompt sharing (auto: the config default, shared on CPU only)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-record", action="store_true")
     parser.add_argument("--out", default=str(RESULTS))
@@ -107,7 +108,7 @@ def main() -> None:
         loss_type=args.loss_type, beta=args.beta, optimizer=OptimizerConfig(lr=1e-6, weight_decay=0.0),
         rewards=(RewardSpec(name="bench_hash"),), accuracy_reward="", device=str(device),
         precision="bf16-autocast" if cuda else "float32", micro_batch_groups=args.micro_batch_groups,
-        share_prompt=not args.no_share_prompt, engine_max_batch_size=min(256, args.prompts * args.group),
+        share_prompt={"auto": None, "on": True, "off": False}[args.share_prompt], engine_max_batch_size=min(256, args.prompts * args.group),
         log_every=1, temperature=1.0)
     try:
         result = grpo(config, model=model, tokenizer=tok, print_fn=print)
@@ -129,7 +130,7 @@ def main() -> None:
         "bench": "grpo_throughput", "date": started, "device": where, "torch": torch.__version__, "model": size,
         "params": params, "prompts": args.prompts, "group": args.group, "prompt_len": args.prompt_len,
         "max_new_tokens": args.max_new_tokens, "loss_type": args.loss_type, "beta": args.beta,
-        "share_prompt": not args.no_share_prompt, "measured_steps": len(rows),
+        "share_prompt": args.share_prompt, "measured_steps": len(rows),
         "step_s": step_s, "gen_s": gen, "train_s": train, "sync_ms": sync * 1e3, "gen_share": gen / step_s,
         "completion_length": length,
         "samples_per_s": completions / step_s,

@@ -54,3 +54,17 @@ def test_generation_is_greedy_or_seeded() -> None:
     b = generate_ids(model, [5], 8, temperature=1.0, generator=torch.Generator().manual_seed(7))
     assert a == b
     assert model.training  # restored
+
+
+def test_vocabulary_projection_runs_in_the_autocast_dtype():
+    """Under autocast the hidden states and the fp32 master weight both go to the autocast dtype, as nn.Linear
+    would (casting the hidden states up to fp32 instead ran the largest GEMM of a small model in fp32)."""
+    from plyx.train import lce_operands
+
+    hidden, weight = torch.randn(6, 8, dtype=torch.bfloat16), torch.randn(32, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h, w = lce_operands(hidden, weight)
+    assert h.dtype == w.dtype == torch.bfloat16
+    assert torch.equal(w, weight.to(torch.bfloat16))
+    h, w = lce_operands(hidden, weight)  # no autocast: the hidden states follow the weight
+    assert h.dtype == w.dtype == torch.float32 and w is weight

@@ -60,6 +60,7 @@ __all__ = [
     "group_advantages",
     "group_token_logps",
     "groups_token_logps",
+    "share_prompt_default",
     "grpo",
     "grpo_loss",
     "kto_loss",

@@ -20,7 +20,7 @@ from plyx.rl._data import (
 )
 from plyx.rl._distill import DISTILL_LOSSES, DistillLossError, distill_loss, distill_loss_logits, token_divergence
 from plyx.rl._distill_run import DistillConfig, distill
-from plyx.rl._group_logps import GradKVCache, group_token_logps, groups_token_logps
+from plyx.rl._group_logps import GradKVCache, group_token_logps, groups_token_logps, share_prompt_default
 from plyx.rl._grpo import PromptRecord, grpo, tokenize_prompts
 from plyx.rl._grpo_config import GRPOConfig, RewardSpec
 from plyx.rl._grpo_losses import GRPO_LOSS_TYPES, GRPOLoss, group_advantages, grpo_loss

@@ -92,8 +92,10 @@ class GRPOConfig(RunConfig, kw_only=True, frozen=True, forbid_unknown_fields=Tru
     """The reward functions (summed with their weights)."""
     accuracy_reward: str = "exact_match"
     """The reward (label) whose mean is logged as ``accuracy``; empty: none."""
-    share_prompt: bool = True
-    """Log-prob pass: compute each prompt once and attend its G completions to the prompt's keys and values."""
+    share_prompt: bool | None = None
+    """Log-prob pass: compute each prompt once and attend its G completions to the prompt's keys and values
+    (True), or run every group's ``prompt + completion`` rows in one batch (False); None: shared on CPU, batched
+    on CUDA, where the shared pass measured slower (``plyx.rl.share_prompt_default``)."""
     micro_batch_groups: Pos = 4
     """Groups per forward/backward of the training pass (gradients accumulate over the step's groups)."""
     max_nan_steps: Pos = 3

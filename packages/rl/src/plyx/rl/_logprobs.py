@@ -12,9 +12,11 @@ from typing import Any
 import plyx.kernel as kernels
 import torch
 from plyx.specs import Batch
+from plyx.train import lce_operands
 from torch import nn
 
 __all__ = ["token_logps", "sequence_logps"]
+
 
 
 def _unwrap(model: nn.Module) -> Any:
@@ -38,9 +40,7 @@ def token_logps(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Ten
                    attention_mask=batch.attention_mask, return_hidden=True)  # (B, T, D)
     weight = _unwrap(model).lm_head_weight  # (V, D)
     B, T, D = hidden.shape
-    flat = hidden.reshape(B * T, D)  # (B T, D)
-    if flat.dtype != weight.dtype:  # autocast: bf16 hidden states, fp32 weights
-        flat = flat.to(weight.dtype)
+    flat, weight = lce_operands(hidden.reshape(B * T, D), weight)  # (B T, D)
     targets = batch.targets.to(hidden.device)
     ce = kernels.linear_cross_entropy(flat, weight, targets.reshape(-1), ignore_index=-100, reduction="none")
     mask = targets != -100

@@ -32,6 +32,7 @@ __all__ = [
     "propose_fit",
     "generate_ids",
     "init_model",
+    "lce_operands",
     "lm_loss",
     "load_tokenizer",
     "lr_multiplier",

@@ -8,7 +8,7 @@ from plyx.train._dataset import IGNORE_INDEX, DataStream, TokenDataset
 from plyx.train._defaults import default_config
 from plyx.train._distributed import init_model
 from plyx.train._generate import generate_ids
-from plyx.train._loss import lm_loss
+from plyx.train._loss import lce_operands, lm_loss
 from plyx.train._memory import MemoryEstimate, plan_memory, propose_fit
 from plyx.train._metrics import MetricsWriter, spectral_ratios
 from plyx.train._optim import available_optimizers, build_optimizer, param_groups
