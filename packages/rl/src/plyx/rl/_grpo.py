@@ -451,7 +451,8 @@ def grpo(config: GRPOConfig, *, model: nn.Module | None = None, tokenizer: Any =
             if step % config.log_every == 0 or step == config.steps:
                 line = (f"step {step}/{config.steps} reward {row['reward']:.3f}"
                         + (f" acc {row['accuracy']:.3f}" if "accuracy" in row else "")
-                        + f" kl {row['kl']:.4f} clip {row['clip_fraction']:.3f} len {row['completion_length']:.1f}"
+                        + (f" kl {row['kl']:.4f}" if not math.isnan(row["kl"]) else "")  # beta 0: no reference
+                        + f" clip {row['clip_fraction']:.3f} len {row['completion_length']:.1f}"
                         f" gen {row['gen_share']:.0%} train {row['train_share']:.0%} sync {sync_s * 1e3:.1f} ms")
                 if bar is None:
                     print_fn(line)
