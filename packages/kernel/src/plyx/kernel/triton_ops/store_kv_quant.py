@@ -66,11 +66,14 @@ def quantize(x, scale, dtype: tl.constexpr, QMAX: tl.constexpr, FP8: tl.constexp
     """float32 ``x`` (``[BLOCK_H, n]``) over its rows' ``scale`` (``[BLOCK_H]``), as ``dtype`` (int8 or e4m3)."""
     y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    # one return of one type: the GPU compiler (Triton 3.6) types every return of a function, constexpr branches
+    # included, so an early fp8 return next to an int8 one fails to compile (the interpreter never noticed)
     if FP8:
         if _INTERPRETER:
             y = _round_e4m3(y)
-        return y.to(dtype)
-    return tl.floor(y + 0.5).to(tl.int8)
+    else:
+        y = tl.floor(y + 0.5)  # int8: round half up before the cast truncates
+    return y.to(dtype)
 
 
 @triton.jit
