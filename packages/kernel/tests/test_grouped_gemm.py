@@ -6,7 +6,7 @@ import pytest
 import torch
 from plyx.kernel import KernelInputError
 from plyx.kernel.reference import grouped_gemm as reference
-from plyx.kernel.triton_ops.grouped_gemm import grouped_gemm
+from plyx.kernel.triton_ops.grouped_gemm import WgradTile, grouped_gemm
 
 from .conftest import GPU, TRITON_DEVICE
 
@@ -38,6 +38,58 @@ def test_strided_operands_and_explicit_blocks(parity, make):
     offsets = torch.tensor([0, *counts]).cumsum(0).to(TRITON_DEVICE)
     parity(lambda *a: grouped_gemm(*a, blocks=(16, 16, 16, 4, 1)), reference, [x, w, offsets], grad=(0, 1),
            label="strided")
+
+
+#: every weight-gradient variant the sweep times, at the interpreter's tile (16 rows a step, dW tiles 32 x 32)
+WGRAD_VARIANTS = [WgradTile(16, 32, 32, 4, 1, schedule, split, tma)
+                  for schedule, split, tma in [("expert", 1, False), ("tile", 1, False), ("persistent", 1, False),
+                                               ("expert", 3, False), ("persistent", 2, False), ("tile", 2, False),
+                                               ("expert", 1, True), ("persistent", 2, True), ("tile", 1, True)]]
+#: uneven routing with empty experts (first, middle, last), rows straddling the 16-row step and a split
+#: (17 rows in 3 splits: 16 + 1 + nothing), dW tiles straddling N and K; N = 40 and K = 24 keep bf16 rows
+#: 16-byte aligned, so the TMA variants take descriptors there (N = 20 does not: the pointer loads)
+WGRAD_CASES = [((0, 3, 0, 17, 5, 0), 40, 24), ((33, 1, 0, 40), 20, 48)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", WGRAD_CASES, ids=str)
+@pytest.mark.parametrize("tile", WGRAD_VARIANTS, ids=lambda t: f"{t.schedule}-split{t.split}{'-tma' if t.tma else ''}")
+def test_weight_grad_variants_match_the_per_expert_loop(parity, make, case, dtype, tile):
+    counts, n, k = case
+    blocks = {"forward": (16, 16, 16, 4, 1), "input_grad": (16, 32, 16, 4, 1), "weight_grad": tile}
+    parity(lambda *a: grouped_gemm(*a, blocks=blocks), reference, _inputs(make, counts, n, k, dtype), grad=(0, 1),
+           dtype=dtype, label=f"grouped_gemm {tile} rows {counts} N={n} K={k}")
+
+
+def test_tma_takes_descriptors_only_where_the_strides_allow():
+    from plyx.kernel.triton_ops.grouped_gemm import _tma_ok
+
+    x = torch.zeros(8, 24, dtype=torch.bfloat16, device=TRITON_DEVICE)
+    assert _tma_ok(x, torch.zeros(8, 40, dtype=torch.bfloat16, device=TRITON_DEVICE))
+    assert not _tma_ok(x, torch.zeros(8, 20, dtype=torch.bfloat16, device=TRITON_DEVICE))  # 40-byte rows
+    assert not _tma_ok(x, torch.zeros(40, 8, dtype=torch.bfloat16, device=TRITON_DEVICE).T)  # inner stride 8
+
+
+def test_weight_grad_of_no_rows_is_zero_for_every_variant(make):
+    """M = 0 (nothing routed): dW is zeros of the weight's dtype, never the allocator's garbage."""
+    from plyx.kernel.triton_ops._common import poisoned
+
+    w = make(3, 40, 24).requires_grad_()
+    for tile in WGRAD_VARIANTS:
+        with poisoned():
+            y = grouped_gemm(make(0, 24).requires_grad_(), w, torch.zeros(4, dtype=torch.int64, device=TRITON_DEVICE),
+                             blocks={"weight_grad": tile})
+            (dw,) = torch.autograd.grad(y.sum() + 0 * w.sum(), [w])
+        assert dw.dtype == w.dtype and torch.equal(dw, torch.zeros_like(dw)), tile
+
+
+def test_bad_blocks_name_the_choices(make):
+    x, w, offsets = make(5, 8), make(2, 4, 8).requires_grad_(), torch.tensor([0, 2, 5], device=TRITON_DEVICE)
+    with pytest.raises(ValueError, match=r"unknown passes \['wgrad'\]"):
+        grouped_gemm(x, w, offsets, blocks={"wgrad": (16, 16, 16, 4, 1)})
+    y = grouped_gemm(x, w, offsets, blocks={"weight_grad": WgradTile(16, 32, 32, 4, 1, "zigzag")})
+    with pytest.raises(ValueError, match=r"schedule 'zigzag' is not one of \('expert', 'tile', 'persistent'\)"):
+        y.sum().backward()
 
 
 def test_bad_inputs_name_kernel_and_argument():
