@@ -144,3 +144,42 @@ def test_pick_blocks_takes_the_big_tile_only_where_its_stages_fit(monkeypatch):
     assert gg.pick_blocks(32768, 64) == (128, 128, 64, 8, 3)
     bm, bn, bk, _, stages = gg.pick_blocks(32768, 64)
     assert gg._stage_bytes(bm, bn, bk) * stages <= 167_936
+
+
+def test_pick_takes_the_measured_table_per_pass(monkeypatch):
+    """A device's entry of grouped_gemm_tiles.json decides each pass for many rows per expert (16-bit inputs,
+    stages that fit); a float32 call, a decode-sized call or an entry whose stages do not fit keep the built-ins."""
+    from plyx.kernel.triton_ops import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "interpreting", lambda: False)
+    monkeypatch.setattr(gg, "_shared_memory", lambda device: 232_448)
+    table = {"forward": [128, 128, 64, 4, 3], "input_grad": [64, 256, 64, 8, 4],
+             "weight_grad": [64, 128, 256, 8, 4, "persistent", 1, True]}
+    monkeypatch.setattr(gg, "_tuned", lambda device: table)
+    assert gg.pick_blocks(32768, 64, pass_="forward") == (128, 128, 64, 4, 3)
+    assert gg.pick_blocks(32768, 64, pass_="input_grad") == (64, 256, 64, 8, 4)
+    assert gg.pick_weight_grad(32768, 64) == WgradTile(64, 128, 256, 8, 4, "persistent", 1, True)
+    assert gg.pick_blocks(32768, 64, itemsize=4, pass_="forward") == (128, 128, 64, 8, 3)
+    assert gg.pick_weight_grad(32768, 64, itemsize=4) == WgradTile(64, 128, 64, 8, 3)
+    assert gg.pick_weight_grad(64 * 8, 64) == WgradTile(16, 64, 64, 4, 3)  # decode: the small tile
+    table["weight_grad"] = [64, 256, 256, 8, 4, "expert", 1, False]  # 256 KiB of stages
+    assert gg.pick_weight_grad(32768, 64) == WgradTile(64, 128, 64, 4, 3)  # the forward's tile, expert-major
+
+
+def test_the_shipped_table_holds_valid_tiles():
+    """Every entry the sweep wrote names known passes, 5-int tiles for the row passes and a WgradTile."""
+    import json
+
+    from plyx.kernel.triton_ops import grouped_gemm as gg
+
+    table = json.loads(gg.TABLE.read_text())
+    assert table, "grouped_gemm_tiles.json is empty"
+    for device, entry in table.items():
+        assert set(entry["passes"]) <= set(gg.PASSES), device
+        for pass_, tile in entry["passes"].items():
+            if pass_ == "weight_grad":
+                wt = WgradTile(*tile)
+                assert wt.schedule in gg.SCHEDULES and wt.split >= 1 and isinstance(wt.tma, bool), (device, tile)
+                tile = tile[:5]
+            assert len(tile) == 5 and all(isinstance(v, int) and v > 0 for v in tile), (device, pass_, tile)
+

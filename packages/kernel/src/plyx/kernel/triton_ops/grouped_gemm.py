@@ -242,7 +242,7 @@ def pick_weight_grad(m: int, e: int, device: torch.device | None = None, itemsiz
         tuned = _tuned(device).get("weight_grad")
         if tuned is not None:
             tile = WgradTile(*tuned)
-            if _stage_bytes(tile.block_m, tile.block_n, tile.block_k, itemsize) * tile.num_stages <= _shared_memory(device):
+            if _wgrad_stage_bytes(tile, itemsize) * tile.num_stages <= _shared_memory(device):
                 return tile
     bm, bn, bk, warps, stages = pick_blocks(m, e, device, itemsize)
     return WgradTile(min(bm, 64), bn, bk, warps, stages)
@@ -272,6 +272,11 @@ def _device_name(index: int) -> str:
 def _stage_bytes(bm: int, bn: int, bk: int, itemsize: int = 2) -> int:
     """Shared memory of one pipeline stage: an ``x`` tile and a weight tile of ``itemsize``-byte elements."""
     return (bm * bk + bk * bn) * itemsize
+
+
+def _wgrad_stage_bytes(tile: WgradTile, itemsize: int = 2) -> int:
+    """Shared memory of one weight-gradient stage: ``BLOCK_M`` rows of ``dy`` (``BLOCK_N`` wide) and of ``x``."""
+    return tile.block_m * (tile.block_n + tile.block_k) * itemsize
 
 
 @functools.cache
@@ -339,8 +344,7 @@ def _programs(device: torch.device, tile: WgradTile, itemsize: int) -> int:
     """Persistent programs: as many per SM as their pipeline stages fit in its shared memory (1 to 4)."""
     if device.type != "cuda":
         return 3
-    per_sm = _shared_memory(device) // max(_stage_bytes(tile.block_m, tile.block_n, tile.block_k, itemsize)
-                                           * tile.num_stages, 1)
+    per_sm = _shared_memory(device) // max(_wgrad_stage_bytes(tile, itemsize) * tile.num_stages, 1)
     return num_programs(device, 1 << 30, per_sm=max(1, min(int(per_sm), 4)))
 
 
