@@ -59,7 +59,7 @@ def _wgrad_candidates(tiny: bool) -> list[Any]:
     if tiny:  # every variant once at the interpreter's tile
         return [WgradTile(16, 32, 32, 4, 1, s, split, tma) for s, split, tma in
                 [("tile", 1, False), ("expert", 1, False), ("persistent", 1, False), ("expert", 2, False),
-                 ("expert", 1, True), ("persistent", 2, True)]]
+                 ("expert", 1, True), ("persistent", 2, True), ("persistent-flat", 1, True)]]
     out = [WgradTile(*WGRAD_TILES[0], "tile")]  # the first kernel: its best tile, experts fastest
     out += [WgradTile(*t, "expert") for t in WGRAD_TILES]
     big = [(64, 128, 256, 8, 4), (64, 256, 128, 8, 4), (64, 128, 128, 4, 3)]
@@ -67,6 +67,9 @@ def _wgrad_candidates(tiny: bool) -> list[Any]:
     out += [WgradTile(*t, "expert", 1, True) for t in big + [(64, 256, 64, 4, 4)]]
     out += [WgradTile(*big[0], "persistent", 1, True), WgradTile(*big[0], "expert", 2),
             WgradTile(64, 128, 128, 8, 4, "expert", 4)]
+    # last: the loop fusion is the likeliest to fail to compile (a crash keeps the records before it;
+    # --table-from then finishes the table)
+    out += [WgradTile(*big[0], "persistent-flat", 1, tma) for tma in (False, True)]
     return out
 
 
@@ -141,17 +144,52 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="a tiny shape in the interpreter (CPU proof)")
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", RESULTS)),
-                        help="results folder (default: $OUT, else bench/results)")
-    parser.add_argument("--write-table", action="store_true",
-                        help="store the winners as this device's entry of grouped_gemm_tiles.json")
-    args = parser.parse_args()
-    if args.tiny or not torch.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' module is imported (triton.jit reads it)
+def _summarize(records: list[dict[str, Any]], head: str) -> tuple[str, dict[str, list[Any]]]:
+    """The summary lines and, per pass, the candidate with the least time over both projections (timed on both)."""
+    dense = {r["gemm"]: r["ms"] for r in records if r["pass_"] == "dense"}
+    times: dict[tuple[str, tuple], dict[str, float]] = {}
+    defaults: dict[str, tuple] = {}
+    for r in records:
+        if r["pass_"] == "dense":
+            continue
+        if r.get("default"):
+            defaults[r["pass_"]] = tuple(r["tile"])
+        if "ms" in r:
+            times.setdefault((r["pass_"], tuple(r["tile"])), {})[r["gemm"]] = r["ms"]
+    lines, best = [head], {}
+    dense_total = sum(dense.values())
+    for pass_name in ("forward", "input_grad", "weight_grad"):
+        timed = [(sum(v.values()), tile) for (p, tile), v in times.items() if p == pass_name and len(v) == len(dense)]
+        if not timed:
+            lines.append(f"{pass_name:12s} no candidate ran")
+            continue
+        ms, tile = min(timed, key=lambda pair: pair[0])
+        best[pass_name] = (ms, tile)
+        default = defaults.get(pass_name)
+        default_ms = sum(times.get((pass_name, default), {}).values()) or float("nan")
+        lines.append(f"{pass_name:12s} dense {dense_total:.3f} ms | default {default} {default_ms:.3f} ms "
+                     f"({dense_total / default_ms:.0%} of dense) | best {tile} {ms:.3f} ms ({dense_total / ms:.0%} "
+                     "of dense)")
+    if len(best) == 3:
+        six = sum(ms for ms, _ in best.values())
+        lines.append(f"the six GEMMs at the best tiles: {six:.3f} ms, {3 * dense_total / six:.1%} of dense-equivalent "
+                     f"({3 * dense_total:.3f} ms)")
+    return "\n".join(lines), {p: list(tile) for p, (_, tile) in best.items()}
 
+
+def _write_table(name: str, measured: str, passes: dict[str, list[Any]], copy: Path) -> None:
+    """This device's entry of grouped_gemm_tiles.json (the other devices' entries kept), and a copy in ``copy``."""
+    from plyx.kernel.triton_ops import grouped_gemm as gg
+
+    entry = {"measured": measured, "passes": passes}
+    table = json.loads(gg.TABLE.read_text()) if gg.TABLE.exists() else {}
+    table[name] = entry
+    _write_json_atomic(gg.TABLE, table)
+    _write_json_atomic(copy, {name: entry})
+    print(f"wrote this device's tiles to {gg.TABLE} (and {copy})")
+
+
+def _sweep(args: argparse.Namespace, stem_of: Callable[[str, str], Path]) -> None:
     from plyx.kernel.triton_ops import grouped_gemm as gg
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
@@ -165,8 +203,7 @@ def main() -> None:
     rows = int(offsets[-1])
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     stamp = dt.date.today().isoformat()
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"sweep-grouped-gemm-{_slug(name)}-{stamp}"
+    stem = stem_of(name, stamp)
     head = f"{name}, torch {torch.__version__}, {stamp}: {shape}, {rows} rows, {dtype}"
     print(head)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
@@ -180,11 +217,14 @@ def main() -> None:
     candidates = {"forward": list(dict.fromkeys([defaults["forward"], *tiles])),
                   "input_grad": list(dict.fromkeys([defaults["input_grad"], *tiles])),
                   "weight_grad": list(dict.fromkeys([defaults["weight_grad"], *wgrad]))}
-    times: dict[tuple[str, tuple], dict[str, float]] = {}
-    dense: dict[str, float] = {}
-    jsonl = stem.with_suffix(".jsonl").open("w")
+    records: list[dict[str, Any]] = []
     total = sum(len(c) for c in candidates.values()) * len(gemms)
-    with jsonl, _progress(total) as bar:
+    with stem.with_suffix(".jsonl").open("w") as jsonl, _progress(total) as bar:
+        def emit(rec: dict[str, Any]) -> None:  # each record lands on disk at once: a crash keeps what ran
+            records.append(rec)
+            jsonl.write(json.dumps(rec) + "\n")
+            jsonl.flush()
+
         for gemm, (k, n) in gemms.items():
             x = torch.randn(rows, k, device=device, dtype=dtype)
             w = torch.randn(e, n, k, device=device, dtype=dtype) / k**0.5
@@ -192,7 +232,9 @@ def main() -> None:
             flops = 2 * rows * n * k
             a = torch.randn(rows, k, device=device, dtype=dtype)
             b = torch.randn(k, n, device=device, dtype=dtype)
-            dense[gemm] = time_ms(lambda a=a, b=b: a @ b)
+            dense_ms = time_ms(lambda a=a, b=b: a @ b)
+            emit(dict(device=name, date=stamp, gemm=gemm, pass_="dense", tile=[], ms=dense_ms,
+                      tflops=flops / dense_ms / 1e9, head=head))
             want = _loop_reference(x, w, dy, offsets)
             runs: dict[str, Callable[[Any], torch.Tensor]] = {
                 "forward": lambda t, x=x, w=w, n=n: gg._launch(x, w, (w.stride(0), w.stride(1), w.stride(2)), n,
@@ -218,46 +260,51 @@ def main() -> None:
                                 rec["error"] = f"wrong result: max error {rec['rel_err']:.1e} > {tol:.0e}"
                             else:
                                 ms = time_ms(lambda t=tile, run=run: run(t))
-                                rec.update(ms=ms, tflops=flops / ms / 1e9, of_dense=dense[gemm] / ms)
-                                times.setdefault((pass_name, tuple(tile)), {})[gemm] = ms
+                                rec.update(ms=ms, tflops=flops / ms / 1e9, of_dense=dense_ms / ms)
                         except Exception as exc:  # e.g. a compile failure: reported, the sweep goes on
                             rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                     if "error" in rec:
                         bar.write(f"  {gemm:8s} {pass_name:12s} {tuple(tile)}: {rec['error']}")
-                    jsonl.write(json.dumps(rec) + "\n")
-                    jsonl.flush()
+                    emit(rec)
+    _finish(records, head, stem, args.write_table and device.type == "cuda",
+            f"{stamp}, bench/sweep_grouped_gemm.py, OLMoE layer {shape}, {dtype}, torch {torch.__version__}")
 
-    # per pass: the candidate with the least time over both projections (timed on both)
-    lines, best = [head], {}
-    dense_total = sum(dense.values())
-    for pass_name, cands in candidates.items():
-        timed = [(sum(times[(pass_name, tuple(c))].values()), c) for c in cands
-                 if len(times.get((pass_name, tuple(c)), {})) == len(gemms)]
-        if not timed:
-            lines.append(f"{pass_name:12s} no candidate ran")
-            continue
-        ms, tile = min(timed, key=lambda p: p[0])
-        best[pass_name] = (ms, tile)
-        default_ms = sum(times.get((pass_name, tuple(defaults[pass_name])), {}).values()) or float("nan")
-        lines.append(f"{pass_name:12s} dense {dense_total:.3f} ms | default {tuple(defaults[pass_name])} "
-                     f"{default_ms:.3f} ms ({dense_total / default_ms:.0%} of dense) | best {tuple(tile)} {ms:.3f} ms "
-                     f"({dense_total / ms:.0%} of dense)")
-    if len(best) == len(candidates):
-        six = sum(ms for ms, _ in best.values())
-        lines.append(f"the six GEMMs at the best tiles: {six:.3f} ms, {3 * dense_total / six:.1%} of dense-equivalent "
-                     f"({3 * dense_total:.3f} ms)")
-    summary = "\n".join(lines)
+
+def _finish(records: list[dict[str, Any]], head: str, stem: Path, write_table: bool, measured: str) -> None:
+    summary, best = _summarize(records, head)
     print(summary)
     stem.with_suffix(".txt").write_text(summary + "\n")
-    print(f"wrote {stem}.jsonl and .txt")
-    if args.write_table and len(best) == len(candidates) and device.type == "cuda":
-        entry = {"measured": f"{stamp}, bench/sweep_grouped_gemm.py, OLMoE layer {shape}, {dtype}, torch "
-                             f"{torch.__version__}", "passes": {p: list(t) for p, (_, t) in best.items()}}
-        table = json.loads(gg.TABLE.read_text()) if gg.TABLE.exists() else {}
-        table[name] = entry
-        _write_json_atomic(gg.TABLE, table)
-        _write_json_atomic(stem.with_name(f"grouped-gemm-tiles-{_slug(name)}-{stamp}.json"), {name: entry})
-        print(f"wrote this device's tiles to {gg.TABLE}")
+    print(f"wrote {stem}.txt")
+    if write_table:
+        if len(best) < 3:
+            raise SystemExit(f"not writing the table: passes without a timed candidate ({sorted(best)} ran)")
+        name = records[0]["device"]
+        _write_table(name, measured, best, stem.with_name(stem.name.replace("sweep-grouped-gemm", "grouped-gemm-tiles")
+                                                          + ".json"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape in the interpreter (CPU proof)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", RESULTS)),
+                        help="results folder (default: $OUT, else bench/results)")
+    parser.add_argument("--write-table", action="store_true",
+                        help="store the winners as this device's entry of grouped_gemm_tiles.json")
+    parser.add_argument("--table-from", type=Path, metavar="JSONL",
+                        help="no timing: summarise a sweep's records (e.g. of a run that died part way)")
+    args = parser.parse_args()
+    if args.tiny or not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels' module is imported (triton.jit reads it)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.table_from is not None:
+        records = [json.loads(line) for line in args.table_from.read_text().splitlines() if line.strip()]
+        if not records:
+            raise SystemExit(f"{args.table_from} holds no records")
+        head = next((r["head"] for r in records if "head" in r), records[0]["device"])
+        _finish(records, head, args.out / args.table_from.stem, args.write_table and records[0]["device"] != "cpu",
+                f"{records[0]['date']}, bench/sweep_grouped_gemm.py (--table-from {args.table_from.name})")
+        return
+    _sweep(args, lambda name, stamp: args.out / f"sweep-grouped-gemm-{_slug(name)}-{stamp}")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,8 @@ def test_strided_operands_and_explicit_blocks(parity, make):
 WGRAD_VARIANTS = [WgradTile(16, 32, 32, 4, 1, schedule, split, tma)
                   for schedule, split, tma in [("expert", 1, False), ("tile", 1, False), ("persistent", 1, False),
                                                ("expert", 3, False), ("persistent", 2, False), ("tile", 2, False),
-                                               ("expert", 1, True), ("persistent", 2, True), ("tile", 1, True)]]
+                                               ("expert", 1, True), ("persistent", 2, True), ("tile", 1, True),
+                                               ("persistent-flat", 1, False), ("persistent-flat", 1, True)]]
 #: uneven routing with empty experts (first, middle, last), rows straddling the 16-row step and a split
 #: (17 rows in 3 splits: 16 + 1 + nothing), dW tiles straddling N and K; N = 40 and K = 24 keep bf16 rows
 #: 16-byte aligned, so the TMA variants take descriptors there (N = 20 does not: the pointer loads)
@@ -88,7 +89,7 @@ def test_bad_blocks_name_the_choices(make):
     with pytest.raises(ValueError, match=r"unknown passes \['wgrad'\]"):
         grouped_gemm(x, w, offsets, blocks={"wgrad": (16, 16, 16, 4, 1)})
     y = grouped_gemm(x, w, offsets, blocks={"weight_grad": WgradTile(16, 32, 32, 4, 1, "zigzag")})
-    with pytest.raises(ValueError, match=r"schedule 'zigzag' is not one of \('expert', 'tile', 'persistent'\)"):
+    with pytest.raises(ValueError, match=r"schedule 'zigzag' is not one of \('expert', 'tile', 'persistent', 'persistent-flat'\)"):
         y.sum().backward()
 
 

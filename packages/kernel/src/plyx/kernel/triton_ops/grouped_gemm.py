@@ -122,11 +122,12 @@ def _weight_grad_tile(DY, X, DW, OFFS, t, N, K, E,
     if TMA:
         if hi > lo:
             # descriptors over this expert's rows only: the hardware zero-fills past them (no masks)
-            dy_desc = tl.make_tensor_descriptor(DY + lo * sdm, shape=[hi - lo, N], strides=[sdm, 1],
+            rows = (hi - lo).to(tl.int32)  # descriptor shapes and coordinates are 32-bit
+            dy_desc = tl.make_tensor_descriptor(DY + lo * sdm, shape=[rows, N], strides=[sdm, 1],
                                                 block_shape=[BLOCK_M, BLOCK_N])
-            x_desc = tl.make_tensor_descriptor(X + lo * sxm, shape=[hi - lo, K], strides=[sxm, 1],
+            x_desc = tl.make_tensor_descriptor(X + lo * sxm, shape=[rows, K], strides=[sxm, 1],
                                                block_shape=[BLOCK_M, BLOCK_K])
-            for r in range(0, hi - lo, BLOCK_M):
+            for r in range(0, rows, BLOCK_M):
                 dy = dy_desc.load([r, n0])  # (BM, BN)
                 x = x_desc.load([r, k0])  # (BM, BK)
                 if UPCAST:
@@ -158,11 +159,12 @@ def _weight_grad_kernel(DY, X, DW, OFFS, N, K, E, ITEMS,
                         sdm, sdn, sxm, sxk, swe, swn, swk,
                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_N: tl.constexpr, EXPERT_MAJOR: tl.constexpr, SPLIT: tl.constexpr,
-                        TMA: tl.constexpr, PERSISTENT: tl.constexpr):
+                        TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr):
     # ITEMS = E * SPLIT * tiles_n * tiles_k work items: the same for any routing, so the grid needs no host sync
     pid = tl.program_id(0)
     if PERSISTENT:  # a fixed number of programs walk the items, expert after expert
-        for t in range(pid, ITEMS, tl.num_programs(0)):
+        # FLATTEN fuses this loop with the row loop, so one item's loads overlap the last one's store
+        for t in tl.range(pid, ITEMS, tl.num_programs(0), flatten=FLATTEN):
             _weight_grad_tile(DY, X, DW, OFFS, t, N, K, E, sdm, sdn, sxm, sxk, swe, swn, swk, UPCAST, BLOCK_M,
                               BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA)
     else:
@@ -179,7 +181,8 @@ class WgradTile(NamedTuple):
 
     ``schedule``: ``"expert"`` numbers the tiles expert after expert (an expert's rows stay in L2 while its
     tiles run), ``"tile"`` puts the experts fastest (the first kernel's order, kept to measure against),
-    ``"persistent"`` launches a program per SM (or a few) that walk the expert-major items. ``split > 1``
+    ``"persistent"`` launches a program per SM (or a few) that walk the expert-major items (``"persistent-flat"``
+    fuses that walk with the row loop, so the pipeline runs on across items). ``split > 1``
     cuts each expert's rows into that many slices whose float32 partial sums meet with atomics in a zeroed
     buffer (more programs where the tile grid is small; costs a float32 pass over dW). ``tma``: the operand
     tiles come through per-expert TMA descriptors (Hopper+; the hardware zero-fills rows past the expert's
@@ -196,7 +199,7 @@ class WgradTile(NamedTuple):
     tma: bool = False
 
 
-SCHEDULES = ("expert", "tile", "persistent")
+SCHEDULES = ("expert", "tile", "persistent", "persistent-flat")
 PASSES = ("forward", "input_grad", "weight_grad")
 #: per-device tiles measured by ``bench/sweep_grouped_gemm.py`` (``--write-table``) for many rows per expert
 TABLE = Path(__file__).with_name("grouped_gemm_tiles.json")
@@ -366,12 +369,13 @@ def _weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, shape
     if tma:
         triton.set_allocator(_tma_scratch)
     items = e * split * triton.cdiv(n, tile.block_n) * triton.cdiv(k, tile.block_k)
-    persistent = tile.schedule == "persistent"
+    persistent = tile.schedule.startswith("persistent")
     grid = (min(items, _programs(x.device, tile, x.element_size())) if persistent else items,)
     _weight_grad_kernel[grid](dy, x, dw, offsets, n, k, e, items, dy.stride(0), dy.stride(1), x.stride(0),
                               x.stride(1), dw.stride(0), dw.stride(1), dw.stride(2), UPCAST=interpreting(),
                               BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_N=GROUP_M,
                               EXPERT_MAJOR=tile.schedule != "tile", SPLIT=split, TMA=tma, PERSISTENT=persistent,
+                              FLATTEN=tile.schedule == "persistent-flat",
                               num_warps=tile.num_warps, num_stages=tile.num_stages)
     return dw.to(dtype)
 
