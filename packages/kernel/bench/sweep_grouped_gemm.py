@@ -135,8 +135,11 @@ def _progress(total: int) -> Iterator[Any]:
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
+    """Indented JSON with each tile on one line, written to a temporary file and renamed over ``path``."""
+    text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]",
+                  json.dumps(data, indent=1))
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.write_text(text + "\n")
     tmp.replace(path)
 
 
