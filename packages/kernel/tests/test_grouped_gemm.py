@@ -50,6 +50,11 @@ WGRAD_VARIANTS = [WgradTile(16, 32, 32, 4, 1, schedule, split, tma)
 #: (17 rows in 3 splits: 16 + 1 + nothing), dW tiles straddling N and K; N = 40 and K = 24 keep bf16 rows
 #: 16-byte aligned, so the TMA variants take descriptors there (N = 20 does not: the pointer loads)
 WGRAD_CASES = [((0, 3, 0, 17, 5, 0), 40, 24), ((33, 1, 0, 40), 20, 48)]
+if GPU:  # compiled: the variants at the tiles the sweep times, on an uneven training-sized routing
+    WGRAD_VARIANTS += [WgradTile(64, 128, 128, 8, 3, schedule, split, tma)  # float32 stages fit too
+                       for schedule, split, tma in [("expert", 1, False), ("tile", 1, False), ("persistent", 1, True),
+                                                    ("expert", 2, False), ("persistent-flat", 1, True)]]
+    WGRAD_CASES += [((700, 3, 0, 1300, 64), 1024, 2048)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
