@@ -47,6 +47,9 @@ TINY = dict(d_model=64, d_expert=40, experts=4, top_k=2, tokens=32)
 #: the best in the 2026-11-24 H100 sweep (results/sweep-grouped-gemm-cuda-2026-11-24.jsonl), plus 64-row tiles
 CUDA_TILES = [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 3),
               (128, 128, 128, 4, 3), (128, 128, 128, 8, 3), (64, 256, 64, 8, 4)]
+#: the same tiles with x and W through TMA descriptors (a sixth element, True)
+CUDA_TILES += [(*t, True) for t in [(128, 256, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 64, 4, 3),
+                                    (128, 128, 128, 8, 3)]]
 #: weight-gradient dW tiles (rows per step, BLOCK_N, BLOCK_K, warps, stages); 128 x 256 accumulators need 8 warps
 WGRAD_TILES = [(64, 256, 64, 4, 4), (64, 256, 64, 8, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 4),
                (64, 128, 256, 8, 3), (64, 128, 256, 8, 4), (64, 256, 128, 8, 3), (64, 256, 128, 8, 4),
@@ -198,7 +201,7 @@ def _sweep(args: argparse.Namespace, stem_of: Callable[[str, str], Path]) -> Non
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = OLMOE if device.type == "cuda" else TINY
-    tiles = CUDA_TILES if device.type == "cuda" else [(16, 32, 32, 4, 1), (16, 16, 16, 4, 1)]
+    tiles = CUDA_TILES if device.type == "cuda" else [(16, 32, 32, 4, 1), (16, 16, 16, 4, 1), (16, 32, 32, 4, 1, True)]
     wgrad = _wgrad_candidates(device.type != "cuda")
     time_ms = _timer(device)
     d, f, e = shape["d_model"], shape["d_expert"], shape["experts"]

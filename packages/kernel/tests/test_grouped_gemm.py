@@ -67,6 +67,28 @@ def test_weight_grad_variants_match_the_per_expert_loop(parity, make, case, dtyp
            dtype=dtype, label=f"grouped_gemm {tile} rows {counts} N={n} K={k}")
 
 
+#: rows straddling the 16-row tile, N = 40 and K = 40 straddling 32-wide tiles (a weight tile reaching into the
+#: next expert's rows: past N it feeds unstored columns, past K it meets x's zero fill), empty experts
+TMA_ROW_CASES = [((3, 0, 17, 5), 40, 24), ((0, 33, 1), 24, 40), ((2, 2, 2, 2, 2, 0), 8, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", TMA_ROW_CASES, ids=str)
+def test_tma_row_passes_match_the_per_expert_loop(parity, make, case, dtype):
+    """Forward and input gradient with x and W through TMA descriptors (both weight layouts)."""
+    from plyx.kernel.triton_ops.grouped_gemm import _w_tma
+
+    counts, n, k = case
+    args = _inputs(make, counts, n, k, dtype)
+    x, w = args[0], args[1]
+    assert _w_tma(x, w, (w.stride(0), w.stride(1), w.stride(2)), n, k) == 1  # forward: W contiguous in K
+    assert _w_tma(x.new_zeros(1, n), w, (w.stride(0), w.stride(2), w.stride(1)), k, n) == 2  # input grad
+    blocks = {"forward": (16, 32, 32, 4, 1, True), "input_grad": (16, 32, 32, 4, 1, True),
+              "weight_grad": WgradTile(16, 32, 32, 4, 1)}
+    parity(lambda *a: grouped_gemm(*a, blocks=blocks), reference, args, grad=(0, 1), dtype=dtype,
+           label=f"grouped_gemm tma rows {counts} N={n} K={k}")
+
+
 def test_tma_takes_descriptors_only_where_the_strides_allow():
     from plyx.kernel.triton_ops.grouped_gemm import _tma_ok
 
@@ -74,6 +96,16 @@ def test_tma_takes_descriptors_only_where_the_strides_allow():
     assert _tma_ok(x, torch.zeros(8, 40, dtype=torch.bfloat16, device=TRITON_DEVICE))
     assert not _tma_ok(x, torch.zeros(8, 20, dtype=torch.bfloat16, device=TRITON_DEVICE))  # 40-byte rows
     assert not _tma_ok(x, torch.zeros(40, 8, dtype=torch.bfloat16, device=TRITON_DEVICE).T)  # inner stride 8
+    from plyx.kernel.triton_ops.grouped_gemm import _w_tma
+
+    w = torch.zeros(3, 40, 24, dtype=torch.bfloat16, device=TRITON_DEVICE)
+    wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # (3, 40, 24) contiguous in N
+    assert _w_tma(x, w, (w.stride(0), w.stride(1), w.stride(2)), 40, 24) == 1
+    assert _w_tma(x, wt, (wt.stride(0), wt.stride(1), wt.stride(2)), 40, 24) == 2  # stored transposed
+    ws = w[:, :, :16]  # a K slice (3, 40, 16): rows still 24 apart, the experts still one [E * N, K] matrix
+    assert _w_tma(x[:, :16], ws, (ws.stride(0), ws.stride(1), ws.stride(2)), 40, 16) == 1
+    wn = w[:, :32]  # (3, 32, 24): expert stride 40 * 24 != 32 * 24
+    assert _w_tma(x, wn, (wn.stride(0), wn.stride(1), wn.stride(2)), 32, 24) == 0
 
 
 def test_weight_grad_of_no_rows_is_zero_for_every_variant(make):
@@ -186,6 +218,7 @@ def test_the_shipped_table_holds_valid_tiles():
             if pass_ == "weight_grad":
                 wt = WgradTile(*tile)
                 assert wt.schedule in gg.SCHEDULES and wt.split >= 1 and isinstance(wt.tma, bool), (device, tile)
-                tile = tile[:5]
-            assert len(tile) == 5 and all(isinstance(v, int) and v > 0 for v in tile), (device, pass_, tile)
+            else:
+                assert len(tile) == 5 or (len(tile) == 6 and isinstance(tile[5], bool)), (device, pass_, tile)
+            assert all(isinstance(v, int) and v > 0 for v in tile[:5]), (device, pass_, tile)
 

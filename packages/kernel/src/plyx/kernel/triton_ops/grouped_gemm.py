@@ -44,7 +44,7 @@ _NAME = "grouped_gemm:triton"
 def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
                     sxm, sxk, swe, swn, swk, sym, syn,
                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr):
+                    GROUP_M: tl.constexpr, TMA: tl.constexpr = 0):
     # GROUP_M row tiles sweep every N tile before the next group starts (the Triton tutorial's swizzle):
     # programs running together share x tiles and the expert's weight tiles in L2
     pid = tl.program_id(0)
@@ -61,19 +61,44 @@ def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
         rm = row0 + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        x_ptr = X + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk
-        w_ptr = W + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :].to(tl.int64) * swn  # (BK, BN): W_e^T
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - k * BLOCK_K
-            a = tl.load(x_ptr, mask=(rm[:, None] < row_end) & (rk[None, :] < k_left), other=0.0)
-            b = tl.load(w_ptr, mask=(rk[:, None] < k_left) & (rn[None, :] < N), other=0.0)
-            if UPCAST:  # Triton's CPU interpreter multiplies 16-bit floats wrongly; float32 is exact enough there
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision="ieee" if a.dtype == tl.float32 else None)
-            x_ptr += BLOCK_K * sxk
-            w_ptr += BLOCK_K * swk
+        if TMA == 0:
+            x_ptr = X + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk
+            w_ptr = W + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :].to(tl.int64) * swn  # (BK, BN): W_e^T
+            for k in range(0, tl.cdiv(K, BLOCK_K)):
+                k_left = K - k * BLOCK_K
+                a = tl.load(x_ptr, mask=(rm[:, None] < row_end) & (rk[None, :] < k_left), other=0.0)
+                b = tl.load(w_ptr, mask=(rk[:, None] < k_left) & (rn[None, :] < N), other=0.0)
+                if UPCAST:  # Triton's CPU interpreter multiplies 16-bit floats wrongly; float32 is exact enough there
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision="ieee" if a.dtype == tl.float32 else None)
+                x_ptr += BLOCK_K * sxk
+                w_ptr += BLOCK_K * swk
+        else:
+            # TMA: x through a descriptor ending at the expert's last row (zero-filled past it and past K);
+            # W as one 2-D matrix of the stacked experts. A weight tile reaching past this expert's N rows
+            # (TMA 1) only feeds output columns >= N, never stored; one reaching past its K rows (TMA 2)
+            # meets x's zero-filled columns, so adds nothing
+            x_desc = tl.make_tensor_descriptor(X + row0 * sxm, shape=[(row_end - row0).to(tl.int32), K],
+                                               strides=[sxm, 1], block_shape=[BLOCK_M, BLOCK_K])
+            n0 = pid_n * BLOCK_N
+            if TMA == 1:  # W [E, N, K] contiguous in K (the forward): (BN, BK) tiles of [E * N, K]
+                w_desc = tl.make_tensor_descriptor(W, shape=[E * N, K], strides=[swn, 1],
+                                                   block_shape=[BLOCK_N, BLOCK_K])
+            else:  # W^T [E, N, K] contiguous in N (the input gradient): (BK, BN) tiles of [E * K, N]
+                w_desc = tl.make_tensor_descriptor(W, shape=[E * K, N], strides=[swk, 1],
+                                                   block_shape=[BLOCK_K, BLOCK_N])
+            for k in range(0, tl.cdiv(K, BLOCK_K)):
+                a = x_desc.load([0, k * BLOCK_K])  # (BM, BK)
+                if TMA == 1:
+                    b = tl.trans(w_desc.load([e * N + n0, k * BLOCK_K]))  # (BN, BK) -> (BK, BN)
+                else:
+                    b = w_desc.load([e * K + k * BLOCK_K, n0])  # (BK, BN)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision="ieee" if a.dtype == tl.float32 else None)
         y_ptr = Y + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(rm[:, None] < row_end) & (rn[None, :] < N))
 
@@ -206,8 +231,15 @@ TABLE = Path(__file__).with_name("grouped_gemm_tiles.json")
 
 
 def pick_blocks(m: int, e: int, device: torch.device | None = None, itemsize: int = 2,
-                pass_: str = "forward") -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` of the forward or input-gradient pass, M rows over E experts.
+                pass_: str = "forward") -> tuple[Any, ...]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, tma])`` of the forward or input-gradient pass.
+
+    Args:
+        m, e: rows and experts. device, itemsize: where and in what the GEMM runs. pass_: ``"forward"``
+            or ``"input_grad"``.
+
+    Returns:
+        The tile; a measured entry may add ``tma`` (x and W through TMA descriptors, where they allow it).
 
     BLOCK_M follows the average rows per expert (decode: a handful per expert, so small tiles waste less);
     the interpreter uses one small tile. Many rows per expert (training, prefill) take the device's entry
@@ -226,7 +258,7 @@ def pick_blocks(m: int, e: int, device: torch.device | None = None, itemsize: in
     smem = _shared_memory(device)
     tuned = _tuned(device).get(pass_) if itemsize == 2 else None
     if tuned is not None and _stage_bytes(*tuned[:3], itemsize) * tuned[4] <= smem:
-        return tuple(tuned[:5])  # type: ignore[return-value]
+        return tuple(tuned)
     if smem >= _stage_bytes(128, 256, 64, itemsize) * 4:
         return 128, 256, 64, 8, 4
     return 128, 128, 64, 8, 3
@@ -247,7 +279,7 @@ def pick_weight_grad(m: int, e: int, device: torch.device | None = None, itemsiz
             tile = WgradTile(*tuned)
             if _wgrad_stage_bytes(tile, itemsize) * tile.num_stages <= _shared_memory(device):
                 return tile
-    bm, bn, bk, warps, stages = pick_blocks(m, e, device, itemsize)
+    bm, bn, bk, warps, stages = pick_blocks(m, e, device, itemsize)[:5]
     return WgradTile(min(bm, 64), bn, bk, warps, stages)
 
 
@@ -310,8 +342,27 @@ def _tiles(offsets: torch.Tensor, block_m: int, m: int) -> tuple[torch.Tensor, t
     return tile_e.to(torch.int32), tile_row.to(torch.int64), grid_m
 
 
+def _w_tma(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n: int, k: int) -> int:
+    """How ``_grouped_kernel`` can read W through a TMA descriptor: 1 (contiguous in K, the experts stacked
+    as one [E * N, K] matrix), 2 (contiguous in N: [E * K, N]) or 0 (pointer loads)."""
+    size = w.element_size()
+    if not _tma_ok(x) or w.data_ptr() % 16:
+        return 0
+    swe, swn, swk = w_strides
+    if swk == 1 and swe == n * swn and (swn * size) % 16 == 0:
+        return 1
+    if swn == 1 and swe == k * swk and (swk * size) % 16 == 0:
+        return 2
+    return 0
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n: int, offsets: torch.Tensor,
-            blocks: tuple[int, int, int, int, int] | None, pass_: str = "forward") -> torch.Tensor:
+            blocks: tuple[Any, ...] | None, pass_: str = "forward") -> torch.Tensor:
+    """``y [M, N]``, ``y_e = x_e @ W_e^T`` with W read through ``w_strides`` as [E, N, K].
+
+    ``blocks``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, tma])``; ``tma`` reads x and W through
+    TMA descriptors where their strides allow it (else the pointer loads).
+    """
     m, k = x.shape
     e = offsets.shape[0] - 1
     y = empty((m, n), dtype=x.dtype, device=x.device)
@@ -319,12 +370,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n
         return y
     if k == 0:
         return y.zero_()
-    bm, bn, bk, warps, stages = blocks or pick_blocks(m, e, x.device, x.element_size(), pass_)
+    bm, bn, bk, warps, stages, *rest = blocks or pick_blocks(m, e, x.device, x.element_size(), pass_)
+    tma = _w_tma(x, w, w_strides, n, k) if rest and rest[0] else 0
+    if tma:
+        triton.set_allocator(_tma_scratch)
     tile_e, tile_row, grid_m = _tiles(offsets, bm, m)
     grid = (grid_m * triton.cdiv(n, bn),)
     _grouped_kernel[grid](x, w, y, offsets, tile_e, tile_row, n, k, e, grid_m, x.stride(0), x.stride(1), *w_strides,
                           y.stride(0), y.stride(1), UPCAST=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                          GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+                          GROUP_M=GROUP_M, TMA=tma, num_warps=warps, num_stages=stages)
     return y
 
 
@@ -393,7 +447,7 @@ def _pass_blocks(blocks: Any, pass_: str) -> Any:
             return WgradTile(*tile)
         return tile
     if pass_ == "weight_grad":  # the forward tile read as a dW tile, as the first kernel did
-        bm, bn, bk, warps, stages = blocks
+        bm, bn, bk, warps, stages = blocks[:5]
         return WgradTile(min(bm, 64), bn, bk, warps, stages)
     return blocks
 
