@@ -234,19 +234,18 @@ def pick_blocks(m: int, e: int, device: torch.device | None = None, itemsize: in
                 pass_: str = "forward") -> tuple[Any, ...]:
     """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, tma])`` of the forward or input-gradient pass.
 
+    BLOCK_M follows the average rows per expert (decode: a handful per expert, so small tiles waste less);
+    the interpreter uses one small tile. Many rows per expert (training, prefill) take the device's entry
+    of ``grouped_gemm_tiles.json`` for ``pass_`` (measured by ``bench/sweep_grouped_gemm.py``) when there
+    is one for 16-bit inputs, else 128x256 tiles with four stages where the shared memory holds them
+    (192 KiB: an A100's 164 KiB, or float32's doubled bytes, do not), else 128x128x64 with three.
+
     Args:
-        m, e: rows and experts. device, itemsize: where and in what the GEMM runs. pass_: ``"forward"``
-            or ``"input_grad"``.
+        m: rows (tokens times top-k). e: experts. device: where the GEMM runs (None: the current CUDA
+            device). itemsize: bytes per input element. pass_: ``"forward"`` or ``"input_grad"``.
 
     Returns:
         The tile; a measured entry may add ``tma`` (x and W through TMA descriptors, where they allow it).
-
-    BLOCK_M follows the average rows per expert (decode: a handful per expert, so small tiles waste less);
-    the interpreter uses one small tile. Many rows per expert (training, prefill) take the device's entry
-    of ``grouped_gemm_tiles.json`` for ``pass_`` (``"forward"`` or ``"input_grad"``; measured by
-    ``bench/sweep_grouped_gemm.py``) when there is one for 16-bit inputs, else 128x256 tiles with four stages
-    where the shared memory holds them (192 KiB: an A100's 164 KiB, or float32's doubled bytes, do not),
-    else 128x128x64 with three.
     """
     if interpreting():
         return 16, 32, 32, 4, 1
@@ -265,11 +264,17 @@ def pick_blocks(m: int, e: int, device: torch.device | None = None, itemsize: in
 
 
 def pick_weight_grad(m: int, e: int, device: torch.device | None = None, itemsize: int = 2) -> WgradTile:
-    """The weight-gradient launch for M rows over E experts (see ``WgradTile``).
+    """The weight-gradient launch for M rows over E experts.
 
     Many rows per expert take the device's measured ``weight_grad`` entry of ``grouped_gemm_tiles.json``
     (16-bit inputs, where its stages fit); otherwise the forward's tile read as a dW tile (N x K) with at
     most 64 rows per reduction step, in the expert-major order.
+
+    Args:
+        m, e, device, itemsize: as for ``pick_blocks``.
+
+    Returns:
+        A ``WgradTile``.
     """
     if interpreting():
         return WgradTile(16, 32, 32, 4, 1)
