@@ -6,7 +6,7 @@ import pytest
 import torch
 from plyx.kernel import KernelInputError
 from plyx.kernel.reference import grouped_gemm as reference
-from plyx.kernel.triton_ops.grouped_gemm import grouped_gemm
+from plyx.kernel.triton_ops.grouped_gemm import WgradTile, grouped_gemm
 
 from .conftest import GPU, TRITON_DEVICE
 
@@ -38,6 +38,96 @@ def test_strided_operands_and_explicit_blocks(parity, make):
     offsets = torch.tensor([0, *counts]).cumsum(0).to(TRITON_DEVICE)
     parity(lambda *a: grouped_gemm(*a, blocks=(16, 16, 16, 4, 1)), reference, [x, w, offsets], grad=(0, 1),
            label="strided")
+
+
+#: every weight-gradient variant the sweep times, at the interpreter's tile (16 rows a step, dW tiles 32 x 32)
+WGRAD_VARIANTS = [WgradTile(16, 32, 32, 4, 1, schedule, split, tma)
+                  for schedule, split, tma in [("expert", 1, False), ("tile", 1, False), ("persistent", 1, False),
+                                               ("expert", 3, False), ("persistent", 2, False), ("tile", 2, False),
+                                               ("expert", 1, True), ("persistent", 2, True), ("tile", 1, True),
+                                               ("persistent-flat", 1, False), ("persistent-flat", 1, True)]]
+#: uneven routing with empty experts (first, middle, last), rows straddling the 16-row step and a split
+#: (17 rows in 3 splits: 16 + 1 + nothing), dW tiles straddling N and K; N = 40 and K = 24 keep bf16 rows
+#: 16-byte aligned, so the TMA variants take descriptors there (N = 20 does not: the pointer loads)
+WGRAD_CASES = [((0, 3, 0, 17, 5, 0), 40, 24), ((33, 1, 0, 40), 20, 48)]
+if GPU:  # compiled: the variants at the tiles the sweep times, on an uneven training-sized routing
+    WGRAD_VARIANTS += [WgradTile(64, 128, 128, 8, 3, schedule, split, tma)  # float32 stages fit too
+                       for schedule, split, tma in [("expert", 1, False), ("tile", 1, False), ("persistent", 1, True),
+                                                    ("expert", 2, False), ("persistent-flat", 1, True)]]
+    WGRAD_CASES += [((700, 3, 0, 1300, 64), 1024, 2048)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", WGRAD_CASES, ids=str)
+@pytest.mark.parametrize("tile", WGRAD_VARIANTS, ids=lambda t: f"{t.schedule}-split{t.split}{'-tma' if t.tma else ''}")
+def test_weight_grad_variants_match_the_per_expert_loop(parity, make, case, dtype, tile):
+    counts, n, k = case
+    blocks = {"forward": (16, 16, 16, 4, 1), "input_grad": (16, 32, 16, 4, 1), "weight_grad": tile}
+    parity(lambda *a: grouped_gemm(*a, blocks=blocks), reference, _inputs(make, counts, n, k, dtype), grad=(0, 1),
+           dtype=dtype, label=f"grouped_gemm {tile} rows {counts} N={n} K={k}")
+
+
+#: rows straddling the 16-row tile, N = 40 and K = 40 straddling 32-wide tiles (a weight tile reaching into the
+#: next expert's rows: past N it feeds unstored columns, past K it meets x's zero fill), empty experts
+TMA_ROW_CASES = [((3, 0, 17, 5), 40, 24), ((0, 33, 1), 24, 40), ((2, 2, 2, 2, 2, 0), 8, 8)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", TMA_ROW_CASES, ids=str)
+def test_tma_row_passes_match_the_per_expert_loop(parity, make, case, dtype):
+    """Forward and input gradient with x and W through TMA descriptors (both weight layouts)."""
+    from plyx.kernel.triton_ops.grouped_gemm import _w_tma
+
+    counts, n, k = case
+    args = _inputs(make, counts, n, k, dtype)
+    x, w = args[0], args[1]
+    assert _w_tma(x, w, (w.stride(0), w.stride(1), w.stride(2)), n, k) == 1  # forward: W contiguous in K
+    assert _w_tma(x.new_zeros(1, n), w, (w.stride(0), w.stride(2), w.stride(1)), k, n) == 2  # input grad
+    blocks = {"forward": (16, 32, 32, 4, 1, True), "input_grad": (16, 32, 32, 4, 1, True),
+              "weight_grad": WgradTile(16, 32, 32, 4, 1)}
+    parity(lambda *a: grouped_gemm(*a, blocks=blocks), reference, args, grad=(0, 1), dtype=dtype,
+           label=f"grouped_gemm tma rows {counts} N={n} K={k}")
+
+
+def test_tma_takes_descriptors_only_where_the_strides_allow():
+    from plyx.kernel.triton_ops.grouped_gemm import _tma_ok
+
+    x = torch.zeros(8, 24, dtype=torch.bfloat16, device=TRITON_DEVICE)
+    assert _tma_ok(x, torch.zeros(8, 40, dtype=torch.bfloat16, device=TRITON_DEVICE))
+    assert not _tma_ok(x, torch.zeros(8, 20, dtype=torch.bfloat16, device=TRITON_DEVICE))  # 40-byte rows
+    assert not _tma_ok(x, torch.zeros(40, 8, dtype=torch.bfloat16, device=TRITON_DEVICE).T)  # inner stride 8
+    from plyx.kernel.triton_ops.grouped_gemm import _w_tma
+
+    w = torch.zeros(3, 40, 24, dtype=torch.bfloat16, device=TRITON_DEVICE)
+    wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # (3, 40, 24) contiguous in N
+    assert _w_tma(x, w, (w.stride(0), w.stride(1), w.stride(2)), 40, 24) == 1
+    assert _w_tma(x, wt, (wt.stride(0), wt.stride(1), wt.stride(2)), 40, 24) == 2  # stored transposed
+    ws = w[:, :, :16]  # a K slice (3, 40, 16): rows still 24 apart, the experts still one [E * N, K] matrix
+    assert _w_tma(x[:, :16], ws, (ws.stride(0), ws.stride(1), ws.stride(2)), 40, 16) == 1
+    wn = w[:, :32]  # (3, 32, 24): expert stride 40 * 24 != 32 * 24
+    assert _w_tma(x, wn, (wn.stride(0), wn.stride(1), wn.stride(2)), 32, 24) == 0
+
+
+def test_weight_grad_of_no_rows_is_zero_for_every_variant(make):
+    """M = 0 (nothing routed): dW is zeros of the weight's dtype, never the allocator's garbage."""
+    from plyx.kernel.triton_ops._common import poisoned
+
+    w = make(3, 40, 24).requires_grad_()
+    for tile in WGRAD_VARIANTS:
+        with poisoned():
+            y = grouped_gemm(make(0, 24).requires_grad_(), w, torch.zeros(4, dtype=torch.int64, device=TRITON_DEVICE),
+                             blocks={"weight_grad": tile})
+            (dw,) = torch.autograd.grad(y.sum() + 0 * w.sum(), [w])
+        assert dw.dtype == w.dtype and torch.equal(dw, torch.zeros_like(dw)), tile
+
+
+def test_bad_blocks_name_the_choices(make):
+    x, w, offsets = make(5, 8), make(2, 4, 8).requires_grad_(), torch.tensor([0, 2, 5], device=TRITON_DEVICE)
+    with pytest.raises(ValueError, match=r"unknown passes \['wgrad'\]"):
+        grouped_gemm(x, w, offsets, blocks={"wgrad": (16, 16, 16, 4, 1)})
+    y = grouped_gemm(x, w, offsets, blocks={"weight_grad": WgradTile(16, 32, 32, 4, 1, "zigzag")})
+    with pytest.raises(ValueError, match=r"schedule 'zigzag' is not one of \('expert', 'tile', 'persistent', 'persistent-flat'\)"):
+        y.sum().backward()
 
 
 def test_bad_inputs_name_kernel_and_argument():
@@ -92,3 +182,43 @@ def test_pick_blocks_takes_the_big_tile_only_where_its_stages_fit(monkeypatch):
     assert gg.pick_blocks(32768, 64) == (128, 128, 64, 8, 3)
     bm, bn, bk, _, stages = gg.pick_blocks(32768, 64)
     assert gg._stage_bytes(bm, bn, bk) * stages <= 167_936
+
+
+def test_pick_takes_the_measured_table_per_pass(monkeypatch):
+    """A device's entry of grouped_gemm_tiles.json decides each pass for many rows per expert (16-bit inputs,
+    stages that fit); a float32 call, a decode-sized call or an entry whose stages do not fit keep the built-ins."""
+    from plyx.kernel.triton_ops import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "interpreting", lambda: False)
+    monkeypatch.setattr(gg, "_shared_memory", lambda device: 232_448)
+    table = {"forward": [128, 128, 64, 4, 3], "input_grad": [64, 256, 64, 8, 4],
+             "weight_grad": [64, 128, 256, 8, 4, "persistent", 1, True]}
+    monkeypatch.setattr(gg, "_tuned", lambda device: table)
+    assert gg.pick_blocks(32768, 64, pass_="forward") == (128, 128, 64, 4, 3)
+    assert gg.pick_blocks(32768, 64, pass_="input_grad") == (64, 256, 64, 8, 4)
+    assert gg.pick_weight_grad(32768, 64) == WgradTile(64, 128, 256, 8, 4, "persistent", 1, True)
+    assert gg.pick_blocks(32768, 64, itemsize=4, pass_="forward") == (128, 128, 64, 8, 3)
+    assert gg.pick_weight_grad(32768, 64, itemsize=4) == WgradTile(64, 128, 64, 8, 3)
+    assert gg.pick_weight_grad(64 * 8, 64) == WgradTile(16, 64, 64, 4, 3)  # decode: the small tile
+    table["weight_grad"] = [64, 256, 256, 8, 4, "expert", 1, False]  # 256 KiB of stages
+    assert gg.pick_weight_grad(32768, 64) == WgradTile(64, 128, 64, 4, 3)  # the forward's tile, expert-major
+
+
+def test_the_shipped_table_holds_valid_tiles():
+    """Every entry the sweep wrote names known passes, 5-int tiles for the row passes and a WgradTile."""
+    import json
+
+    from plyx.kernel.triton_ops import grouped_gemm as gg
+
+    table = json.loads(gg.TABLE.read_text())
+    assert table, "grouped_gemm_tiles.json is empty"
+    for device, entry in table.items():
+        assert set(entry["passes"]) <= set(gg.PASSES), device
+        for pass_, tile in entry["passes"].items():
+            if pass_ == "weight_grad":
+                wt = WgradTile(*tile)
+                assert wt.schedule in gg.SCHEDULES and wt.split >= 1 and isinstance(wt.tma, bool), (device, tile)
+            else:
+                assert len(tile) == 5 or (len(tile) == 6 and isinstance(tile[5], bool)), (device, pass_, tile)
+            assert all(isinstance(v, int) and v > 0 for v in tile[:5]), (device, pass_, tile)
+

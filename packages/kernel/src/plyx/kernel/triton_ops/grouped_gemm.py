@@ -6,8 +6,14 @@ Forward and the input gradient share one kernel (``_grouped_kernel``), since eac
     y_e  = x_e  @ W_e^T     W as [E, N, K]
     dx_e = dy_e @ W_e       W^T as [E, K, N]: the same kernel on swapped strides, no copy
 
-The weight gradient ``dW_e = dy_e^T @ x_e`` (``_weight_grad_kernel``) is one program per (expert, N tile,
-K tile) looping over that expert's rows, so it reduces without atomics.
+The weight gradient ``dW_e = dy_e^T @ x_e`` (``_weight_grad_kernel``) reduces over the tokens, about 512
+rows per expert at OLMoE's training shape: a short loop and a large output (the whole [E, N, K]), so where
+the programs run and what they keep in L2 matters more than the tile. Its work items are (expert, token
+split, N tile, K tile), E * split * tiles of them for any routing (no host sync); ``WgradTile`` chooses the
+order (expert-major, or the experts fastest), one program per item or a persistent few per SM, token splits
+meeting through float32 atomics, and TMA-descriptor loads. ``bench/sweep_grouped_gemm.py`` times them and
+writes the winners per pass and device to ``grouped_gemm_tiles.json``, which ``pick_blocks`` and
+``pick_weight_grad`` read.
 
 Scheduling without a host sync: expert e needs ``ceil(rows_e / BLOCK_M)`` row tiles; the tiles of all
 experts are numbered consecutively and ``torch.searchsorted`` on the cumulative counts gives each tile its
@@ -19,15 +25,17 @@ the launch is CUDA-graph capturable.
 from __future__ import annotations
 
 import functools
-from typing import Any
+import json
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from plyx.kernel.reference.grouped_gemm import check_grouped_gemm
-from plyx.kernel.triton_ops._common import empty, interpreting
+from plyx.kernel.triton_ops._common import empty, interpreting, num_programs
 
-__all__ = ["grouped_gemm", "pick_blocks"]
+__all__ = ["PASSES", "SCHEDULES", "WgradTile", "grouped_gemm", "pick_blocks", "pick_weight_grad"]
 
 _NAME = "grouped_gemm:triton"
 
@@ -36,7 +44,7 @@ _NAME = "grouped_gemm:triton"
 def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
                     sxm, sxk, swe, swn, swk, sym, syn,
                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr):
+                    GROUP_M: tl.constexpr, TMA: tl.constexpr = 0):
     # GROUP_M row tiles sweep every N tile before the next group starts (the Triton tutorial's swizzle):
     # programs running together share x tiles and the expert's weight tiles in L2
     pid = tl.program_id(0)
@@ -53,63 +61,191 @@ def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
         rm = row0 + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        x_ptr = X + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk
-        w_ptr = W + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :].to(tl.int64) * swn  # (BK, BN): W_e^T
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - k * BLOCK_K
-            a = tl.load(x_ptr, mask=(rm[:, None] < row_end) & (rk[None, :] < k_left), other=0.0)
-            b = tl.load(w_ptr, mask=(rk[:, None] < k_left) & (rn[None, :] < N), other=0.0)
-            if UPCAST:  # Triton's CPU interpreter multiplies 16-bit floats wrongly; float32 is exact enough there
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision="ieee" if a.dtype == tl.float32 else None)
-            x_ptr += BLOCK_K * sxk
-            w_ptr += BLOCK_K * swk
+        if TMA == 0:
+            x_ptr = X + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk
+            w_ptr = W + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :].to(tl.int64) * swn  # (BK, BN): W_e^T
+            for k in range(0, tl.cdiv(K, BLOCK_K)):
+                k_left = K - k * BLOCK_K
+                a = tl.load(x_ptr, mask=(rm[:, None] < row_end) & (rk[None, :] < k_left), other=0.0)
+                b = tl.load(w_ptr, mask=(rk[:, None] < k_left) & (rn[None, :] < N), other=0.0)
+                if UPCAST:  # Triton's CPU interpreter multiplies 16-bit floats wrongly; float32 is exact enough there
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision="ieee" if a.dtype == tl.float32 else None)
+                x_ptr += BLOCK_K * sxk
+                w_ptr += BLOCK_K * swk
+        else:
+            # TMA: x through a descriptor ending at the expert's last row (zero-filled past it and past K);
+            # W as one 2-D matrix of the stacked experts. A weight tile reaching past this expert's N rows
+            # (TMA 1) only feeds output columns >= N, never stored; one reaching past its K rows (TMA 2)
+            # meets x's zero-filled columns, so adds nothing
+            x_desc = tl.make_tensor_descriptor(X + row0 * sxm, shape=[(row_end - row0).to(tl.int32), K],
+                                               strides=[sxm, 1], block_shape=[BLOCK_M, BLOCK_K])
+            n0 = pid_n * BLOCK_N
+            if TMA == 1:  # W [E, N, K] contiguous in K (the forward): (BN, BK) tiles of [E * N, K]
+                w_desc = tl.make_tensor_descriptor(W, shape=[E * N, K], strides=[swn, 1],
+                                                   block_shape=[BLOCK_N, BLOCK_K])
+            else:  # W^T [E, N, K] contiguous in N (the input gradient): (BK, BN) tiles of [E * K, N]
+                w_desc = tl.make_tensor_descriptor(W, shape=[E * K, N], strides=[swk, 1],
+                                                   block_shape=[BLOCK_K, BLOCK_N])
+            for k in range(0, tl.cdiv(K, BLOCK_K)):
+                a = x_desc.load([0, k * BLOCK_K])  # (BM, BK)
+                if TMA == 1:
+                    b = tl.trans(w_desc.load([e * N + n0, k * BLOCK_K]))  # (BN, BK) -> (BK, BN)
+                else:
+                    b = w_desc.load([e * K + k * BLOCK_K, n0])  # (BK, BN)
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision="ieee" if a.dtype == tl.float32 else None)
         y_ptr = Y + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(rm[:, None] < row_end) & (rn[None, :] < N))
 
 
 @triton.jit
-def _weight_grad_kernel(DY, X, DW, OFFS, N, K,
-                        sdm, sdn, sxm, sxk, swe, swn, swk,
-                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # dW_e[n, k] = sum over the expert's rows r of dy[r, n] * x[r, k]
-    e = tl.program_id(0)
-    pid = tl.program_id(1)
+def _weight_grad_tile(DY, X, DW, OFFS, t, N, K, E,
+                      sdm, sdn, sxm, sxk, swe, swn, swk,
+                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_N: tl.constexpr, EXPERT_MAJOR: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
+    # one work item t: an (expert, token split, N tile, K tile) of dW_e[n, k] = sum_r dy[r, n] * x[r, k]
+    tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_k = tl.cdiv(K, BLOCK_K)
-    rn = (pid // tiles_k) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = (pid % tiles_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    start = tl.load(OFFS + e)
-    end = tl.load(OFFS + e + 1)
+    per_split = tiles_n * tiles_k
+    if EXPERT_MAJOR:
+        # an expert's tiles run together, so its x_e and dy_e (~2 MiB each at OLMoE's shape) stay in L2 and
+        # come from DRAM once; GROUP_N N tiles sweep every K tile before the next group (dy tiles reused)
+        e = t // (SPLIT * per_split)
+        rest = t % (SPLIT * per_split)
+        s = rest // per_split
+        tile = rest % per_split
+        width = GROUP_N * tiles_k
+        first_n = (tile // width) * GROUP_N
+        group_n = tl.minimum(tiles_n - first_n, GROUP_N)
+        pid_n = first_n + (tile % width) % group_n
+        pid_k = (tile % width) // group_n
+    else:
+        # experts fastest (the first kernel's order): running programs touch every expert's rows at once
+        e = t % E
+        rest = t // E
+        s = rest // per_split
+        pid_n = (rest % per_split) // tiles_k
+        pid_k = (rest % per_split) % tiles_k
+    start = tl.load(OFFS + e).to(tl.int64)
+    end = tl.load(OFFS + e + 1).to(tl.int64)
+    lo = start
+    hi = end
+    if SPLIT > 1:  # split s of SPLIT takes a BLOCK_M-aligned slice of the expert's rows
+        chunk = tl.cdiv(tl.cdiv(end - start, SPLIT), BLOCK_M) * BLOCK_M
+        lo = tl.minimum(start + s * chunk, end)
+        hi = tl.minimum(lo + chunk, end)
+    n0 = pid_n * BLOCK_N
+    k0 = pid_k * BLOCK_K
+    rn = n0 + tl.arange(0, BLOCK_N)
+    rk = k0 + tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_M):
-        rm = r0 + tl.arange(0, BLOCK_M)
-        dy = tl.load(DY + rm[None, :].to(tl.int64) * sdm + rn[:, None] * sdn,
-                     mask=(rm[None, :] < end) & (rn[:, None] < N), other=0.0)  # (BN, BM): dy_e^T
-        x = tl.load(X + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk,
-                    mask=(rm[:, None] < end) & (rk[None, :] < K), other=0.0)  # (BM, BK)
-        if UPCAST:
-            dy = dy.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(dy, x, acc, input_precision="ieee" if x.dtype == tl.float32 else None)
+    if TMA:
+        if hi > lo:
+            # descriptors over this expert's rows only: the hardware zero-fills past them (no masks)
+            rows = (hi - lo).to(tl.int32)  # descriptor shapes and coordinates are 32-bit
+            dy_desc = tl.make_tensor_descriptor(DY + lo * sdm, shape=[rows, N], strides=[sdm, 1],
+                                                block_shape=[BLOCK_M, BLOCK_N])
+            x_desc = tl.make_tensor_descriptor(X + lo * sxm, shape=[rows, K], strides=[sxm, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
+            for r in range(0, rows, BLOCK_M):
+                dy = dy_desc.load([r, n0])  # (BM, BN)
+                x = x_desc.load([r, k0])  # (BM, BK)
+                if UPCAST:
+                    dy = dy.to(tl.float32)
+                    x = x.to(tl.float32)
+                acc = tl.dot(tl.trans(dy), x, acc, input_precision="ieee" if x.dtype == tl.float32 else None)
+    else:
+        for r0 in range(lo, hi, BLOCK_M):
+            rm = r0 + tl.arange(0, BLOCK_M)
+            dy = tl.load(DY + rm[None, :] * sdm + rn[:, None] * sdn,
+                         mask=(rm[None, :] < hi) & (rn[:, None] < N), other=0.0)  # (BN, BM): dy_e^T
+            x = tl.load(X + rm[:, None] * sxm + rk[None, :] * sxk,
+                        mask=(rm[:, None] < hi) & (rk[None, :] < K), other=0.0)  # (BM, BK)
+            if UPCAST:
+                dy = dy.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(dy, x, acc, input_precision="ieee" if x.dtype == tl.float32 else None)
     dw_ptr = DW + e.to(tl.int64) * swe + rn[:, None].to(tl.int64) * swn + rk[None, :] * swk
-    tl.store(dw_ptr, acc.to(DW.dtype.element_ty), mask=(rn[:, None] < N) & (rk[None, :] < K))
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    if SPLIT > 1:  # float32 partial sums into a zeroed buffer; an empty split adds nothing
+        if hi > lo:
+            tl.atomic_add(dw_ptr, acc, mask=mask, sem="relaxed")
+    else:  # an empty expert stores its zeros
+        tl.store(dw_ptr, acc.to(DW.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _weight_grad_kernel(DY, X, DW, OFFS, N, K, E, ITEMS,
+                        sdm, sdn, sxm, sxk, swe, swn, swk,
+                        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_N: tl.constexpr, EXPERT_MAJOR: tl.constexpr, SPLIT: tl.constexpr,
+                        TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr):
+    # ITEMS = E * SPLIT * tiles_n * tiles_k work items: the same for any routing, so the grid needs no host sync
+    pid = tl.program_id(0)
+    if PERSISTENT:  # a fixed number of programs walk the items, expert after expert
+        # FLATTEN fuses this loop with the row loop, so one item's loads overlap the last one's store
+        for t in tl.range(pid, ITEMS, tl.num_programs(0), flatten=FLATTEN):
+            _weight_grad_tile(DY, X, DW, OFFS, t, N, K, E, sdm, sdn, sxm, sxk, swe, swn, swk, UPCAST, BLOCK_M,
+                              BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA)
+    else:
+        _weight_grad_tile(DY, X, DW, OFFS, pid, N, K, E, sdm, sdn, sxm, sxk, swe, swn, swk, UPCAST, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA)
 
 
 #: row tiles per swizzle group (see _grouped_kernel); 8 as in plyx's matmul
 GROUP_M = 8
 
 
-def pick_blocks(m: int, e: int, device: torch.device | None = None, itemsize: int = 2) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for M rows over E experts.
+class WgradTile(NamedTuple):
+    """A weight-gradient launch: the ``(BLOCK_N, BLOCK_K)`` tile of dW_e, reduced over rows ``BLOCK_M`` at a time.
+
+    ``schedule``: ``"expert"`` numbers the tiles expert after expert (an expert's rows stay in L2 while its
+    tiles run), ``"tile"`` puts the experts fastest (the first kernel's order, kept to measure against),
+    ``"persistent"`` launches a program per SM (or a few) that walk the expert-major items (``"persistent-flat"``
+    fuses that walk with the row loop, so the pipeline runs on across items). ``split > 1``
+    cuts each expert's rows into that many slices whose float32 partial sums meet with atomics in a zeroed
+    buffer (more programs where the tile grid is small; costs a float32 pass over dW). ``tma``: the operand
+    tiles come through per-expert TMA descriptors (Hopper+; the hardware zero-fills rows past the expert's
+    end, so the loads carry no masks); where the strides do not allow it the pointer loads are used.
+    """
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    schedule: str = "expert"
+    split: int = 1
+    tma: bool = False
+
+
+SCHEDULES = ("expert", "tile", "persistent", "persistent-flat")
+PASSES = ("forward", "input_grad", "weight_grad")
+#: per-device tiles measured by ``bench/sweep_grouped_gemm.py`` (``--write-table``) for many rows per expert
+TABLE = Path(__file__).with_name("grouped_gemm_tiles.json")
+
+
+def pick_blocks(m: int, e: int, device: torch.device | None = None, itemsize: int = 2,
+                pass_: str = "forward") -> tuple[Any, ...]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, tma])`` of the forward or input-gradient pass.
 
     BLOCK_M follows the average rows per expert (decode: a handful per expert, so small tiles waste less);
-    the interpreter uses one small tile. Many rows per expert (training, prefill) take 128x256 tiles with
-    four stages, the fastest of ``bench/sweep_grouped_gemm.py``'s grid on an H100 for the forward and
-    both gradients together (results/sweep-grouped-gemm-cuda-2026-11-24.jsonl: 8% less time than
-    128x128x3 over the OLMoE layer's six GEMMs). Those stages need 192 KiB of shared memory: a device
-    with less (A100: 164 KiB), or float32 inputs (twice the bytes), keep the 128x128 tile.
+    the interpreter uses one small tile. Many rows per expert (training, prefill) take the device's entry
+    of ``grouped_gemm_tiles.json`` for ``pass_`` (measured by ``bench/sweep_grouped_gemm.py``) when there
+    is one for 16-bit inputs, else 128x256 tiles with four stages where the shared memory holds them
+    (192 KiB: an A100's 164 KiB, or float32's doubled bytes, do not), else 128x128x64 with three.
+
+    Args:
+        m: rows (tokens times top-k). e: experts. device: where the GEMM runs (None: the current CUDA
+            device). itemsize: bytes per input element. pass_: ``"forward"`` or ``"input_grad"``.
+
+    Returns:
+        The tile; a measured entry may add ``tma`` (x and W through TMA descriptors, where they allow it).
     """
     if interpreting():
         return 16, 32, 32, 4, 1
@@ -118,14 +254,69 @@ def pick_blocks(m: int, e: int, device: torch.device | None = None, itemsize: in
         return 16, 64, 64, 4, 3
     if avg <= 64:
         return 64, 128, 64, 4, 3
-    if _shared_memory(device) >= _stage_bytes(128, 256, 64, itemsize) * 4:
+    smem = _shared_memory(device)
+    tuned = _tuned(device).get(pass_) if itemsize == 2 else None
+    if tuned is not None and _stage_bytes(*tuned[:3], itemsize) * tuned[4] <= smem:
+        return tuple(tuned)
+    if smem >= _stage_bytes(128, 256, 64, itemsize) * 4:
         return 128, 256, 64, 8, 4
     return 128, 128, 64, 8, 3
+
+
+def pick_weight_grad(m: int, e: int, device: torch.device | None = None, itemsize: int = 2) -> WgradTile:
+    """The weight-gradient launch for M rows over E experts.
+
+    Many rows per expert take the device's measured ``weight_grad`` entry of ``grouped_gemm_tiles.json``
+    (16-bit inputs, where its stages fit); otherwise the forward's tile read as a dW tile (N x K) with at
+    most 64 rows per reduction step, in the expert-major order.
+
+    Args:
+        m, e, device, itemsize: as for ``pick_blocks``.
+
+    Returns:
+        A ``WgradTile``.
+    """
+    if interpreting():
+        return WgradTile(16, 32, 32, 4, 1)
+    if m / max(e, 1) > 64 and itemsize == 2:
+        tuned = _tuned(device).get("weight_grad")
+        if tuned is not None:
+            tile = WgradTile(*tuned)
+            if _wgrad_stage_bytes(tile, itemsize) * tile.num_stages <= _shared_memory(device):
+                return tile
+    bm, bn, bk, warps, stages = pick_blocks(m, e, device, itemsize)[:5]
+    return WgradTile(min(bm, 64), bn, bk, warps, stages)
+
+
+@functools.cache
+def _table() -> dict[str, dict[str, list[Any]]]:
+    try:
+        return json.loads(TABLE.read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):  # an unreadable table falls back to the built-in choices
+        return {}
+
+
+def _tuned(device: torch.device | None) -> dict[str, list[Any]]:
+    """This device's measured tiles per pass (``{}`` without CUDA or without an entry for its name)."""
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return {}
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _table().get(_device_name(index), {}).get("passes", {})
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def _stage_bytes(bm: int, bn: int, bk: int, itemsize: int = 2) -> int:
     """Shared memory of one pipeline stage: an ``x`` tile and a weight tile of ``itemsize``-byte elements."""
     return (bm * bk + bk * bn) * itemsize
+
+
+def _wgrad_stage_bytes(tile: WgradTile, itemsize: int = 2) -> int:
+    """Shared memory of one weight-gradient stage: ``BLOCK_M`` rows of ``dy`` (``BLOCK_N`` wide) and of ``x``."""
+    return tile.block_m * (tile.block_n + tile.block_k) * itemsize
 
 
 @functools.cache
@@ -156,8 +347,27 @@ def _tiles(offsets: torch.Tensor, block_m: int, m: int) -> tuple[torch.Tensor, t
     return tile_e.to(torch.int32), tile_row.to(torch.int64), grid_m
 
 
+def _w_tma(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n: int, k: int) -> int:
+    """How ``_grouped_kernel`` can read W through a TMA descriptor: 1 (contiguous in K, the experts stacked
+    as one [E * N, K] matrix), 2 (contiguous in N: [E * K, N]) or 0 (pointer loads)."""
+    size = w.element_size()
+    if not _tma_ok(x) or w.data_ptr() % 16:
+        return 0
+    swe, swn, swk = w_strides
+    if swk == 1 and swe == n * swn and (swn * size) % 16 == 0:
+        return 1
+    if swn == 1 and swe == k * swk and (swk * size) % 16 == 0:
+        return 2
+    return 0
+
+
 def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n: int, offsets: torch.Tensor,
-            blocks: tuple[int, int, int, int, int] | None) -> torch.Tensor:
+            blocks: tuple[Any, ...] | None, pass_: str = "forward") -> torch.Tensor:
+    """``y [M, N]``, ``y_e = x_e @ W_e^T`` with W read through ``w_strides`` as [E, N, K].
+
+    ``blocks``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, tma])``; ``tma`` reads x and W through
+    TMA descriptors where their strides allow it (else the pointer loads).
+    """
     m, k = x.shape
     e = offsets.shape[0] - 1
     y = empty((m, n), dtype=x.dtype, device=x.device)
@@ -165,28 +375,86 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n
         return y
     if k == 0:
         return y.zero_()
-    bm, bn, bk, warps, stages = blocks or pick_blocks(m, e, x.device, x.element_size())
+    bm, bn, bk, warps, stages, *rest = blocks or pick_blocks(m, e, x.device, x.element_size(), pass_)
+    tma = _w_tma(x, w, w_strides, n, k) if rest and rest[0] else 0
+    if tma:
+        triton.set_allocator(_tma_scratch)
     tile_e, tile_row, grid_m = _tiles(offsets, bm, m)
     grid = (grid_m * triton.cdiv(n, bn),)
     _grouped_kernel[grid](x, w, y, offsets, tile_e, tile_row, n, k, e, grid_m, x.stride(0), x.stride(1), *w_strides,
                           y.stride(0), y.stride(1), UPCAST=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                          GROUP_M=GROUP_M, num_warps=warps, num_stages=stages)
+                          GROUP_M=GROUP_M, TMA=tma, num_warps=warps, num_stages=stages)
     return y
 
 
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need a unit inner stride, 16-byte aligned row strides and bases, and Hopper or newer."""
+    for t in tensors:
+        if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False
+    if interpreting():
+        return True
+    return tensors[0].device.type == "cuda" and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the descriptors the kernel writes (``tl.make_tensor_descriptor``)."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if interpreting() else "cuda")
+
+
+def _programs(device: torch.device, tile: WgradTile, itemsize: int) -> int:
+    """Persistent programs: as many per SM as their pipeline stages fit in its shared memory (1 to 4)."""
+    if device.type != "cuda":
+        return 3
+    per_sm = _shared_memory(device) // max(_wgrad_stage_bytes(tile, itemsize) * tile.num_stages, 1)
+    return num_programs(device, 1 << 30, per_sm=max(1, min(int(per_sm), 4)))
+
+
 def _weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
-                 blocks: tuple[int, int, int, int, int] | None) -> torch.Tensor:
+                 tile: WgradTile | None) -> torch.Tensor:
+    """``dW [E, N, K]``, ``dW_e = dy_e^T @ x_e`` for every expert (zeros for an empty one)."""
     e, n, k = shape
-    dw = empty((e, n, k), dtype=dtype, device=x.device)
+    tile = tile or pick_weight_grad(x.shape[0], e, x.device, x.element_size())
+    if tile.schedule not in SCHEDULES:
+        raise ValueError(f"{_NAME}: weight-gradient schedule {tile.schedule!r} is not one of {SCHEDULES}")
+    split = max(int(tile.split), 1)
+    if split > 1:  # float32 partial sums meet in a zeroed buffer
+        dw = torch.zeros((e, n, k), dtype=torch.float32, device=x.device)
+    else:
+        dw = empty((e, n, k), dtype=dtype, device=x.device)
     if dw.numel() == 0:
-        return dw
-    bm, bn, bk, warps, stages = blocks or pick_blocks(x.shape[0], e, x.device, x.element_size())
-    bm = min(bm, 64)  # the reduction loop's step; the tile is (BN, BK)
-    grid = (e, triton.cdiv(n, bn) * triton.cdiv(k, bk))
-    _weight_grad_kernel[grid](dy, x, dw, offsets, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
-                              dw.stride(0), dw.stride(1), dw.stride(2), UPCAST=interpreting(), BLOCK_M=bm,
-                              BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    return dw
+        return dw.to(dtype)
+    tma = bool(tile.tma) and _tma_ok(dy, x)
+    if tma:
+        triton.set_allocator(_tma_scratch)
+    items = e * split * triton.cdiv(n, tile.block_n) * triton.cdiv(k, tile.block_k)
+    persistent = tile.schedule.startswith("persistent")
+    grid = (min(items, _programs(x.device, tile, x.element_size())) if persistent else items,)
+    _weight_grad_kernel[grid](dy, x, dw, offsets, n, k, e, items, dy.stride(0), dy.stride(1), x.stride(0),
+                              x.stride(1), dw.stride(0), dw.stride(1), dw.stride(2), UPCAST=interpreting(),
+                              BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_N=GROUP_M,
+                              EXPERT_MAJOR=tile.schedule != "tile", SPLIT=split, TMA=tma, PERSISTENT=persistent,
+                              FLATTEN=tile.schedule == "persistent-flat",
+                              num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return dw.to(dtype)
+
+
+def _pass_blocks(blocks: Any, pass_: str) -> Any:
+    """The override for one pass: ``blocks`` is one 5-tuple for every pass or a ``{pass: tile}`` dict."""
+    if blocks is None:
+        return None
+    if isinstance(blocks, dict):
+        unknown = set(blocks) - set(PASSES)
+        if unknown:
+            raise ValueError(f"{_NAME}: blocks has unknown passes {sorted(unknown)}; use {PASSES}")
+        tile = blocks.get(pass_)
+        if pass_ == "weight_grad" and tile is not None:
+            return WgradTile(*tile)
+        return tile
+    if pass_ == "weight_grad":  # the forward tile read as a dW tile, as the first kernel did
+        bm, bn, bk, warps, stages = blocks[:5]
+        return WgradTile(min(bm, 64), bn, bk, warps, stages)
+    return blocks
 
 
 class _GroupedGemm(torch.autograd.Function):
@@ -194,25 +462,35 @@ class _GroupedGemm(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, blocks: Any) -> torch.Tensor:
         ctx.save_for_backward(x, w, offsets)
         ctx.blocks = blocks
-        return _launch(x, w, (w.stride(0), w.stride(1), w.stride(2)), w.shape[1], offsets, blocks)
+        return _launch(x, w, (w.stride(0), w.stride(1), w.stride(2)), w.shape[1], offsets,
+                       _pass_blocks(blocks, "forward"))
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
         x, w, offsets = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dx_e = dy_e @ W_e: W read as [E, K, N]
-            dx = _launch(dy, w, (w.stride(0), w.stride(2), w.stride(1)), w.shape[2], offsets, ctx.blocks)
+            dx = _launch(dy, w, (w.stride(0), w.stride(2), w.stride(1)), w.shape[2], offsets,
+                         _pass_blocks(ctx.blocks, "input_grad"), "input_grad")
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(dy, x, offsets, w.shape, w.dtype, ctx.blocks)
+            dw = _weight_grad(dy, x, offsets, w.shape, w.dtype, _pass_blocks(ctx.blocks, "weight_grad"))
         return dx, dw, None, None
 
 
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
-                 blocks: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                 blocks: tuple[int, int, int, int, int] | dict[str, tuple[Any, ...]] | None = None) -> torch.Tensor:
     """Triton grouped GEMM; same contract as ``plyx.kernel.reference.grouped_gemm``.
 
-    ``offsets`` are trusted (the reference checks their values; reading them here would sync the host).
-    ``blocks=(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` overrides ``pick_blocks``.
+    Args:
+        x, weight, offsets: as the reference's; ``offsets`` are trusted (the reference checks their values;
+            reading them here would sync the host).
+        blocks: tiles instead of ``pick_blocks`` / ``pick_weight_grad``: one
+            ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for every pass (the weight gradient reads it
+            as a ``BLOCK_N x BLOCK_K`` tile of dW, at most 64 rows a step), or ``{pass: tile}`` for some of
+            ``"forward"``, ``"input_grad"`` (5-tuples) and ``"weight_grad"`` (a ``WgradTile``).
+
+    Returns:
+        ``y [M, N]``, differentiable in ``x`` and ``weight``.
     """
     check_grouped_gemm(_NAME, x, weight, offsets)
     return _GroupedGemm.apply(x, weight, offsets, blocks)
