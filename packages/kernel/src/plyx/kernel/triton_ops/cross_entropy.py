@@ -40,7 +40,7 @@ from plyx.kernel.reference.cross_entropy import check_cross_entropy, reduce_loss
 from plyx.kernel.triton_ops._common import empty, interpreting, next_power_of_2, num_programs, pdl
 from plyx.kernel.triton_ops._tiles import wait_for_inputs
 
-__all__ = ["cross_entropy", "ce_rows"]
+__all__ = ["cross_entropy_with_grad", "cross_entropy", "ce_rows"]
 
 _NAME = "cross_entropy:triton"
 
@@ -293,3 +293,20 @@ def cross_entropy(
     grad = torch.is_grad_enabled() and logits.requires_grad
     return _CrossEntropy.apply(logits, targets, int(ignore_index), float(label_smoothing), float(z_loss), reduction,
                                bool(return_argmax), grad)
+
+
+def cross_entropy_with_grad(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                            label_smoothing: float = 0.0, z_loss: float = 0.0,
+                            reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, dz)``: the loss and its gradient for an incoming gradient of 1 (per row for ``"none"``), one pass.
+
+    The forward of ``plyx::cross_entropy``'s custom op: its backward multiplies ``dz`` by the incoming gradient
+    (no host sync, no second pass over the logits before that product).
+    """
+    check_cross_entropy(_NAME, logits, targets, ignore_index, label_smoothing, z_loss, reduction, check_values=False)
+    check_last_dim_contiguous(_NAME, "logits", logits)
+    valid = targets != ignore_index
+    dz = empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    rows, _ = ce_rows(logits, targets, ignore_index=int(ignore_index), eps=float(label_smoothing),
+                      z_loss=float(z_loss), scale=row_scale(valid, reduction), dz=dz)
+    return reduce_loss(rows, valid, reduction), dz
