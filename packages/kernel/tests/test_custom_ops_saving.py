@@ -229,3 +229,28 @@ def _positional(op: str, args: tuple, kwargs: dict) -> tuple:
         return (*args, kwargs.get("bias"), -100, kwargs.get("label_smoothing", 0.0), kwargs.get("z_loss", 0.0),
                 kwargs.get("reduction", "mean"), True)
     return args
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("name", ["cross_entropy", "linear_cross_entropy"])
+def test_triton_loss_backward_reads_no_scalar_on_the_host(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``loss.backward()`` through the eager Triton losses asks the host for no tensor value (on a GPU each such
+    read is a sync inside the training step): counted on CPU, and the gradient still scales with the loss."""
+    from plyx.kernel.triton_ops._registration import _lazy
+
+    _, args, kwargs = _cases(dtype=torch.float32, device=TRITON_DEVICE)[
+        "cross_entropy" if name == "cross_entropy" else "linear_cross_entropy_mean"]
+    leaves = _leaves(args, kwargs)
+    fn = _lazy(name, name)
+    want = torch.autograd.grad(fn(*args, **kwargs), leaves)
+    loss = 2.5 * fn(*args, **kwargs)
+    reads: list[str] = []
+    for method in ("__bool__", "item", "__float__", "__int__", "tolist"):
+        original = getattr(torch.Tensor, method)
+        monkeypatch.setattr(torch.Tensor, method,
+                            lambda self, *a, _m=method, _o=original, **k: reads.append(_m) or _o(self, *a, **k))
+    got = torch.autograd.grad(loss, leaves)
+    monkeypatch.undo()
+    assert reads == []
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, 2.5 * b, rtol=1e-5, atol=1e-6)

@@ -265,11 +265,8 @@ class _CrossEntropy(torch.autograd.Function):
                                "gradient buffer is scaled in place, so call the loss again instead")
         ctx.used = True
         # dz holds dL/dz for an incoming gradient of 1: scale it in place by the actual one (per row for
-        # reduction="none"); loss.backward() passes exactly 1, which needs no pass over [N, V] at all
-        if grad.dim():
-            dz.mul_(grad[:, None].to(dz.dtype))
-        elif not bool(grad == 1):  # one host sync instead of a read and write of the whole gradient
-            dz.mul_(grad.to(dz.dtype))
+        # reduction="none"), read on the device: testing for exactly 1 on the host would sync the training step
+        dz.mul_(grad[:, None].to(dz.dtype) if grad.dim() else grad.to(dz.dtype))
         return dz, None, None, None, None, None, None, None
 
 
