@@ -23,6 +23,7 @@ Run on one GPU (about 5 minutes, most of it the two compilations)::
     python packages/train/bench/mfu.py --out packages/train/bench/results
 
 CPU proof of the script (seconds, a tiny shape, no MFU): ``python packages/train/bench/mfu.py --tiny``.
+``--profile`` also writes each variant's kernel table (3 profiled steps) to ``<out>/profile-<variant>.txt``.
 Results are appended as JSON lines to ``<out>/mfu-<device>-<date>.jsonl`` and printed as a table.
 """
 
@@ -152,8 +153,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
-    """Time ``steps`` steps after ``warmup`` (compilation included there); returns the measurements."""
+def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: int, warmup: int,
+                profile: Path | None = None) -> dict[str, Any]:
+    """Time ``steps`` steps after ``warmup`` (compilation included there); returns the measurements.
+
+    With ``profile`` (a directory), 3 more steps run under ``torch.profiler`` afterwards and their kernel table
+    (self device time, top 40) is written to ``profile/profile-<variant>.txt``: where the step's time goes.
+    """
     torch.manual_seed(0)
     compiled = name.endswith("compiled")
     build = _plyx if name.startswith("plyx") else _torch
@@ -188,6 +194,8 @@ def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: i
         step()
     _sync(device)
     dt = (time.perf_counter() - t0) / steps
+    if profile is not None:
+        _profile(step, name, device, profile)
     flops = _flops_per_token(shape)
     out = {
         "variant": name, "ms_per_step": dt * 1e3, "tokens_per_s": B * T / dt, "flops_per_token": flops,
@@ -197,6 +205,24 @@ def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: i
     if name.startswith("plyx"):
         out["planned_gib"] = _planned(shape, out["params"], device) / 2**30
     return out  # the model, optimizer and step closure are freed with this frame (collected by the next variant)
+
+
+def _profile(step: Any, name: str, device: torch.device, out: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"profile-{name}.txt"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{name}: 3 steps, sorted by {key}\n" + prof.key_averages().table(sort_by=key, row_limit=40,
+                                                                                   max_name_column_width=90))
+    tmp.replace(path)
+    print(f"{name:>15}: profile written to {path}", flush=True)
 
 
 def _model_config(shape: dict[str, int]) -> Any:
@@ -233,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--peak-flops", type=float, help="override the device's peak FLOP/s")
     p.add_argument("--out", type=Path, help="append results to OUT/mfu-<device>-<date>.jsonl")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile 3 steps per variant: OUT/profile-<variant>.txt (needs --out)")
     args = p.parse_args(argv)
+    if args.profile and not args.out:
+        p.error("--profile writes its tables under --out DIR: pass --out")
     shape = dict(SHAPES["tiny" if args.tiny else args.shape])
     if args.batch:
         shape["batch"] = args.batch
@@ -251,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for v in variants:
         try:
-            r = run_variant(v, shape, device, args.steps, args.warmup)
+            r = run_variant(v, shape, device, args.steps, args.warmup, args.out if args.profile else None)
         except Exception as exc:  # one variant's failure (a compile crash) is reported whole; the others still run
             # the full traceback, chained causes included, on stdout (the log) and stderr: the H100 log of
             # 2026-11-24 kept only the last lines of Dynamo's warnings, not the exception that stopped the run
