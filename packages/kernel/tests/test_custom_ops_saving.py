@@ -164,12 +164,12 @@ def test_unused_output_and_incoming_gradient_scale() -> None:
 
 
 def test_no_gradient_call_saves_nothing() -> None:
-    """Without gradients the losses compute no gradient buffers (the op's extras are empty)."""
-    _, (z, t), kw = _cases()["cross_entropy"]
+    """Without gradients the fused loss computes no gradient buffers (the op's extras are empty)."""
+    _, (h, w, t), kw = _cases()["linear_cross_entropy_mean"]
     with torch.no_grad():
-        loss, dz = torch.ops.plyx.cross_entropy(z, t, -100, 0.1, 1e-3, "mean", False)
-    assert dz.numel() == 0
-    torch.testing.assert_close(loss, K.cross_entropy(z.detach(), t, **kw), rtol=1e-12, atol=1e-12)
+        loss, *grads = torch.ops.plyx.linear_cross_entropy(h, w, t, None, -100, 0.1, 0.0, "mean", False)
+    assert [g.numel() for g in grads] == [0, 0, 0]
+    torch.testing.assert_close(loss, K.linear_cross_entropy(h.detach(), w.detach(), t, **kw), rtol=1e-12, atol=1e-12)
 
 
 # -- the Triton saving forwards and backwards (interpreter on CPU, or CUDA) ------------------------------
@@ -224,7 +224,7 @@ def _positional(op: str, args: tuple, kwargs: dict) -> tuple:
                 kwargs.get("window"))
     if op == "cross_entropy":
         return (*args, -100, kwargs.get("label_smoothing", 0.0), kwargs.get("z_loss", 0.0),
-                kwargs.get("reduction", "mean"), True)
+                kwargs.get("reduction", "mean"))
     if op == "linear_cross_entropy":
         return (*args, kwargs.get("bias"), -100, kwargs.get("label_smoothing", 0.0), kwargs.get("z_loss", 0.0),
                 kwargs.get("reduction", "mean"), True)

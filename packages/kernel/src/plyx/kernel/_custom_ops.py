@@ -125,7 +125,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
 
 
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, label_smoothing: float,
-                   z_loss: float, reduction: str, grad: bool = True) -> Any:
+                   z_loss: float, reduction: str) -> Any:
     return _select("cross_entropy", logits, targets)(logits, targets, ignore_index=ignore_index,
                                                      label_smoothing=label_smoothing, z_loss=z_loss,
                                                      reduction=reduction)
@@ -155,7 +155,7 @@ _FAKES: dict[str, Callable[..., Any]] = {
     "rope_qk": lambda q, k, c, s, il: (torch.empty_like(q), torch.empty_like(k)),
     # o [B, T, H, Dv]: q's batch, tokens and heads, v's head dim
     "attention": lambda q, k, v, *_: q.new_empty((*q.shape[:-1], v.shape[-1])),
-    "cross_entropy": lambda z, t, ii, ls, zl, red, grad: _loss_fake(z, red),
+    "cross_entropy": lambda z, t, ii, ls, zl, red: _loss_fake(z, red),
     "linear_cross_entropy": lambda h, w, t, b, ii, ls, zl, red, grad: _loss_fake(h, red),
 }
 
@@ -169,7 +169,7 @@ _SPECS: dict[str, tuple[str, Callable[..., Any], tuple[int, ...], int]] = {
     "attention": ("Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? document_ids, bool causal, float? scale, "
                   "SymInt? window", _attention, (0, 1, 2), 1),
     "cross_entropy": ("Tensor logits, Tensor targets, SymInt ignore_index, float label_smoothing, float z_loss, "
-                      "str reduction, bool grad", _cross_entropy, (0,), 1),
+                      "str reduction", _cross_entropy, (0,), 1),
     "linear_cross_entropy": ("Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, SymInt ignore_index, "
                              "float label_smoothing, float z_loss, str reduction, bool grad", _linear_cross_entropy,
                              (0, 1, 3), 1),
@@ -335,10 +335,8 @@ def _attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 def _cross_entropy_call(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
                         label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
                         return_argmax: bool = False) -> Any:
-    # whether the backward will run is known here (traced as a constant under Dynamo), not inside the op
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    loss = _op("cross_entropy")(logits, targets, int(ignore_index), float(label_smoothing), float(z_loss), reduction,
-                                grad)[0]
+    loss = _op("cross_entropy")(logits, targets, int(ignore_index), float(label_smoothing), float(z_loss),
+                                reduction)[0]  # (loss, lse)
     if return_argmax:  # no gradient flows through the argmax: plain torch, traced by Inductor
         return loss, logits.argmax(-1)
     return loss
@@ -347,6 +345,7 @@ def _cross_entropy_call(logits: torch.Tensor, targets: torch.Tensor, *, ignore_i
 def _linear_cross_entropy_call(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                                bias: torch.Tensor | None = None, ignore_index: int = -100,
                                label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean") -> Any:
+    # whether the backward will run is known here (traced as a constant under Dynamo), not inside the op
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _op("linear_cross_entropy")(hidden, weight, targets, bias, int(ignore_index), float(label_smoothing),
                                        float(z_loss), reduction, grad)[0]

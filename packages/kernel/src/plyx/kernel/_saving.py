@@ -14,12 +14,14 @@ rope, rope_qk          none                                          the same op
                                                                      rotation: the contract's transpose)
 attention              lse ``[B, H, T]`` (float32; f64 for f64)      Triton flash backward from (o, lse2);
                                                                      reference: closed form from (o, lse)
-cross_entropy          dz ``[N, V]`` for an incoming gradient of 1   ``dz * grad`` (per row for "none")
+cross_entropy          lse ``[N]`` (float32; f64 for f64)            one pass over the logits: Triton
+                                                                     ``cross_entropy_backward``, else closed form
 linear_cross_entropy   d_hidden, d_weight, d_bias for a gradient 1   each times ``grad``
 =====================  ============================================  ========================================
 
-The losses follow their Triton kernels' design (the gradient is computed in the forward pass, as the eager
-call does): for any implementation, the forward runs it with autograd and differentiates at once.
+The fused linear cross-entropy follows its Triton kernel's design (the gradient is computed in the forward
+pass, as the eager call does): for any implementation, the forward runs it with autograd and differentiates
+at once.
 
 Which implementation runs is still the registry's choice at run time (inside the op). The backward selects
 again for the same inputs; an implementation without a saving forward here (a third-party kernel, the
@@ -67,9 +69,9 @@ def _no_extras(*_: Any) -> tuple[torch.Tensor, ...]:
     return ()
 
 
-def _ce_extras(logits: torch.Tensor, targets: torch.Tensor, ii: int, ls: float, zl: float, red: str,
-               grad: bool) -> tuple[torch.Tensor, ...]:
-    return (torch.empty_like(logits) if grad else logits.new_empty(0),)
+def _ce_extras(logits: torch.Tensor, targets: torch.Tensor, ii: int, ls: float, zl: float,
+               red: str) -> tuple[torch.Tensor, ...]:
+    return (logits.new_empty(logits.shape[:1], dtype=_stat_dtype(logits)),)  # lse [N]
 
 
 def _lce_saves(reduction: str, grad: bool) -> bool:
@@ -93,12 +95,8 @@ SAVED_OUTPUTS: dict[str, tuple[int, ...]] = {"rmsnorm_residual": (1,), "attentio
 
 
 def dropped_inputs(op: str, args: Sequence[Any]) -> tuple[int, ...]:
-    """Positions of tensor arguments the backward does not read (not saved: the losses' gradients are extras).
-
-    The cross-entropy's logits ``[N, V]`` would otherwise stay alive until the backward beside its gradient.
-    """
-    if op == "cross_entropy" and args[-1]:
-        return (0,)
+    """Positions of tensor arguments the backward does not read (not saved: the fused loss's gradients are
+    extras, its hidden states need not stay alive until the backward)."""
     if op == "linear_cross_entropy" and _lce_saves(args[7], args[8]):
         return (0, 2)
     return ()
@@ -106,8 +104,6 @@ def dropped_inputs(op: str, args: Sequence[Any]) -> tuple[int, ...]:
 
 def grad_fakes(op: str, saved: Sequence[torch.Tensor], args: Sequence[Any]) -> list[torch.Tensor] | None:
     """The backward's fake gradients where an input was dropped (shaped like the saved gradient extras)."""
-    if op == "cross_entropy" and args[-1]:
-        return [torch.empty_like(saved[-1])]
     if op == "linear_cross_entropy" and _lce_saves(args[7], args[8]):
         return [torch.empty_like(t) for t in saved[-3:]]
     return None
@@ -295,28 +291,47 @@ def _autograd_grads(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[st
     return loss.detach(), grads
 
 
+def _ce_closed_backward(grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                        ii: int, ls: float, zl: float, red: str) -> torch.Tensor:
+    """The contract's gradient (``reference.cross_entropy``'s docstring) from the saved lse, in torch::
+
+        dz[j] = g_i * s * (softmax(z)[j] * (1 + 2 z_loss lse) - (1 - eps) [j == t] - eps / V)
+
+    with s = 1/n_valid (mean) or 1, 0 on ignored rows."""
+    c = lse.dtype
+    z = logits.to(c)
+    valid = targets != ii
+    scale = valid.to(c) * (grad.to(c) if grad.dim() else grad.to(c).expand(valid.shape))
+    if red == "mean":
+        scale = scale / valid.sum().clamp(min=1).to(c)
+    dz = torch.exp(z - lse[:, None]) * (1.0 + 2.0 * zl * lse[:, None]) - ls / z.shape[-1]
+    safe = torch.where(valid, targets, torch.zeros_like(targets)).long()
+    dz.scatter_add_(1, safe[:, None], torch.full_like(dz[:, :1], -(1.0 - ls)))
+    return (dz * scale[:, None]).to(logits.dtype)
+
+
 def _ce_split(fn: Callable[..., Any]) -> Split:
     triton = _is_triton("cross_entropy", fn)
 
-    def forward(logits: torch.Tensor, targets: torch.Tensor, ii: int, ls: float, zl: float, red: str,
-                grad: bool) -> Any:
+    def forward(logits: torch.Tensor, targets: torch.Tensor, ii: int, ls: float, zl: float, red: str) -> Any:
         options = dict(ignore_index=ii, label_smoothing=ls, z_loss=zl, reduction=red)
-        if not grad:
-            return (fn(logits, targets, **options),), (logits.new_empty(0),)
         if triton:
-            from plyx.kernel.triton_ops.cross_entropy import cross_entropy_with_grad
+            from plyx.kernel.triton_ops.cross_entropy import cross_entropy_saving
 
-            loss, dz = cross_entropy_with_grad(logits, targets, **options)
-            return (loss,), (dz,)
-        # rows are independent: the gradient of sum(loss) is every row's own, ready for per-row factors
-        loss, (dz,) = _autograd_grads(fn, (logits, targets), options, (0,))
-        return (loss,), (dz,)
+            loss, lse = cross_entropy_saving(logits, targets, **options)
+            return (loss,), (lse,)
+        loss = fn(logits, targets, **options)
+        return (loss,), (torch.logsumexp(logits.to(_stat_dtype(logits)), dim=-1),)
 
     def backward(grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], extras: Sequence[torch.Tensor],
                  args: Sequence[Any]) -> list[torch.Tensor | None]:
-        if not args[-1]:
-            raise RuntimeError("plyx::cross_entropy: backward of a call made without gradients (grad=False)")
-        return [_scale(extras[0], grads[0])]
+        logits, targets, ii, ls, zl, red = args
+        if triton:
+            from plyx.kernel.triton_ops.cross_entropy import cross_entropy_backward
+
+            return [cross_entropy_backward(grads[0], logits, targets, extras[0], ignore_index=ii,
+                                           label_smoothing=ls, z_loss=zl, reduction=red)]
+        return [_ce_closed_backward(grads[0], logits, targets, extras[0], ii, ls, zl, red)]
 
     return Split(forward, backward)
 
