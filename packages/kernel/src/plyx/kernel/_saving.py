@@ -266,7 +266,7 @@ def _attention_placeholder(fn: Callable[..., Any]) -> Split:
     return Split(forward, None)
 
 
-# -- the losses: gradients computed in the forward pass ---------------------------------------------------
+# -- the fused linear cross-entropy: gradients computed in the forward pass ---------------------------------
 
 def _scale(d: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """``d * grad`` in d's dtype: a scalar grad scales all, a per-row grad ``[N]`` scales rows."""
