@@ -254,3 +254,27 @@ def test_triton_loss_backward_reads_no_scalar_on_the_host(name: str, monkeypatch
     assert reads == []
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, 2.5 * b, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_selects_the_implementation_of_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward re-selects for its saved arguments, some of them placeholders of unsaved inputs (RMSNorm's x
+    and residual): a size-limited implementation must be chosen again, not the reference."""
+    from plyx.kernel.reference import rmsnorm as reference_rmsnorm
+    from plyx.specs import Capability, KernelImpl
+
+    def narrow(x, weight, *, eps=1e-6, residual=None):  # type: ignore[no-untyped-def]
+        return reference_rmsnorm(x, weight, eps=eps, residual=residual)
+
+    reg = registry()
+    reg.register(KernelImpl("rmsnorm", "test-narrow", narrow, capability=Capability(shape_limits={"hidden": (1, 64)}),
+                            priority=1000, description="test"))
+    try:
+        seen: list[object] = []
+        real = _saving.split_for
+        monkeypatch.setattr(_saving, "split_for", lambda op, fn: seen.append(fn) or real(op, fn))
+        _, args, kwargs = _cases()["rmsnorm_residual"]
+        out = traceable("rmsnorm")(*args, **kwargs)
+        torch.autograd.grad(_weighted(out), _leaves(args, kwargs))
+        assert seen == [narrow, narrow]
+    finally:
+        reg.unregister("rmsnorm", "test-narrow")

@@ -239,7 +239,7 @@ def _define(name: str) -> Any:
         return _own(result, (grads, saved, *args))  # type: ignore[no-any-return]
 
     def backward_fake(grads: list[torch.Tensor], saved: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
-        shaped = _saving.grad_fakes(name, saved, args)
+        shaped = _saving.grad_fakes(name, grads, saved, args)
         if shaped is not None:
             return shaped
         return [torch.empty_like(args[i]) if isinstance(args[i], torch.Tensor) else grads[0].new_empty(0)
@@ -253,12 +253,15 @@ def _define(name: str) -> Any:
         outs = output if isinstance(output, tuple) else (output,)
         dropped = _saving.dropped_inputs(name, inputs)
         ctx.tensor_pos = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and i not in dropped]
-        ctx.dropped = [(i, inputs[i].new_empty(0)) for i in dropped]  # placeholders: the backward reads none
+        # placeholders of the same shape, dtype and device over one element (stride 0): the backward reads no
+        # values of theirs, but selects the same implementation for them as the forward did
+        ctx.dropped = [(i, inputs[i].new_empty(()).expand(inputs[i].shape)) for i in dropped]
         ctx.n_saved = len(keep_outs) + n_all - n_out
         ctx.save_for_backward(*[inputs[i] for i in ctx.tensor_pos], *[outs[i] for i in keep_outs],
                               *outs[n_out:])
         ctx.others = [None if isinstance(a, torch.Tensor) else a for a in inputs]
-        ctx.out_shapes = [o.shape for o in outs[:n_out]]  # an unused output's gradient is zeros of its shape
+        # an unused output's gradient is zeros of its shape and dtype
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs[:n_out]]
 
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         args = list(ctx.others)
@@ -270,9 +273,8 @@ def _define(name: str) -> Any:
             args[i] = t
         saved = list(tensors[n_in:])
         # an unused output's gradient arrives as None (rope_qk's k has its own shape); extras get none
-        like = saved[0] if saved else args[ctx.tensor_pos[0]]
-        filled = [g if g is not None else like.new_zeros(shape, dtype=_grad_dtype(args, name))
-                  for g, shape in zip(grads[:n_out], ctx.out_shapes, strict=True)]
+        filled = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                  for g, (shape, dtype, device) in zip(grads[:n_out], ctx.out_meta, strict=True)]
         got = bwd(filled, saved, *args)
         result: list[torch.Tensor | None] = [None] * len(args)
         for i, g in zip(diff, got, strict=True):
@@ -282,12 +284,6 @@ def _define(name: str) -> Any:
 
     op.register_autograd(backward, setup_context=setup_context)
     return op
-
-
-def _grad_dtype(args: list[Any], name: str) -> torch.dtype:
-    """The dtype of a missing output gradient: the first tensor argument's (every op's outputs share it)."""
-    first = next(a for a in args if isinstance(a, torch.Tensor) and a.numel())
-    return first.dtype
 
 
 #: ``plyx::<name>`` ops, defined at import (never inside a traced region: Dynamo cannot trace a definition)

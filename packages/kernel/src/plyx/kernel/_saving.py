@@ -95,15 +95,31 @@ SAVED_OUTPUTS: dict[str, tuple[int, ...]] = {"rmsnorm_residual": (1,), "attentio
 
 
 def dropped_inputs(op: str, args: Sequence[Any]) -> tuple[int, ...]:
-    """Positions of tensor arguments the backward does not read (not saved: the fused loss's gradients are
-    extras, its hidden states need not stay alive until the backward)."""
+    """Positions of tensor arguments the backward does not read, so not saved for it.
+
+    As the eager Triton Functions save them: RMSNorm with a residual keeps its output h (not x and residual),
+    RoPE only its tables, the fused loss its gradients (not its hidden states); each would otherwise hold a
+    ``[B, T, D]``-sized tensor per layer until the backward.
+    """
+    if op == "rmsnorm_residual":
+        return (0, 2)
+    if op == "rope":
+        return (0,)
+    if op == "rope_qk":
+        return (0, 1)
     if op == "linear_cross_entropy" and _lce_saves(args[7], args[8]):
         return (0, 2)
     return ()
 
 
-def grad_fakes(op: str, saved: Sequence[torch.Tensor], args: Sequence[Any]) -> list[torch.Tensor] | None:
-    """The backward's fake gradients where an input was dropped (shaped like the saved gradient extras)."""
+def grad_fakes(op: str, grads: Sequence[torch.Tensor], saved: Sequence[torch.Tensor],
+               args: Sequence[Any]) -> list[torch.Tensor] | None:
+    """The backward's fake gradients where an input was dropped: shaped like the incoming gradients of the
+    outputs of the same shape, or the saved gradient extras."""
+    if op == "rmsnorm_residual":
+        return [torch.empty_like(grads[0]), torch.empty_like(args[1]), torch.empty_like(grads[0])]
+    if op in ("rope", "rope_qk"):
+        return [torch.empty_like(g) for g in grads]
     if op == "linear_cross_entropy" and _lce_saves(args[7], args[8]):
         return [torch.empty_like(t) for t in saved[-3:]]
     return None
@@ -163,8 +179,8 @@ def _rmsnorm_split(fn: Callable[..., Any], residual: bool) -> Split:
 
     def backward(grads: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], extras: Sequence[torch.Tensor],
                  args: Sequence[Any]) -> list[torch.Tensor | None]:
-        x, w = args[0], args[1]
-        h = outs[0] if residual else x  # the op's returned h (the saved outputs: SAVED_OUTPUTS)
+        w = args[1]
+        h = outs[0] if residual else args[0]  # the op's returned h (SAVED_OUTPUTS); x and residual are not saved
         dy, dh_out = grads[0], (grads[1] if residual else None)
         (rstd,) = extras
         if triton:
@@ -174,7 +190,7 @@ def _rmsnorm_split(fn: Callable[..., Any], residual: bool) -> Split:
             if h2.stride(-1) != 1:
                 h2 = h2.contiguous()
             dh, dw = backward_saved(dy, dh_out, h2, w if w.is_contiguous() else w.contiguous(), rstd.reshape(-1))
-            dh = dh.view(x.shape)
+            dh = dh.view(h.shape)
         else:
             dh, dw = _rmsnorm_closed_backward(dy, dh_out, h, w, rstd)
         # x and residual get the same gradient (the op's outputs never alias: copied by the caller)
