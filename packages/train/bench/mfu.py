@@ -189,11 +189,14 @@ def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: i
         step()
     _sync(device)
     warm_s = time.perf_counter() - t0
+    runs = _op_forward_runs()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     _sync(device)
     dt = (time.perf_counter() - t0) / steps
+    # plyx:: custom ops (compiled variants): implementation forwards per step, recomputes in backwards included
+    op_runs = {k: (v - runs.get(k, 0)) / steps for k, v in _op_forward_runs().items() if v != runs.get(k, 0)}
     if profile is not None:
         _profile(step, name, device, profile)
     flops = _flops_per_token(shape)
@@ -201,10 +204,20 @@ def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: i
         "variant": name, "ms_per_step": dt * 1e3, "tokens_per_s": B * T / dt, "flops_per_token": flops,
         "warmup_s": warm_s, "final_loss": float(losses[-1]), "params": sum(p.numel() for p in params),
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "op_forward_runs_per_step": op_runs,
     }
     if name.startswith("plyx"):
         out["planned_gib"] = _planned(shape, out["params"], device) / 2**30
     return out  # the model, optimizer and step closure are freed with this frame (collected by the next variant)
+
+
+def _op_forward_runs() -> dict[str, int]:
+    """``plyx.kernel._saving.FORWARD_RUNS`` (plyx-kernel >= 1.5), or nothing on an older plyx-kernel."""
+    try:
+        from plyx.kernel._saving import FORWARD_RUNS
+    except ImportError:
+        return {}
+    return dict(FORWARD_RUNS)
 
 
 def _profile(step: Any, name: str, device: torch.device, out: Path) -> None:
@@ -302,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = f" (plan {r['planned_gib']:.1f})" if "planned_gib" in r else ""
         print(f"{v:>15}: {r['ms_per_step']:9.2f} ms/step {r['tokens_per_s']:12,.0f} tok/s  MFU {mfu:>6}  "
               f"peak {mem}{plan}  warmup {r['warmup_s']:.1f} s  loss {r['final_loss']:.4f}", flush=True)
+        if r["op_forward_runs_per_step"]:
+            print(f"{'':>15}  plyx:: op forwards per step: {r['op_forward_runs_per_step']}", flush=True)
         if not math.isfinite(r["final_loss"]):
             print(f"{v}: non-finite loss", file=sys.stderr)
     if args.out:
