@@ -76,20 +76,25 @@ def test_bad_inputs_name_kernel_and_argument():
         reference(z, torch.full((4,), 10, device=TRITON_DEVICE))
 
 
-def test_no_grad_forward_computes_no_gradient_buffer(make, monkeypatch):
-    """Under torch.no_grad() the kernel runs its one-pass form (no [N, V] gradient is allocated)."""
+def test_forward_computes_no_gradient_buffer(make, monkeypatch):
+    """The forward never writes an [N, V] gradient (one read of the logits: loss and lse); the backward writes it
+    in one pass from the saved lse, and only when a gradient is asked for (issue 19: no extra pass, no sync)."""
     from plyx.kernel.triton_ops import cross_entropy as module
 
-    seen = []
-    real = module.ce_rows
+    seen, grads = [], []
+    real, real_grad = module.ce_rows, module.ce_grad
     monkeypatch.setattr(module, "ce_rows", lambda *a, **k: seen.append(k["dz"]) or real(*a, **k))
+    monkeypatch.setattr(module, "ce_grad", lambda *a, **k: grads.append(1) or real_grad(*a, **k))
     z = make(5, 70).requires_grad_(True)
     t = torch.randint(0, 70, (5,), device=TRITON_DEVICE)
     with torch.no_grad():
         a = cross_entropy(z, t)
     b = cross_entropy(z, t)
-    assert seen[0] is None and seen[1] is not None
-    assert not a.requires_grad and torch.allclose(a, b.detach())
+    assert seen == [None, None] and grads == []
+    (dz,) = torch.autograd.grad(b, z)
+    assert grads == [1] and not a.requires_grad and torch.allclose(a, b.detach())
+    want = torch.autograd.grad(torch.nn.functional.cross_entropy(z.double(), t), z)[0]
+    assert torch.allclose(dz.double(), want.double(), rtol=1e-4, atol=1e-6)
 
 
 # ---- split-vocabulary forward (no gradient, few rows): the tests split in 16-column blocks (the
@@ -161,8 +166,13 @@ def test_split_is_the_default_for_few_rows_without_gradient(make, monkeypatch):
     ran.clear()
     with torch.no_grad():
         cross_entropy(make(many, v), torch.zeros(many, dtype=torch.long, device=TRITON_DEVICE))
-    cross_entropy(z.requires_grad_(True), t).backward()
     assert not ran
+    # with a gradient the forward splits too (it writes no gradient; the backward reads its lse)
+    leaf = z.detach().requires_grad_(True)
+    (dz,) = torch.autograd.grad(cross_entropy(leaf, t), leaf)
+    assert ran and ran[0] > 1
+    want = torch.autograd.grad(torch.nn.functional.cross_entropy(leaf.double(), t), leaf)[0]
+    assert torch.allclose(dz.double(), want.double(), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("splits", [2, 7])

@@ -92,7 +92,7 @@ def test_opcheck(case: str) -> None:
     elif op == "cross_entropy":
         positional = (*args, -100, kwargs["label_smoothing"], kwargs["z_loss"], "mean")
     else:
-        positional = (*args, kwargs["bias"], -100, 0.0, 0.0, kwargs["reduction"])
+        positional = (*args, kwargs["bias"], -100, 0.0, 0.0, kwargs["reduction"], True)
     torch.library.opcheck(OPS[op], positional)
 
 

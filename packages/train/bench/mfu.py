@@ -23,6 +23,7 @@ Run on one GPU (about 5 minutes, most of it the two compilations)::
     python packages/train/bench/mfu.py --out packages/train/bench/results
 
 CPU proof of the script (seconds, a tiny shape, no MFU): ``python packages/train/bench/mfu.py --tiny``.
+``--profile`` also writes each variant's kernel table (3 profiled steps) to ``<out>/profile-<variant>.txt``.
 Results are appended as JSON lines to ``<out>/mfu-<device>-<date>.jsonl`` and printed as a table.
 """
 
@@ -152,8 +153,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: int, warmup: int) -> dict[str, Any]:
-    """Time ``steps`` steps after ``warmup`` (compilation included there); returns the measurements."""
+def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: int, warmup: int,
+                profile: Path | None = None) -> dict[str, Any]:
+    """Time ``steps`` steps after ``warmup`` (compilation included there); returns the measurements.
+
+    With ``profile`` (a directory), 3 more steps run under ``torch.profiler`` afterwards and their kernel table
+    (self device time, top 40) is written to ``profile/profile-<variant>.txt``: where the step's time goes.
+    """
     torch.manual_seed(0)
     compiled = name.endswith("compiled")
     build = _plyx if name.startswith("plyx") else _torch
@@ -183,20 +189,53 @@ def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: i
         step()
     _sync(device)
     warm_s = time.perf_counter() - t0
+    runs = _op_forward_runs()
     t0 = time.perf_counter()
     for _ in range(steps):
         step()
     _sync(device)
     dt = (time.perf_counter() - t0) / steps
+    # plyx:: custom ops (compiled variants): implementation forwards per step, recomputes in backwards included
+    op_runs = {k: (v - runs.get(k, 0)) / steps for k, v in _op_forward_runs().items() if v != runs.get(k, 0)}
+    if profile is not None:
+        _profile(step, name, device, profile)
     flops = _flops_per_token(shape)
     out = {
         "variant": name, "ms_per_step": dt * 1e3, "tokens_per_s": B * T / dt, "flops_per_token": flops,
         "warmup_s": warm_s, "final_loss": float(losses[-1]), "params": sum(p.numel() for p in params),
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "op_forward_runs_per_step": op_runs,
     }
     if name.startswith("plyx"):
         out["planned_gib"] = _planned(shape, out["params"], device) / 2**30
     return out  # the model, optimizer and step closure are freed with this frame (collected by the next variant)
+
+
+def _op_forward_runs() -> dict[str, int]:
+    """``plyx.kernel._saving.FORWARD_RUNS`` (plyx-kernel >= 1.5), or nothing on an older plyx-kernel."""
+    try:
+        from plyx.kernel._saving import FORWARD_RUNS
+    except ImportError:
+        return {}
+    return dict(FORWARD_RUNS)
+
+
+def _profile(step: Any, name: str, device: torch.device, out: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(3):
+            step()
+        _sync(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"profile-{name}.txt"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{name}: 3 steps, sorted by {key}\n" + prof.key_averages().table(sort_by=key, row_limit=40,
+                                                                                   max_name_column_width=90))
+    tmp.replace(path)
+    print(f"{name:>15}: profile written to {path}", flush=True)
 
 
 def _model_config(shape: dict[str, int]) -> Any:
@@ -233,7 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
     p.add_argument("--peak-flops", type=float, help="override the device's peak FLOP/s")
     p.add_argument("--out", type=Path, help="append results to OUT/mfu-<device>-<date>.jsonl")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile 3 steps per variant: OUT/profile-<variant>.txt (needs --out)")
     args = p.parse_args(argv)
+    if args.profile and not args.out:
+        p.error("--profile writes its tables under --out DIR: pass --out")
     shape = dict(SHAPES["tiny" if args.tiny else args.shape])
     if args.batch:
         shape["batch"] = args.batch
@@ -251,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     for v in variants:
         try:
-            r = run_variant(v, shape, device, args.steps, args.warmup)
+            r = run_variant(v, shape, device, args.steps, args.warmup, args.out if args.profile else None)
         except Exception as exc:  # one variant's failure (a compile crash) is reported whole; the others still run
             # the full traceback, chained causes included, on stdout (the log) and stderr: the H100 log of
             # 2026-11-24 kept only the last lines of Dynamo's warnings, not the exception that stopped the run
@@ -272,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = f" (plan {r['planned_gib']:.1f})" if "planned_gib" in r else ""
         print(f"{v:>15}: {r['ms_per_step']:9.2f} ms/step {r['tokens_per_s']:12,.0f} tok/s  MFU {mfu:>6}  "
               f"peak {mem}{plan}  warmup {r['warmup_s']:.1f} s  loss {r['final_loss']:.4f}", flush=True)
+        if r["op_forward_runs_per_step"]:
+            print(f"{'':>15}  plyx:: op forwards per step: {r['op_forward_runs_per_step']}", flush=True)
         if not math.isfinite(r["final_loss"]):
             print(f"{v}: non-finite loss", file=sys.stderr)
     if args.out:

@@ -68,3 +68,27 @@ def test_vocabulary_projection_runs_in_the_autocast_dtype():
     assert torch.equal(w, weight.to(torch.bfloat16))
     h, w = lce_operands(hidden, weight)  # no autocast: the hidden states follow the weight
     assert h.dtype == w.dtype == torch.float32 and w is weight
+def test_lm_head_runs_in_the_autocast_dtype(monkeypatch) -> None:
+    """Under bf16 autocast the fused loss gets bf16 hidden states and a bf16 copy of the fp32 weight (the lm-head
+    GEMMs at the tensor-core rate, as ``nn.Linear`` under autocast), and the fp32 weight still gets its
+    gradient; without autocast nothing is cast."""
+    import plyx.train._loss as loss_module
+
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+    original = loss_module.linear_cross_entropy
+
+    def spy(hidden, weight, targets, **options):  # type: ignore[no-untyped-def]
+        seen.append((hidden.dtype, weight.dtype))
+        return original(hidden, weight, targets, **options)
+
+    monkeypatch.setattr(loss_module, "linear_cross_entropy", spy)
+    model = _model()
+    x, y = torch.randint(0, 97, (2, 9)), torch.randint(0, 97, (2, 9))
+    full = lm_loss(model, Batch(input_ids=x, targets=y))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = lm_loss(model, Batch(input_ids=x, targets=y))
+    mixed.backward()
+    assert seen == [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
+    head = model.lm_head_weight
+    assert head.grad is not None and head.grad.dtype == torch.float32 and head.grad.abs().sum() > 0
+    assert abs(mixed.item() - full.item()) < 0.05 * full.item()  # bf16 rounding, same loss

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from plyx.kernel import _saving
 
 __all__ = ["OPS", "reached_under_compile", "traceable"]
 
@@ -39,6 +40,26 @@ def _select(name: str, *tensors: torch.Tensor, **shape: int) -> Callable[..., An
     from plyx.kernel._default import registry
 
     return registry().get(name, *tensors, **shape)
+
+
+def _picked(name: str, *tensors: torch.Tensor, **shape: int) -> Callable[..., Any]:
+    """The implementation an op's forward and backward both use: selected as for a call that needs a gradient
+    (so the backward's selection, made in the backward, finds the same one)."""
+    with torch.enable_grad():
+        return _select(name, *tensors, **shape)
+
+
+#: op name -> the implementation the registry picks for the op's arguments
+_PICKS: dict[str, Callable[..., Callable[..., Any]]] = {
+    "rmsnorm": lambda x, w, *_: _picked("rmsnorm", x, w, hidden=int(x.shape[-1])),
+    "rmsnorm_residual": lambda x, w, *_: _picked("rmsnorm", x, w, hidden=int(x.shape[-1])),
+    "swiglu": lambda g, u: _picked("swiglu", g, u, hidden=int(g.shape[-1])),
+    "rope": lambda x, c, s, *_: _picked("rope", x, c, s, head_dim=int(x.shape[-1])),
+    "rope_qk": lambda q, k, c, s, *_: _picked("rope_qk", q, k, c, s, head_dim=int(q.shape[-1])),
+    "attention": lambda q, k, v, *_: _picked("attention", q, k, v, head_dim=int(q.shape[-1])),
+    "cross_entropy": lambda z, t, *_: _picked("cross_entropy", z, t),
+    "linear_cross_entropy": lambda h, w, t, *_: _picked("linear_cross_entropy", h, w, t),
+}
 
 
 def _own(out: Any, inputs: Sequence[Any]) -> Any:
@@ -112,7 +133,7 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: in
 
 def _linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                           bias: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss: float,
-                          reduction: str) -> Any:
+                          reduction: str, grad: bool = True) -> Any:
     return _select("linear_cross_entropy", hidden, weight, targets)(
         hidden, weight, targets, bias=bias, ignore_index=ignore_index, label_smoothing=label_smoothing,
         z_loss=z_loss, reduction=reduction)
@@ -135,7 +156,7 @@ _FAKES: dict[str, Callable[..., Any]] = {
     # o [B, T, H, Dv]: q's batch, tokens and heads, v's head dim
     "attention": lambda q, k, v, *_: q.new_empty((*q.shape[:-1], v.shape[-1])),
     "cross_entropy": lambda z, t, ii, ls, zl, red: _loss_fake(z, red),
-    "linear_cross_entropy": lambda h, w, t, b, ii, ls, zl, red: _loss_fake(h, red),
+    "linear_cross_entropy": lambda h, w, t, b, ii, ls, zl, red, grad: _loss_fake(h, red),
 }
 
 # name -> (schema of the arguments, the call, positions of the differentiable tensor arguments, outputs)
@@ -150,30 +171,46 @@ _SPECS: dict[str, tuple[str, Callable[..., Any], tuple[int, ...], int]] = {
     "cross_entropy": ("Tensor logits, Tensor targets, SymInt ignore_index, float label_smoothing, float z_loss, "
                       "str reduction", _cross_entropy, (0,), 1),
     "linear_cross_entropy": ("Tensor hidden, Tensor weight, Tensor targets, Tensor? bias, SymInt ignore_index, "
-                             "float label_smoothing, float z_loss, str reduction", _linear_cross_entropy,
+                             "float label_smoothing, float z_loss, str reduction, bool grad", _linear_cross_entropy,
                              (0, 1, 3), 1),
 }
 
 
 def _define(name: str) -> Any:
-    """Define ``plyx::<name>`` and ``plyx::<name>_backward`` and wire the autograd formula; returns the op."""
+    """Define ``plyx::<name>`` and ``plyx::<name>_backward`` and wire the autograd formula; returns the op.
+
+    The forward returns the op's outputs and its extra saved tensors (``_saving.EXTRAS``); the wrapper model code
+    calls (``_CALLS``) hands back only the outputs.
+    """
     schema, call, diff, n_out = _SPECS[name]
-    returns = "Tensor" if n_out == 1 else "(" + ", ".join(["Tensor"] * n_out) + ")"
+    pick = _PICKS[name]
+    keep_outs = _saving.SAVED_OUTPUTS.get(name, ())
+    n_all = n_out + _saving.N_EXTRAS[name]
+    returns = "Tensor" if n_all == 1 else "(" + ", ".join(["Tensor"] * n_all) + ")"
 
     # the implementations never run under Dynamo: where one is called while Dynamo's frame hook is active
     # (code between two graphs of a graph break), Dynamo would otherwise start tracing it as a frame of its
     # own and reach the registry's Triton kernel
     @torch.compiler.disable
     def forward(*args: Any) -> Any:
+        split = _saving.split_for(name, pick(*args))
         with torch.no_grad():
-            return _own(call(*args), args)
+            _saving.FORWARD_RUNS[name] += 1
+            outs, extras = split.forward(*args)
+        out = _own((*outs, *extras), args)
+        return out[0] if n_all == 1 else out
+
+    def fake(*args: Any) -> Any:
+        out = _FAKES[name](*args)
+        out = (*(out if isinstance(out, tuple) else (out,)), *_saving.EXTRAS[name](*args))
+        return out[0] if n_all == 1 else out
 
     op = torch.library.custom_op(f"{_LIB}::{name}", forward, mutates_args=(), schema=f"({schema}) -> {returns}")
-    op.register_fake(_FAKES[name])
+    op.register_fake(fake)
 
-    @torch.compiler.disable
-    def backward_impl(grads: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
-        """Gradients of the differentiable arguments (an empty tensor for an absent optional one)."""
+    def recompute(grads: list[torch.Tensor], args: tuple[Any, ...]) -> list[torch.Tensor | None]:
+        """The fallback: the implementation's forward again, with autograd, differentiated."""
+        _saving.FORWARD_RUNS[name] += 1
         with _with_autograd(), torch.enable_grad():
             leaves = list(args)
             for i in diff:
@@ -182,34 +219,63 @@ def _define(name: str) -> Any:
             out = call(*leaves)
             outs = out if isinstance(out, tuple) else (out,)
             wrt = [leaves[i] for i in diff if isinstance(leaves[i], torch.Tensor)]
-            got = iter(torch.autograd.grad(outs, wrt, list(grads), allow_unused=True, materialize_grads=True))
-        result = [next(got).contiguous() if isinstance(args[i], torch.Tensor) else grads[0].new_empty(0)
-                  for i in diff]
-        return _own(result, (grads, *args))  # type: ignore[no-any-return]
+            got = iter(torch.autograd.grad(outs, wrt, list(grads[:n_out]), allow_unused=True,
+                                           materialize_grads=True))
+        return [next(got) if isinstance(args[i], torch.Tensor) else None for i in diff]
 
-    def backward_fake(grads: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
+    @torch.compiler.disable
+    def backward_impl(grads: list[torch.Tensor], saved: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
+        """Gradients of the differentiable arguments (an empty tensor for an absent optional one) from the
+        forward's saved outputs and extras (``saved``), or by recompute where the implementation saved none."""
+        split = _saving.split_for(name, pick(*args))
+        outs, extras = saved[:len(keep_outs)], saved[len(keep_outs):]
+        got = None
+        if split.backward is not None:
+            with torch.no_grad():
+                got = split.backward(grads[:n_out], outs, extras, args)
+        if got is None:
+            got = recompute(grads, args)
+        result = [g.contiguous() if g is not None else grads[0].new_empty(0) for g in got]
+        return _own(result, (grads, saved, *args))  # type: ignore[no-any-return]
+
+    def backward_fake(grads: list[torch.Tensor], saved: list[torch.Tensor], *args: Any) -> list[torch.Tensor]:
+        shaped = _saving.grad_fakes(name, grads, saved, args)
+        if shaped is not None:
+            return shaped
         return [torch.empty_like(args[i]) if isinstance(args[i], torch.Tensor) else grads[0].new_empty(0)
                 for i in diff]
 
     bwd = torch.library.custom_op(f"{_LIB}::{name}_backward", backward_impl, mutates_args=(),
-                                  schema=f"(Tensor[] grads, {schema}) -> Tensor[]")
+                                  schema=f"(Tensor[] grads, Tensor[] saved, {schema}) -> Tensor[]")
     bwd.register_fake(backward_fake)
 
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        ctx.tensor_pos = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
-        ctx.save_for_backward(*[inputs[i] for i in ctx.tensor_pos])
-        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in inputs]
         outs = output if isinstance(output, tuple) else (output,)
-        ctx.out_shapes = [o.shape for o in outs]  # an unused output's gradient is zeros of its shape
+        dropped = _saving.dropped_inputs(name, inputs)
+        ctx.tensor_pos = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor) and i not in dropped]
+        # placeholders of the same shape, dtype and device over one element (stride 0): the backward reads no
+        # values of theirs, but selects the same implementation for them as the forward did
+        ctx.dropped = [(i, inputs[i].new_empty(()).expand(inputs[i].shape)) for i in dropped]
+        ctx.n_saved = len(keep_outs) + n_all - n_out
+        ctx.save_for_backward(*[inputs[i] for i in ctx.tensor_pos], *[outs[i] for i in keep_outs],
+                              *outs[n_out:])
+        ctx.others = [None if isinstance(a, torch.Tensor) else a for a in inputs]
+        # an unused output's gradient is zeros of its shape and dtype
+        ctx.out_meta = [(o.shape, o.dtype, o.device) for o in outs[:n_out]]
 
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         args = list(ctx.others)
-        for i, t in zip(ctx.tensor_pos, ctx.saved_tensors, strict=True):
+        tensors = ctx.saved_tensors
+        n_in = len(ctx.tensor_pos)
+        for i, t in zip(ctx.tensor_pos, tensors[:n_in], strict=True):
             args[i] = t
-        # an unused output's gradient arrives as None (rope_qk's k has its own shape)
-        filled = [g if g is not None else args[0].new_zeros(shape)
-                  for g, shape in zip(grads, ctx.out_shapes, strict=True)]
-        got = bwd(filled, *args)
+        for i, t in ctx.dropped:
+            args[i] = t
+        saved = list(tensors[n_in:])
+        # an unused output's gradient arrives as None (rope_qk's k has its own shape); extras get none
+        filled = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+                  for g, (shape, dtype, device) in zip(grads[:n_out], ctx.out_meta, strict=True)]
+        got = bwd(filled, saved, *args)
         result: list[torch.Tensor | None] = [None] * len(args)
         for i, g in zip(diff, got, strict=True):
             if isinstance(args[i], torch.Tensor) and ctx.needs_input_grad[i]:
@@ -233,8 +299,9 @@ def _op(name: str) -> Any:
 def _rmsnorm_call(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
                   residual: torch.Tensor | None = None) -> Any:
     if residual is None:
-        return _op("rmsnorm")(x, weight, float(eps))
-    return _op("rmsnorm_residual")(x, weight, residual, float(eps))
+        return _op("rmsnorm")(x, weight, float(eps))[0]  # (y, rstd)
+    y, h, _ = _op("rmsnorm_residual")(x, weight, residual, float(eps))
+    return y, h
 
 
 def _swiglu_call(gate: torch.Tensor, up: torch.Tensor) -> Any:
@@ -258,13 +325,14 @@ def _attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         raise NotImplementedError("plyx::attention (torch.compile path) returns no lse; call the kernel eagerly "
                                   "(outside torch.compile) when return_lse=True is needed")
     return _op("attention")(q, k, v, mask, document_ids, bool(causal), None if scale is None else float(scale),
-                            window)
+                            window)[0]  # (o, lse)
 
 
 def _cross_entropy_call(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
                         label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
                         return_argmax: bool = False) -> Any:
-    loss = _op("cross_entropy")(logits, targets, int(ignore_index), float(label_smoothing), float(z_loss), reduction)
+    loss = _op("cross_entropy")(logits, targets, int(ignore_index), float(label_smoothing), float(z_loss),
+                                reduction)[0]  # (loss, lse)
     if return_argmax:  # no gradient flows through the argmax: plain torch, traced by Inductor
         return loss, logits.argmax(-1)
     return loss
@@ -273,8 +341,10 @@ def _cross_entropy_call(logits: torch.Tensor, targets: torch.Tensor, *, ignore_i
 def _linear_cross_entropy_call(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                                bias: torch.Tensor | None = None, ignore_index: int = -100,
                                label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean") -> Any:
+    # whether the backward will run is known here (traced as a constant under Dynamo), not inside the op
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     return _op("linear_cross_entropy")(hidden, weight, targets, bias, int(ignore_index), float(label_smoothing),
-                                       float(z_loss), reduction)
+                                       float(z_loss), reduction, grad)[0]
 
 
 _CALLS: dict[str, Callable[..., Any]] = {

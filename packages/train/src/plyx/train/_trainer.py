@@ -63,6 +63,7 @@ from plyx.train._schedule import build_scheduler
 from plyx.train._shards import MANIFEST, ShardSet
 from plyx.train._step_stats import PendingStep, StepStats, can_skip_update, skip_update
 from plyx.train._tokenizer import CHAR, Tokenizer, load_tokenizer
+from plyx.train._transfer import no_sync, to_device
 from torch import nn
 
 __all__ = ["Trainer", "TrainOptions", "TrainResult", "NonFiniteLossError", "resolve_device", "estimate_memory"]
@@ -114,6 +115,9 @@ class TrainOptions:
         async_stats: read each step's loss and grad norm back a step late, without a host sync inside
             the step (a non-finite step's update is skipped on the device, then reported); None: on CUDA
             with a fused optimizer. Metrics, hooks and log lines are the same either way.
+        sync_debug: on CUDA with ``async_stats``, make any host sync inside a step (the batch's transfer
+            through the optimizer's update; logging steps' per-layer norms excepted) raise
+            (``torch.cuda.set_sync_debug_mode("error")``): finds what stalls the device (tests, benchmarks).
         data_cache: where the bundled corpus is prepared (default: ``$PLYX_DATA_DIR``, else
             ``$PLYX_CACHE_DIR/data``, else ~/.cache/plyx/data).
         print_fn: where progress lines go when the bar is off (None: silent).
@@ -141,6 +145,7 @@ class TrainOptions:
     verify_data: bool = True
     memory_bytes: int | None = None
     async_stats: bool | None = None
+    sync_debug: bool = False
     data_cache: str | None = None
     print_fn: Callable[[str], None] | None = None
     name: str | None = None
@@ -551,44 +556,47 @@ class Trainer:
                     t0 = time.perf_counter()
                     micro: list[torch.Tensor] = []
                     metas = []
-                    for i in range(c.grad_accum):
-                        batch = next(stream).to(self.device, non_blocking=True)
-                        # gradients are synchronised across ranks after the last micro-batch only (no_sync)
-                        with st.micro_batch(self.model, last=i == c.grad_accum - 1):
-                            with autocast:
-                                loss = st.loss(self.model, batch, label_smoothing=opts.label_smoothing,
-                                               z_loss=opts.z_loss)
-                                if loss is None:
-                                    loss = lm_loss(self.model, batch, label_smoothing=opts.label_smoothing,
+                    # the sync-free path: nothing from the batch's transfer to the loss and norm asks the host (sync_debug)
+                    with no_sync(self.device, enabled=opts.sync_debug and bool(stats.lookahead)):
+                        for i in range(c.grad_accum):
+                            batch = to_device(next(stream), self.device)
+                            # gradients are synchronised across ranks after the last micro-batch only (no_sync)
+                            with st.micro_batch(self.model, last=i == c.grad_accum - 1):
+                                with autocast:
+                                    loss = st.loss(self.model, batch, label_smoothing=opts.label_smoothing,
                                                    z_loss=opts.z_loss)
-                            (loss / c.grad_accum).backward()
-                        micro.append(loss.detach())
-                        metas.append(batch.meta)
-                    step_losses = torch.stack(micro)
-                    loss_mean = step_losses.mean()
-                    if stats.lookahead:  # the device skips a non-finite update; the host learns of it a step later
-                        grad_norm_t = _clip_on_device(params, clip)
-                        skip_update(self.optimizer, loss_mean, grad_norm_t)
-                    else:
-                        loss_value = float(loss_mean)  # a CPU-GPU sync point, once per step
-                        rank_loss = loss_value
-                        # the global batch's loss, and whether any rank got a signal: all ranks stop after one step
-                        loss_value, signalled = st.reduce_mean([loss_value, 1.0 if self._signal else 0.0])
-                        if signalled and self._stop is None:
-                            self._stop = self._signal or "SIGTERM"
-                        if not math.isfinite(loss_value):
-                            bad = int((~torch.isfinite(step_losses)).nonzero()[0, 0]) if not math.isfinite(rank_loss) else 0
-                            raise NonFiniteLossError(self.step + 1, "loss", loss_value, metas[bad], self.last_checkpoint)
-                        grad_norm = st.clip_grad_norm(params, clip)
-                        if not math.isfinite(grad_norm):
-                            raise NonFiniteLossError(self.step + 1, "grad_norm", grad_norm, metas[-1],
-                                                     self.last_checkpoint)
-                        loss_mean, grad_norm_t = torch.tensor(loss_value), torch.tensor(grad_norm)
-                    detail = self._detail_metrics() if not st.sharded else {}
+                                    if loss is None:
+                                        loss = lm_loss(self.model, batch, label_smoothing=opts.label_smoothing,
+                                                       z_loss=opts.z_loss)
+                                (loss / c.grad_accum).backward()
+                            micro.append(loss.detach())
+                            metas.append(batch.meta)
+                        step_losses = torch.stack(micro)
+                        loss_mean = step_losses.mean()
+                        if stats.lookahead:  # the device skips a non-finite update; the host learns of it a step later
+                            grad_norm_t = _clip_on_device(params, clip)
+                            skip_update(self.optimizer, loss_mean, grad_norm_t)
+                        else:
+                            loss_value = float(loss_mean)  # a CPU-GPU sync point, once per step
+                            rank_loss = loss_value
+                            # the global batch's loss, and whether any rank got a signal: all ranks stop after one step
+                            loss_value, signalled = st.reduce_mean([loss_value, 1.0 if self._signal else 0.0])
+                            if signalled and self._stop is None:
+                                self._stop = self._signal or "SIGTERM"
+                            if not math.isfinite(loss_value):
+                                bad = int((~torch.isfinite(step_losses)).nonzero()[0, 0]) if not math.isfinite(rank_loss) else 0
+                                raise NonFiniteLossError(self.step + 1, "loss", loss_value, metas[bad], self.last_checkpoint)
+                            grad_norm = st.clip_grad_norm(params, clip)
+                            if not math.isfinite(grad_norm):
+                                raise NonFiniteLossError(self.step + 1, "grad_norm", grad_norm, metas[-1],
+                                                         self.last_checkpoint)
+                            loss_mean, grad_norm_t = torch.tensor(loss_value), torch.tensor(grad_norm)
+                    detail = self._detail_metrics() if not st.sharded else {}  # logging steps: reads norms
                     lr = self.scheduler.get_last_lr()[0]
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                    with no_sync(self.device, enabled=opts.sync_debug and bool(stats.lookahead)):
+                        self.optimizer.step()
+                        self.scheduler.step()
+                        self.optimizer.zero_grad(set_to_none=True)
                     self.step += 1
                     self.data_position = stream.position
                     dt = time.perf_counter() - t0

@@ -39,7 +39,7 @@ import triton.language as tl
 from plyx.kernel.attention._checks import check_attention
 from plyx.kernel.attention._tl import mm, mma
 
-__all__ = ["flash_attention", "FlashAttentionFunction"]
+__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_saving", "FlashAttentionFunction"]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -633,6 +633,45 @@ def _unit_stride_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _prepare(q, k, v, *, scale, mask, document_ids, window):
+    """``(q, k, v, bias, docs, scale)`` as the kernels read them, after the contract's checks."""
+    a = check_attention(q, k, v, scale=scale, mask=mask, document_ids=document_ids, window=window)
+    if a.D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"flash_attention: head_dim={a.D} is not one of {SUPPORTED_HEAD_DIMS}; use the `sdpa` or `reference` "
+            f"implementation (registry.override(attention='sdpa'))"
+        )
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"flash_attention: dtype {q.dtype} is not supported; use bfloat16 or float16")
+    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
+    bias = None
+    if mask is not None:
+        # one additive float32 bias [B|1, H|1, T, S]; a bool mask becomes 0 / -inf
+        bias = (
+            torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, float("-inf"))
+            if mask.dtype == torch.bool
+            else mask.to(torch.float32)
+        )
+    docs = document_ids.to(torch.int32).contiguous() if document_ids is not None else None
+    return q, k, v, bias, docs, a.scale
+
+
+def flash_attention_saving(q, k, v, *, causal=True, scale=None, mask=None, document_ids=None, window=None):
+    """``(o, lse2)``: the forward and its base-2 log-sum-exp ``[B, H, T]`` float32 (+inf on empty rows), the
+    statistics ``flash_attention_backward`` needs: ``plyx::attention``'s custom op saves them instead of
+    re-running this forward in its backward."""
+    q, k, v, bias, docs, scale = _prepare(q, k, v, scale=scale, mask=mask, document_ids=document_ids, window=window)
+    return _forward(q, k, v, bias, docs, causal=causal, scale=scale, window=window)
+
+
+def flash_attention_backward(do, q, k, v, o, lse2, *, causal=True, scale=None, mask=None, document_ids=None,
+                             window=None):
+    """``(dq, dk, dv)`` from ``flash_attention_saving``'s ``o`` and ``lse2`` (the same options)."""
+    q, k, v, bias, docs, scale = _prepare(q, k, v, scale=scale, mask=mask, document_ids=document_ids, window=window)
+    return _backward(do, q, k, v, _unit_stride_last(o), lse2, bias, docs, causal=causal, scale=scale,
+                     window=window)
+
+
 def flash_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -654,25 +693,8 @@ def flash_attention(
     ``PLYX_ATTENTION_AUTOTUNE=1`` to autotune per flag combination and length bucket instead
     (about a minute of compilation the first time).
     """
-    a = check_attention(q, k, v, scale=scale, mask=mask, document_ids=document_ids, window=window)
-    if a.D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"flash_attention: head_dim={a.D} is not one of {SUPPORTED_HEAD_DIMS}; use the `sdpa` or `reference` "
-            f"implementation (registry.override(attention='sdpa'))"
-        )
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"flash_attention: dtype {q.dtype} is not supported; use bfloat16 or float16")
-    q, k, v = _unit_stride_last(q), _unit_stride_last(k), _unit_stride_last(v)
-    bias = None
-    if mask is not None:
-        # one additive float32 bias [B|1, H|1, T, S]; a bool mask becomes 0 / -inf
-        bias = (
-            torch.zeros(mask.shape, dtype=torch.float32, device=q.device).masked_fill_(~mask, float("-inf"))
-            if mask.dtype == torch.bool
-            else mask.to(torch.float32)
-        )
-    docs = document_ids.to(torch.int32).contiguous() if document_ids is not None else None
-    o, lse2 = FlashAttentionFunction.apply(q, k, v, bias, docs, causal, a.scale, window)
+    q, k, v, bias, docs, scale = _prepare(q, k, v, scale=scale, mask=mask, document_ids=document_ids, window=window)
+    o, lse2 = FlashAttentionFunction.apply(q, k, v, bias, docs, causal, scale, window)
     if not return_lse:
         return o
     # base-2 and +inf for empty rows inside the kernels; natural log and -inf outside

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from plyx.kernel.attention._checks import check_attention, check_paged, check_paged_quant
 
-__all__ = ["allowed_mask", "attention_reference", "paged_attention_per_sequence", "paged_attention_quant_reference",
+__all__ = ["allowed_mask", "attention_reference", "attention_reference_backward", "attention_reference_saving",
+           "paged_attention_per_sequence", "paged_attention_quant_reference",
            "paged_attention_reference"]
 
 
@@ -48,6 +49,79 @@ def allowed_mask(
         docs = document_ids.to(device)
         allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])  # (B, 1, T, S)
     return allowed
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float | None,
+            mask: torch.Tensor | None, document_ids: torch.Tensor | None, window: int | None) -> tuple[
+                torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """``(qh, kh, vh, scores, scale)``: heads-first q, k and v in the compute dtype (k and v repeated to H
+    heads) and the masked scores ``[B, H, T, S]`` (-inf where not allowed)."""
+    a = check_attention(q, k, v, scale=scale, mask=mask, document_ids=document_ids, window=window)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = a.H // a.KV
+    qh = q.transpose(1, 2).to(compute)  # (B, H, T, Dh)
+    kh = k.transpose(1, 2).to(compute).repeat_interleave(group, dim=1)  # (B, H, S, Dh)
+    vh = v.transpose(1, 2).to(compute).repeat_interleave(group, dim=1)  # (B, H, S, Dh)
+    scores = (qh @ kh.transpose(-1, -2)) * a.scale  # (B, H, T, S)
+    allowed = allowed_mask(a.T, a.S, causal=causal, window=window, document_ids=document_ids, device=q.device)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            allowed = mask if allowed is None else allowed & mask
+        else:
+            scores = scores + mask.to(compute)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    return qh, kh, vh, scores, a.scale
+
+
+def attention_reference_saving(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                               scale: float | None = None, mask: torch.Tensor | None = None,
+                               document_ids: torch.Tensor | None = None,
+                               window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)``: the reference forward and its log-sum-exp ``[B, H, T]`` in the compute dtype (float64 for
+    float64 inputs, else float32; -inf on empty rows), what ``attention_reference_backward`` needs.
+
+    ``plyx::attention``'s custom op saves these instead of re-running the forward in its backward.
+    """
+    _, _, vh, scores, _ = _scores(q, k, v, causal=causal, scale=scale, mask=mask, document_ids=document_ids,
+                                  window=window)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, H, T, 1); -inf on empty rows
+    # empty rows: p = 0 and o = 0 (exp(-inf - 0)), as attention_reference gives
+    p = torch.exp(scores - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+    o = (p @ vh).transpose(1, 2).to(q.dtype)  # (B, T, H, Dh)
+    return o, lse.squeeze(-1)
+
+
+def attention_reference_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 o: torch.Tensor, lse: torch.Tensor, *, causal: bool = True,
+                                 scale: float | None = None, mask: torch.Tensor | None = None,
+                                 document_ids: torch.Tensor | None = None,
+                                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` from the saved ``o`` and ``lse`` (FlashAttention's backward, in plain torch)::
+
+        p = exp(s - lse)    dv = p^T do    dp = do v^T    ds = p * (dp - rowsum(do * o))
+        dq = scale * ds k   dk = scale * ds^T q           (k, v summed over each GQA group)
+    """
+    qh, kh, vh, scores, sc = _scores(q, k, v, causal=causal, scale=scale, mask=mask, document_ids=document_ids,
+                                     window=window)
+    compute = qh.dtype
+    B, H, T, _ = qh.shape
+    KV, S = k.shape[2], k.shape[1]
+    lse_c = lse.to(compute)[..., None]  # (B, H, T, 1)
+    # empty rows (lse = -inf) have p = 0 (their o is 0, and so is every gradient through them)
+    p = torch.where(torch.isfinite(lse_c), torch.exp(scores - torch.where(torch.isfinite(lse_c), lse_c, 0.0)), 0.0)
+    doh = do.transpose(1, 2).to(compute)  # (B, H, T, Dh)
+    oh = o.transpose(1, 2).to(compute)
+    dvh = p.transpose(-1, -2) @ doh  # (B, H, S, Dh)
+    dp = doh @ vh.transpose(-1, -2)  # (B, H, T, S)
+    ds = p * (dp - (doh * oh).sum(-1, keepdim=True))
+    dq = (ds @ kh) * sc  # (B, H, T, Dh)
+    dkh = (ds.transpose(-1, -2) @ qh) * sc  # (B, H, S, Dh)
+    group = H // KV
+    # (B, H, S, Dh) -> (B, KV, group, S, Dh): head h reads key/value head h // group
+    dk = dkh.view(B, KV, group, S, -1).sum(2)
+    dv = dvh.view(B, KV, group, S, -1).sum(2)
+    return (dq.transpose(1, 2).to(q.dtype), dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype))
 
 
 def attention_reference(
@@ -83,21 +157,8 @@ def attention_reference(
         >>> attention_reference(q, k, v).shape
         torch.Size([1, 5, 4, 8])
     """
-    a = check_attention(q, k, v, scale=scale, mask=mask, document_ids=document_ids, window=window)
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = a.H // a.KV
-    qh = q.transpose(1, 2).to(compute)  # (B, H, T, Dh)
-    kh = k.transpose(1, 2).to(compute).repeat_interleave(group, dim=1)  # (B, H, S, Dh)
-    vh = v.transpose(1, 2).to(compute).repeat_interleave(group, dim=1)  # (B, H, S, Dh)
-    scores = (qh @ kh.transpose(-1, -2)) * a.scale  # (B, H, T, S)
-    allowed = allowed_mask(a.T, a.S, causal=causal, window=window, document_ids=document_ids, device=q.device)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            allowed = mask if allowed is None else allowed & mask
-        else:
-            scores = scores + mask.to(compute)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, float("-inf"))
+    qh, kh, vh, scores, _ = _scores(q, k, v, causal=causal, scale=scale, mask=mask, document_ids=document_ids,
+                                    window=window)
     # Softmax written out so that rows with nothing allowed give exactly 0 (and
     # finite gradients) instead of the NaN of softmax over all -inf.
     row_max = scores.amax(dim=-1, keepdim=True).detach()  # (B, H, T, 1)
@@ -108,8 +169,8 @@ def attention_reference(
     o = (p @ vh).transpose(1, 2).to(q.dtype)  # (B, T, H, Dh)
     if not return_lse:
         return o
-    lse = (row_max + torch.log(total)).squeeze(-1).to(torch.float32)  # (B, H, T); -inf for empty rows
-    return o, lse
+    lse = (row_max + torch.log(total)).squeeze(-1)  # (B, H, T); -inf for empty rows
+    return o, lse.to(torch.float32)
 
 
 def paged_attention_reference(

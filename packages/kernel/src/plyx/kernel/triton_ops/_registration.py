@@ -72,7 +72,7 @@ _OPS: dict[str, tuple[int, dict[str, Any], str]] = {
     # decode-sized only (triton_ops.gemv.MAX_ROWS): at more rows cuBLAS (the reference) reads the weight once too
     "gemv": (10, {"shape_limits": {"rows": (1, 2)}, "backward": False},
              "Triton weight-streaming GEMV x @ W.T (+ bias), M <= 2 (inference only)"),
-    "cross_entropy": (10, {}, "Triton online-softmax cross-entropy, gradient in the forward pass"),
+    "cross_entropy": (10, {}, "Triton online-softmax cross-entropy: one read forward (loss, lse), one read + write backward"),
     "linear_cross_entropy": (10, {}, "chunked cuBLAS lm-head + Triton cross-entropy, gradients in the forward pass"),
     # below the cuBLAS reference: measured slower at the benchmark shapes (bench/results); force it to use it
     "matmul": (-10, {}, "Triton tiled GEMM (forward and backward through the same kernel)"),

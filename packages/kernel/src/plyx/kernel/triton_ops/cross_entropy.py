@@ -1,6 +1,10 @@
-"""Triton cross-entropy (ignore_index, label smoothing, z-loss, argmax), gradient computed in the forward pass.
+"""Triton cross-entropy (ignore_index, label smoothing, z-loss, argmax).
 
-One program per row streams the vocabulary in blocks twice:
+``cross_entropy`` reads the logits once in the forward (loss and lse, ``ce_rows`` without ``dz``) and once in
+the backward (``ce_grad``: dz from the saved lse, times the incoming gradient read on the device): two reads
+and one write of ``[N, V]``, no host sync. The fused linear cross-entropy instead computes the gradient in
+its forward pass (``ce_rows`` with ``dz``, over its logits chunk in place), where one program per row streams
+the vocabulary in blocks twice:
 
 1. online softmax: running max m and sum s of exp(z - m), the sum of z (label
    smoothing), the argmax; then ``lse = m + log(s)`` and::
@@ -13,7 +17,7 @@ One program per row streams the vocabulary in blocks twice:
    the same program writes it).
 
 ``scale`` is 1/n_valid (mean) or 1, read from a device tensor so no host sync
-is needed; the autograd backward then multiplies by the incoming gradient.
+is needed; the fused loss's backward then multiplies by the incoming gradient.
 Ignored rows get loss 0 and dz 0.
 
 Split-vocabulary forward (no gradient, few rows: greedy decoding's argmax at batch 1). One program per
@@ -40,7 +44,7 @@ from plyx.kernel.reference.cross_entropy import check_cross_entropy, reduce_loss
 from plyx.kernel.triton_ops._common import empty, interpreting, next_power_of_2, num_programs, pdl
 from plyx.kernel.triton_ops._tiles import wait_for_inputs
 
-__all__ = ["cross_entropy", "ce_rows"]
+__all__ = ["ce_grad", "ce_rows", "cross_entropy", "cross_entropy_backward", "cross_entropy_saving"]
 
 _NAME = "cross_entropy:triton"
 
@@ -101,6 +105,44 @@ def _ce_kernel(Z, stride_z, T, SCALE, LOSS, LSE, ARGMAX, DZ, stride_dz, V, ignor
             p = tl.exp(z - lse)
             dz = p * (1.0 + 2.0 * z_loss * lse) - eps / V - tl.where(idx == safe, 1.0 - eps, 0.0)
             tl.store(dzrow + idx, (dz * scale).to(DZ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ce_grad_kernel(Z, stride_z, T, LSE, G, stride_g, SCALE, DZ, stride_dz, V, ignore_index, eps, z_loss,
+                    BLOCK: tl.constexpr):
+    """The backward, one program per row, one pass over the row: ``dz = g * scale * dL/dz`` from the forward's
+    lse (``g``: the incoming gradient, one per row or one for all: ``stride_g`` 0)."""
+    row = tl.program_id(0).to(tl.int64)
+    zrow = Z + row * stride_z
+    dzrow = DZ + row * stride_dz
+    cols = tl.arange(0, BLOCK)
+    target = tl.load(T + row)
+    valid = target != ignore_index
+    safe = tl.where(valid, target, 0)
+    lse = tl.load(LSE + row)
+    scale = tl.load(SCALE).to(tl.float32) * tl.load(G + row * stride_g).to(tl.float32)
+    scale = tl.where(valid, scale, 0.0)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        z = tl.load(zrow + idx, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp(z - lse)
+        dz = p * (1.0 + 2.0 * z_loss * lse) - eps / V - tl.where(idx == safe, 1.0 - eps, 0.0)
+        tl.store(dzrow + idx, (dz * scale).to(DZ.dtype.element_ty), mask=mask)
+
+
+def ce_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor, *,
+            ignore_index: int, eps: float, z_loss: float) -> torch.Tensor:
+    """``dL/dz`` ``[n, V]`` in z's dtype from the forward's ``lse`` [n] and the incoming gradient ``grad`` (0-dim,
+    or [n] per row), times ``scale`` (``row_scale``): one read of the logits and one write, no host sync."""
+    n, v = z.shape
+    dz = empty((n, v), dtype=z.dtype, device=z.device)
+    if n:
+        g = grad.reshape(-1) if grad.dim() else grad.reshape(1)
+        block, warps = _launch_config(v)
+        _ce_grad_kernel[(n,)](z, z.stride(0), targets, lse, g, 1 if grad.dim() else 0, scale, dz, dz.stride(0), v,
+                              int(ignore_index), float(eps), float(z_loss), BLOCK=block, num_warps=warps)
+    return dz
 
 
 @triton.jit
@@ -246,12 +288,12 @@ class _CrossEntropy(torch.autograd.Function):
                 reduction: str, argmax: bool, grad: bool) -> Any:
         # per-row losses without a gradient (greedy decoding's argmax) need no mask: one launch fewer
         valid = targets != ignore_index if grad or reduction != "none" else targets
-        dz = empty(logits.shape, dtype=logits.dtype, device=logits.device) if grad else None
-        out = ce_rows(logits, targets, ignore_index=ignore_index, eps=eps, z_loss=z_loss,
-                      scale=row_scale(valid, reduction) if grad else None, dz=dz, argmax=argmax)
+        out = ce_rows(logits, targets, ignore_index=ignore_index, eps=eps, z_loss=z_loss, scale=None, dz=None,
+                      argmax=argmax)
         loss = reduce_loss(out[0], valid, reduction)
-        ctx.save_for_backward(dz if grad else None)
-        ctx.used = False
+        if grad:  # the backward's one pass reads the logits and this lse (issue 19: no sync, no extra pass)
+            ctx.save_for_backward(logits, targets, out[1], row_scale(valid, reduction))
+            ctx.options = (ignore_index, eps, z_loss)
         if argmax:
             ctx.mark_non_differentiable(out[2])
             return loss, out[2]
@@ -259,17 +301,9 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> Any:
-        (dz,) = ctx.saved_tensors
-        if ctx.used:
-            raise RuntimeError("cross_entropy:triton: backward ran twice on one forward (retain_graph=True); its "
-                               "gradient buffer is scaled in place, so call the loss again instead")
-        ctx.used = True
-        # dz holds dL/dz for an incoming gradient of 1: scale it in place by the actual one (per row for
-        # reduction="none"); loss.backward() passes exactly 1, which needs no pass over [N, V] at all
-        if grad.dim():
-            dz.mul_(grad[:, None].to(dz.dtype))
-        elif not bool(grad == 1):  # one host sync instead of a read and write of the whole gradient
-            dz.mul_(grad.to(dz.dtype))
+        logits, targets, lse, scale = ctx.saved_tensors
+        ignore_index, eps, z_loss = ctx.options
+        dz = ce_grad(logits, targets, lse, grad, scale, ignore_index=ignore_index, eps=eps, z_loss=z_loss)
         return dz, None, None, None, None, None, None, None
 
 
@@ -293,3 +327,27 @@ def cross_entropy(
     grad = torch.is_grad_enabled() and logits.requires_grad
     return _CrossEntropy.apply(logits, targets, int(ignore_index), float(label_smoothing), float(z_loss), reduction,
                                bool(return_argmax), grad)
+
+
+def cross_entropy_saving(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         reduction: str = "mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, lse [N] float32)``: the forward of ``plyx::cross_entropy``'s custom op, whose backward is
+    ``cross_entropy_backward`` (one pass, as the autograd Function's)."""
+    check_cross_entropy(_NAME, logits, targets, ignore_index, label_smoothing, z_loss, reduction, check_values=False)
+    check_last_dim_contiguous(_NAME, "logits", logits)
+    valid = targets != ignore_index
+    rows, lse = ce_rows(logits, targets, ignore_index=int(ignore_index), eps=float(label_smoothing),
+                        z_loss=float(z_loss), scale=None, dz=None)
+    return reduce_loss(rows, valid, reduction), lse
+
+
+def cross_entropy_backward(grad: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, *,
+                           ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                           reduction: str = "mean") -> torch.Tensor:
+    """``dL/dlogits`` for the incoming ``grad`` from ``cross_entropy_saving``'s lse."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    scale = row_scale(targets != ignore_index, reduction)
+    return ce_grad(logits, targets, lse, grad, scale, ignore_index=int(ignore_index), eps=float(label_smoothing),
+                   z_loss=float(z_loss))

@@ -28,7 +28,7 @@ from plyx.kernel.reference.rmsnorm import check_rmsnorm
 from plyx.kernel.triton_ops._common import empty, next_power_of_2, num_programs, pdl
 from plyx.kernel.triton_ops._tiles import wait_for_inputs
 
-__all__ = ["rmsnorm"]
+__all__ = ["backward_saved", "forward_saving", "rmsnorm"]
 
 _NAME = "rmsnorm:triton"
 _MAX_BLOCK = 65536
@@ -124,6 +124,46 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
     return y, h, rstd
 
 
+def backward_saved(dy: torch.Tensor, dh_out: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor,
+                   rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dh [N, D], dw)`` from the forward's saved ``h`` (``[N, D]`` rows), ``weight`` and ``rstd [N]``.
+
+    dh is the gradient of x and of residual; ``dh_out`` (the gradient of the returned h) is added to it.
+    Shared by the autograd Function and ``plyx::rmsnorm``'s custom-op backward (no recompute there).
+    """
+    n, d = h.shape
+    dy2 = _rows(dy)
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    dho = None if dh_out is None else _rows(dh_out)
+    if dho is not None and dho.stride(-1) != 1:
+        dho = dho.contiguous()
+    dx = empty((n, d), dtype=h.dtype, device=h.device)
+    programs = num_programs(h.device, n)
+    rows_per_program = -(-n // programs) if n else 0
+    partial = empty((programs, d), dtype=torch.float32, device=h.device)
+    block = next_power_of_2(d)
+    if n:
+        _rmsnorm_bwd[(programs,)](dy2, h, weight, rstd, dho if dho is not None else dy2, dx, partial,
+                                  dy2.stride(0), h.stride(0), (dho if dho is not None else dy2).stride(0),
+                                  dx.stride(0), n, d, rows_per_program, HAS_DHO=dho is not None, BLOCK=block,
+                                  num_warps=min(max(block // 256, 1), 16))
+        dw = partial.sum(0).to(weight.dtype)
+    else:
+        dw = torch.zeros_like(weight)
+    return dx, dw
+
+
+def forward_saving(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, h, rstd [N] float32)`` after the public call's checks: the forward of ``plyx::rmsnorm``'s custom op,
+    which returns rstd so its backward (``backward_saved``) never re-runs the forward."""
+    x, weight = _checked(x, weight, residual, eps)
+    y, h, rstd = _forward(x, weight, residual, float(eps), save_rstd=True)
+    assert rstd is not None
+    return y, h, rstd
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None, eps: float) -> Any:
@@ -137,26 +177,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor, dh_out: torch.Tensor | None = None) -> Any:
         h, weight, rstd = ctx.saved_tensors
-        n, d = h.shape
-        dy2 = _rows(dy)
-        if dy2.stride(-1) != 1:
-            dy2 = dy2.contiguous()
-        dho = None if dh_out is None else _rows(dh_out)
-        if dho is not None and dho.stride(-1) != 1:
-            dho = dho.contiguous()
-        dx = empty((n, d), dtype=h.dtype, device=h.device)
-        programs = num_programs(h.device, n)
-        rows_per_program = -(-n // programs) if n else 0
-        partial = empty((programs, d), dtype=torch.float32, device=h.device)
-        block = next_power_of_2(d)
-        if n:
-            _rmsnorm_bwd[(programs,)](dy2, h, weight, rstd, dho if dho is not None else dy2, dx, partial,
-                                      dy2.stride(0), h.stride(0), (dho if dho is not None else dy2).stride(0),
-                                      dx.stride(0), n, d, rows_per_program, HAS_DHO=dho is not None, BLOCK=block,
-                                      num_warps=min(max(block // 256, 1), 16))
-            dw = partial.sum(0).to(weight.dtype)
-        else:
-            dw = torch.zeros_like(weight)
+        dx, dw = backward_saved(dy, dh_out, h, weight, rstd)
         dx = dx.view(ctx.shape)
         return dx, dw, (dx if ctx.has_res else None), None
 
@@ -176,13 +197,9 @@ def _plain(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
                                       and residual.device == x.device and residual.stride(-1) == 1)))
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6, residual: torch.Tensor | None = None) -> Any:
-    """Triton RMSNorm; same contract as ``plyx.kernel.reference.rmsnorm``.
-
-    The eager call's host path is kept short (issue 19: 0.66x Liger in eager time at equal graph time): a
-    fast argument check, launch sizes cached per width, and without gradients no autograd Function, no
-    saved statistics and one launch straight away.
-    """
+def _checked(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x, weight)`` after the argument checks (raising with the fix), the weight made unit-stride."""
     if not _plain(x, weight, residual, eps):
         check_rmsnorm(_NAME, x, weight, residual, eps)
         check_last_dim_contiguous(_NAME, "x", x)
@@ -193,6 +210,17 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6, residua
                                    "use the reference implementation")
         if not weight.is_contiguous():
             weight = weight.contiguous()
+    return x, weight
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6, residual: torch.Tensor | None = None) -> Any:
+    """Triton RMSNorm; same contract as ``plyx.kernel.reference.rmsnorm``.
+
+    The eager call's host path is kept short (issue 19: 0.66x Liger in eager time at equal graph time): a
+    fast argument check, launch sizes cached per width, and without gradients no autograd Function, no
+    saved statistics and one launch straight away.
+    """
+    x, weight = _checked(x, weight, residual, eps)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (residual is not None and residual.requires_grad)):
         return _RMSNorm.apply(x, weight, residual, float(eps))

@@ -22,7 +22,7 @@ from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.swiglu import check_swiglu
 from plyx.kernel.triton_ops._common import empty, interpreting
 
-__all__ = ["swiglu"]
+__all__ = ["swiglu", "swiglu_backward"]
 
 _NAME = "swiglu:triton"
 
@@ -75,7 +75,7 @@ class _SwiGLU(torch.autograd.Function):
         g2, u2 = _rows(gate, up)
         n, f = g2.shape
         y = empty((n, f), dtype=gate.dtype, device=gate.device)
-        block, warps = ctx.config = _config()
+        block, warps = _config()
         if n and f:
             nb = triton.cdiv(f, block)
             _swiglu_fwd[(n * nb,)](g2, u2, y, g2.stride(0), u2.stride(0), y.stride(0), f, nb, BLOCK=block,
@@ -86,18 +86,24 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
         gate, up = ctx.saved_tensors
-        if dy.stride(-1) != 1:
-            dy = dy.contiguous()
-        g2, u2, dy2 = _rows(gate, up, dy)
-        n, f = g2.shape
-        dg = empty((n, f), dtype=gate.dtype, device=gate.device)
-        du = empty((n, f), dtype=up.dtype, device=up.device)
-        block, warps = ctx.config
-        if n and f:
-            nb = triton.cdiv(f, block)
-            _swiglu_bwd[(n * nb,)](dy2, g2, u2, dg, du, dy2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), f, nb,
-                                   BLOCK=block, num_warps=warps)
-        return dg.view(gate.shape), du.view(up.shape)
+        return swiglu_backward(dy, gate, up)
+
+
+def swiglu_backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d_gate, d_up)`` of ``silu(gate) * up`` for the incoming ``dy``: one launch (the autograd Function's
+    backward, and ``plyx::swiglu``'s custom-op backward, which so never re-runs the forward)."""
+    if dy.stride(-1) != 1:
+        dy = dy.contiguous()
+    g2, u2, dy2 = _rows(gate, up, dy)
+    n, f = g2.shape
+    dg = empty((n, f), dtype=gate.dtype, device=gate.device)
+    du = empty((n, f), dtype=up.dtype, device=up.device)
+    block, warps = _config()
+    if n and f:
+        nb = triton.cdiv(f, block)
+        _swiglu_bwd[(n * nb,)](dy2, g2, u2, dg, du, dy2.stride(0), g2.stride(0), u2.stride(0), dg.stride(0), f, nb,
+                               BLOCK=block, num_warps=warps)
+    return dg.view(gate.shape), du.view(up.shape)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
