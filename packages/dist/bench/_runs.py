@@ -45,7 +45,7 @@ def free_port() -> int:
 def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: float | None,
           timeout: float = 3600, one_rank: bool = False, kernels: Path | None = None,
           profile: tuple[Path, int, int] | None = None, async_stats: bool = False,
-          clock: tuple[Path, int] | None = None) -> dict[str, float]:
+          clock: tuple[Path, int] | None = None, extra_env: dict[str, str] | None = None) -> dict[str, float]:
     """Run ``plyx train`` on ``config`` and return its last logged metrics row.
 
     Args:
@@ -57,6 +57,7 @@ def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: 
             summarised into ``out`` (``_step_profile.py``; needs ``kernels``).
         async_stats: the Trainer's CUDA step on any device (``TrainOptions.async_stats``; needs ``kernels``).
         clock: ``(out, start)``: host wall and CPU time stamped at each step from ``start`` (needs ``kernels``).
+        extra_env: more environment variables for the run.
     """
     work.mkdir(parents=True, exist_ok=True)
     path = work / "config.json"
@@ -82,6 +83,7 @@ def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: 
     if one_rank:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(free_port()))
+    env.update(extra_env or {})
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

@@ -101,6 +101,13 @@ def profile_paths(args: argparse.Namespace, work: Path, data: Path, cuda: bool) 
     print(f"wrote {stem}.json and .txt", flush=True)
 
 
+# path name -> (FSDP, environment): "fsdp-dtensor" is the FSDP path with its optimizer step and clipping on the
+# DTensors (plyx-dist 1.2 and before), "fsdp" the current one (on their local tensors at one rank)
+PATHS: dict[str, tuple[bool, dict[str, str]]] = {
+    "plain": (False, {}), "fsdp": (True, {}), "fsdp-dtensor": (True, {"PLYX_DIST_LOCAL_WS1": "0"}),
+}
+
+
 def timed_run(args: argparse.Namespace, work: Path, data: Path, name: str, *, fsdp: bool, cuda: bool,
               rep: int) -> dict[str, Any]:
     """One ``plyx train`` run of a path: its last window's tokens/s, its host time per step, its kernels."""
@@ -110,7 +117,7 @@ def timed_run(args: argparse.Namespace, work: Path, data: Path, name: str, *, fs
     # async_stats: the step CUDA takes (loss and norm read a step late) on CPU too, in both paths; the clock
     # stamps the steps after the first log window (the warm-up)
     m = _runs.train(cfg, work / f"cfg-{tag}", nproc=None, one_rank=fsdp, peak_flops=args.peak_flops,
-                    kernels=trace, async_stats=True, clock=(clock, cfg["log_every"]))
+                    kernels=trace, async_stats=True, clock=(clock, cfg["log_every"]), extra_env=PATHS[name][1])
     kernels = json.loads(trace.read_text(encoding="utf-8"))
     host = _step_profile.clock_per_step(json.loads(clock.read_text(encoding="utf-8")))
     tokens_per_step = cfg["batch_size"] * cfg["data"]["seq_len"]
@@ -156,6 +163,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's; lower on OOM)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the preset's)")
     p.add_argument("--out", default=str(_runs.RESULTS / "fsdp_ws1_vs_plain.jsonl"))
+    p.add_argument("--before", action="store_true",
+                   help="also run the FSDP path as plyx-dist 1.2 had it (optimizer and clipping on DTensors)")
     p.add_argument("--repeat", type=int, default=1, help="runs per path, alternated; rows carry the medians")
     p.add_argument("--profile", action="store_true", help="then profile a few steps of each path (torch.profiler)")
     p.add_argument("--profile-warmup", type=int, default=4, help="steps before the profiled ones")
@@ -167,17 +176,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="plyx-fsdp-ws1-") as tmp:
         work = Path(tmp)
         data = _runs.prepare_data(work)
-        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "fsdp": []}
-        for rep in range(args.repeat):  # alternated, so a load change on a shared machine hits both paths alike
-            for name, fsdp in (("plain", False), ("fsdp", True)):
-                runs[name].append(timed_run(args, work, data, name, fsdp=fsdp, cuda=cuda, rep=rep))
-        rows = [median_row(runs["plain"]), median_row(runs["fsdp"])]
-        overhead = 1 - rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
-        cpu_overhead = rows[1]["cpu_ms_per_step"] / rows[0]["cpu_ms_per_step"] - 1
+        names = ["plain", "fsdp"] + (["fsdp-dtensor"] if args.before else [])
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for rep in range(args.repeat):  # alternated, so a load change on a shared machine hits every path alike
+            for name in names:
+                runs[name].append(timed_run(args, work, data, name, fsdp=PATHS[name][0], cuda=cuda, rep=rep))
+        rows = [median_row(runs[name]) for name in names]
         for row in rows:
-            row["fsdp_overhead"], row["fsdp_cpu_overhead"] = overhead, cpu_overhead
-        print(f"FSDP2 at world size 1 costs {overhead:+.1%} tokens/s against the plain path, {cpu_overhead:+.1%} host "
-              f"CPU time per step ({_runs.device_name()}{f', median of {args.repeat}' if args.repeat > 1 else ''})")
+            row["fsdp_overhead"] = 1 - row["tokens_per_s"] / rows[0]["tokens_per_s"]
+            row["fsdp_cpu_overhead"] = row["cpu_ms_per_step"] / rows[0]["cpu_ms_per_step"] - 1
+        for row in rows[1:]:
+            print(f"{row['path']} at world size 1 costs {row['fsdp_overhead']:+.1%} tokens/s against the plain path, "
+                  f"{row['fsdp_cpu_overhead']:+.1%} host CPU time per step ({_runs.device_name()}"
+                  f"{f', median of {args.repeat}' if args.repeat > 1 else ''})")
         _runs.append(Path(args.out), rows)
         print(f"wrote {len(rows)} rows to {args.out}")
         if args.profile:
