@@ -59,6 +59,12 @@ OPTIMIZERS = {
 NO_DTENSOR_STEP = {"adafactor", "sgd-nesterov"}
 
 
+def _full(v):
+    from torch.distributed.tensor import DTensor
+
+    return v.full_tensor() if isinstance(v, DTensor) else v
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_local_step_is_the_dtensor_step_bit_for_bit(name):
     from plyx.dist._local import LocalShardStep
@@ -77,8 +83,7 @@ def test_local_step_is_the_dtensor_step_bit_for_bit(name):
                 opt.zero_grad(set_to_none=True)
         for p_ref, p_got in zip(ref.parameters(), got.parameters(), strict=True):
             assert isinstance(p_got, DTensor)
-            full = (lambda v: v.full_tensor() if isinstance(v, DTensor) else v)
-            assert torch.equal(full(p_ref), p_got.full_tensor())
+            assert torch.equal(_full(p_ref), p_got.full_tensor())
             assert p_got._local_tensor.grad is None  # the local view keeps no gradient alive between steps
             s_ref, s_got = opt_ref.state[p_ref], opt_got.state[p_got]
             assert sorted(s_ref) == sorted(s_got)
@@ -86,7 +91,7 @@ def test_local_step_is_the_dtensor_step_bit_for_bit(name):
                 v_got = s_got[key]
                 if name not in NO_DTENSOR_STEP:  # moments stay DTensors (DCP saves and reshards them)
                     assert type(v_got) is type(v_ref), key
-                assert torch.equal(torch.as_tensor(full(v_ref)), torch.as_tensor(full(v_got))), key
+                assert torch.equal(torch.as_tensor(_full(v_ref)), torch.as_tensor(_full(v_got))), key
         # the local views share the DTensors' memory: the first step's new moments are the DTensors' own
         p0 = next(got.parameters())
         if "exp_avg" in opt_got.state[p0]:
