@@ -163,6 +163,9 @@ def install_clock(out: Path, start: int) -> None:
 
 def clock_per_step(stamps: list[list[float]]) -> dict[str, float]:
     """``{"wall_ms_per_step", "cpu_ms_per_step"}`` between the first and the last stamp."""
+    if len(stamps) < 2:
+        raise ValueError(f"{len(stamps)} step stamps: the run needs at least two steps after the warm-up "
+                         f"(raise --steps)")
     (s0, w0, c0), (s1, w1, c1) = stamps[0], stamps[-1]
     n = max(s1 - s0, 1)
     return {"wall_ms_per_step": 1e3 * (w1 - w0) / n, "cpu_ms_per_step": 1e3 * (c1 - c0) / n}
@@ -216,7 +219,7 @@ def _short(name: str, width: int) -> str:
 def format_compare(cmp: dict[str, Any], names: Iterable[str] = ("plain", "fsdp"), *, cuda: bool) -> str:
     """The comparison as a text table (per step)."""
     na, nb = names
-    unit = "kernel" if cuda else "leaf-op CPU"
+    unit = "kernel" if cuda else "op self-CPU"
     lines = [f"{unit + ' time per step by kind':<34}{na + ' ms':>10}{nb + ' ms':>10}{'diff':>9}"
              f"{na + ' n':>10}{nb + ' n':>10}"]
     for kind, v in cmp["kinds"].items():

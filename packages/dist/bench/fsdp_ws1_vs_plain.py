@@ -73,31 +73,44 @@ def config(preset: str, out: Path, data: Path, *, fsdp: bool, cuda: bool, batch:
 
 
 def profile_paths(args: argparse.Namespace, work: Path, data: Path, cuda: bool) -> None:
-    """One short run per path under ``torch.profiler``; the comparison printed and written (see the docstring)."""
+    """One short run per path under ``torch.profiler``; the comparison printed and written (see the docstring).
+
+    With ``--before`` the FSDP path of plyx-dist 1.2 (``fsdp-dtensor``) is profiled too and compared with
+    the current one.
+    """
     start, n = args.profile_warmup, args.profile_steps or (3 if cuda else 10)
     steps = start + n + 2  # step start + n is reported one step late when the loss is read a step late (CUDA)
+    names = ["plain", "fsdp"] + (["fsdp-dtensor"] if args.before else [])
     profiles: dict[str, Any] = {}
-    for name, fsdp in (("plain", False), ("fsdp", True)):
+    for name in names:
+        fsdp, env = PATHS[name]
         cfg = config(args.preset, work / f"prof-{name}", data, fsdp=fsdp, cuda=cuda, batch=args.batch, steps=steps)
         cfg["log_every"] = steps
         out = work / f"profile-{name}.json"
         _runs.train(cfg, work / f"cfg-prof-{name}", nproc=None, one_rank=fsdp, peak_flops=args.peak_flops,
-                    kernels=work / f"kernels-prof-{name}.json", profile=(out, start, n), async_stats=True)
+                    kernels=work / f"kernels-prof-{name}.json", profile=(out, start, n), async_stats=True,
+                    extra_env=env)
         profiles[name] = json.loads(out.read_text(encoding="utf-8"))
-    cmp = _step_profile.compare(profiles["plain"], profiles["fsdp"])
-    text = _step_profile.format_compare(cmp, ("plain", "fsdp"), cuda=cuda)
     device, date = _runs.device_name(), _runs.now()
-    header = (f"FSDP2 at world size 1 vs the plain path: torch.profiler over {n} steps after {start} "
-              f"(preset {args.preset}, {device}, {date})")
-    print(header + "\n" + text, flush=True)
+    pairs = [("plain", "fsdp")] + ([("fsdp-dtensor", "fsdp")] if args.before else [])
+    comparisons, texts = {}, []
+    for a, b in pairs:
+        comparisons[f"{a}:{b}"] = cmp = _step_profile.compare(profiles[a], profiles[b])
+        texts.append(f"== {b} against {a}: torch.profiler over {n} steps after {start} (preset {args.preset}, "
+                     f"batch {args.batch or PRESETS[args.preset][2]}, {device}, {date})\n"
+                     + _step_profile.format_compare(cmp, (a, b), cuda=cuda))
+    text = "\n".join(texts)
+    print(text, flush=True)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-").lower()
     stem = Path(args.profile_dir) / f"fsdp_ws1_profile-{slug}-{date[:10]}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     doc = {"bench": "fsdp_ws1_profile", "preset": args.preset, "device": device, "date": date, "steps": n,
-           "warmup": start, "batch": args.batch or PRESETS[args.preset][2], "comparison": cmp,
+           "warmup": start, "batch": args.batch or PRESETS[args.preset][2], "comparisons": comparisons,
            "profiles": profiles}
-    stem.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-    stem.with_suffix(".txt").write_text(header + "\n" + text + "\n", encoding="utf-8")
+    for suffix, body in ((".json", json.dumps(doc, indent=1)), (".txt", text)):
+        tmp = stem.with_suffix(suffix + ".tmp")
+        tmp.write_text(body + "\n", encoding="utf-8")
+        tmp.replace(stem.with_suffix(suffix))
     print(f"wrote {stem}.json and .txt", flush=True)
 
 
@@ -114,10 +127,11 @@ def timed_run(args: argparse.Namespace, work: Path, data: Path, name: str, *, fs
     tag = f"{name}-{rep}"
     cfg = config(args.preset, work / tag, data, fsdp=fsdp, cuda=cuda, batch=args.batch, steps=args.steps)
     trace, clock = work / f"kernels-{tag}.json", work / f"clock-{tag}.json"
+    warm = cfg["log_every"] if cfg["steps"] > cfg["log_every"] else 1  # the first log window is the warm-up
     # async_stats: the step CUDA takes (loss and norm read a step late) on CPU too, in both paths; the clock
     # stamps the steps after the first log window (the warm-up)
     m = _runs.train(cfg, work / f"cfg-{tag}", nproc=None, one_rank=fsdp, peak_flops=args.peak_flops,
-                    kernels=trace, async_stats=True, clock=(clock, cfg["log_every"]), extra_env=PATHS[name][1])
+                    kernels=trace, async_stats=True, clock=(clock, warm), extra_env=PATHS[name][1])
     kernels = json.loads(trace.read_text(encoding="utf-8"))
     host = _step_profile.clock_per_step(json.loads(clock.read_text(encoding="utf-8")))
     tokens_per_step = cfg["batch_size"] * cfg["data"]["seq_len"]
@@ -163,6 +177,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the preset's; lower on OOM)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: the preset's)")
     p.add_argument("--out", default=str(_runs.RESULTS / "fsdp_ws1_vs_plain.jsonl"))
+    p.add_argument("--data", default=None, help="prepared shards (default: the bundled Tiny Shakespeare, prepared "
+                                                "in a temporary directory)")
     p.add_argument("--before", action="store_true",
                    help="also run the FSDP path as plyx-dist 1.2 had it (optimizer and clipping on DTensors)")
     p.add_argument("--repeat", type=int, default=1, help="runs per path, alternated; rows carry the medians")
@@ -175,7 +191,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="plyx-fsdp-ws1-") as tmp:
         work = Path(tmp)
-        data = _runs.prepare_data(work)
+        data = Path(args.data) if args.data else _runs.prepare_data(work)
         names = ["plain", "fsdp"] + (["fsdp-dtensor"] if args.before else [])
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for rep in range(args.repeat):  # alternated, so a load change on a shared machine hits every path alike
