@@ -204,3 +204,20 @@ def test_fsdp_one_rank_trainer_local_path_equals_the_dtensor_path(prepared, tmp_
         assert torch.equal(w, w_got[name]), name
     state = next(iter(t_got.optimizer.state.values()))
     assert isinstance(state["exp_avg"], DTensor)
+
+
+def test_a_step_that_raised_leaves_the_next_step_on_the_dtensors_state():
+    """A step that fails inside torch (after the pre-hook swapped in the local views) must not leave the
+    optimizer holding local tensors: the next step puts the DTensors back before swapping again."""
+    from plyx.dist._local import LocalShardStep
+    from torch.distributed.tensor import DTensor
+
+    with one_rank():
+        model = _sharded_model(0)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+        step = LocalShardStep(opt)
+        model(torch.randn(3, 8)).sum().backward()
+        step._pre(opt, (), {})  # what a step does before it raises
+        opt.step()
+        assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
+        assert all(isinstance(s["exp_avg"], DTensor) for s in opt.state.values()) and len(opt.state) == 4

@@ -83,6 +83,8 @@ class LocalShardStep:
             handle.remove()
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._saved is not None:  # the previous step raised before its post-hook: put the DTensors back first
+            self._post(optimizer, args, kwargs)
         self._saved, self._pairs = [], []
         dstate = optimizer.state
         lstate: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
