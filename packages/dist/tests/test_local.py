@@ -221,3 +221,34 @@ def test_a_step_that_raised_leaves_the_next_step_on_the_dtensors_state():
         opt.step()
         assert all(isinstance(p, DTensor) for g in opt.param_groups for p in g["params"])
         assert all(isinstance(s["exp_avg"], DTensor) for s in opt.state.values()) and len(opt.state) == 4
+
+
+def test_reloaded_state_is_the_state_the_next_local_step_uses():
+    """The local views of the state are reused from step to step; a state loaded into the optimizer (a resume:
+    new dicts, new tensors) must replace them. Same sequence on the DTensor path as the reference."""
+    from plyx.dist._local import LocalShardStep
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    with one_rank():
+        runs = []
+        for local in (False, True):
+            model = _sharded_model(0)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+            if local:
+                LocalShardStep(opt)
+            gen = torch.Generator().manual_seed(2)
+
+            def step(model=model, opt=opt, gen=gen):
+                model(torch.randn(4, 8, generator=gen)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            step()
+            saved = {k: v for k, v in get_optimizer_state_dict(model, opt).items()}
+            saved["state"] = {n: {k: v.clone() for k, v in s.items()} for n, s in saved["state"].items()}
+            step()
+            set_optimizer_state_dict(model, opt, saved)  # back to the moments after the first step
+            step()
+            runs.append([p.full_tensor() for p in model.parameters()])
+        for want, got in zip(*runs, strict=True):
+            assert torch.equal(want, got)
