@@ -220,16 +220,19 @@ def format_compare(cmp: dict[str, Any], names: Iterable[str] = ("plain", "fsdp")
     """The comparison as a text table (per step)."""
     na, nb = names
     unit = "kernel" if cuda else "op self-CPU"
-    lines = [f"{unit + ' time per step by kind':<34}{na + ' ms':>10}{nb + ' ms':>10}{'diff':>9}"
-             f"{na + ' n':>10}{nb + ' n':>10}"]
+    w = max(10, len(na) + 3, len(nb) + 3) + 1  # a column fits the longer path name
+    lines = [f"{unit} time per step by kind (a = {na}, b = {nb})",
+             f"  {'':<32}{'a ms':>{w}}{'b ms':>{w}}{'b - a':>9}{'a launches':>{w + 2}}{'b launches':>{w + 2}}"]
     for kind, v in cmp["kinds"].items():
-        lines.append(f"  {kind:<32}{v['a_ms']:>10.2f}{v['b_ms']:>10.2f}{v['b_ms'] - v['a_ms']:>+9.2f}"
-                     f"{v['a_launches']:>10.0f}{v['b_launches']:>10.0f}")
+        lines.append(f"  {kind:<32}{v['a_ms']:>{w}.2f}{v['b_ms']:>{w}.2f}{v['b_ms'] - v['a_ms']:>+9.2f}"
+                     f"{v['a_launches']:>{w + 2}.0f}{v['b_launches']:>{w + 2}.0f}")
     lines.append("host per step (ms)")
     for key, v in cmp["host"].items():
-        lines.append(f"  {key:<32}{v['a']:>10.2f}{v['b']:>10.2f}{v['b'] - v['a']:>+9.2f}")
-    for title, rows in ((f"top {unit}s by difference (ms per step)", cmp["top_kernels"]),
-                        ("top ops by self-CPU difference (ms per step)", cmp["top_ops"])):
+        lines.append(f"  {key:<32}{v['a']:>{w}.2f}{v['b']:>{w}.2f}{v['b'] - v['a']:>+9.2f}")
+    for title, rows in ((f"top {unit}s by difference (ms per step: a, b, b - a; calls per step a/b)",
+                         cmp["top_kernels"]),
+                        ("top ops by self-CPU difference (ms per step: a, b, b - a; calls per step a/b)",
+                         cmp["top_ops"])):
         lines.append(title)
         for r in rows:
             lines.append(f"  {_short(r['name'], 52):<54}{r['a_ms']:>9.3f}{r['b_ms']:>9.3f}{r['diff_ms']:>+9.3f}"
