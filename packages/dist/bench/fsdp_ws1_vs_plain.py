@@ -28,6 +28,13 @@ FFN 8192, vocab 32768, T 1024); ``tiny`` proves the script on CPU (gloo) in seco
 
 Rows go to ``results/fsdp_ws1_vs_plain.jsonl``; the overhead is ``1 - fsdp / plain`` tokens/s.
 
+Each row also carries ``cpu_ms_per_step``, the process's CPU time per step after the first log window:
+on a shared CPU machine it is what other jobs do not inflate (wall time is); on CUDA it includes the
+host's spinning waits for the device, so there the profile's ``op_cpu_ms_per_step`` (host op time
+without synchronisation) is the host figure to read. ``--repeat N`` alternates N runs per path and
+keeps medians; ``--before`` adds ``fsdp-dtensor``, the FSDP path of plyx-dist 1.2 (optimizer step and
+clipping on DTensors, ``PLYX_DIST_LOCAL_WS1=0``).
+
 ``--profile``: after the timed runs, one more short run of each path under ``torch.profiler``
 (``_step_profile.py``: ``--profile-steps`` steps after ``--profile-warmup`` steps), printed side by
 side: kernel time and launches per step by kind (GEMM, attention, elementwise/copy, norm, loss,
