@@ -1,7 +1,13 @@
 """Run ``plyx train`` in this process and record which kernel implementation served each kernel name.
 
-``python _kernel_trace.py OUT.json train CONFIG [plyx train options]``: the arguments after OUT are
-``plyx``'s. Every ``registry().get`` call of the run (plyx-model's rmsnorm, swiglu, rope,
+``python _kernel_trace.py OUT.json [--async-stats] [--clock CLOCK.json START] [--profile PROFILE.json START STEPS]
+train CONFIG [...]``:
+the arguments after OUT (and this script's own options) are ``plyx``'s. ``--profile`` runs ``torch.profiler``
+over the ``STEPS`` steps reported after step ``START`` and ``--clock`` stamps host times from step ``START``
+on (``_step_profile.py``); ``--async-stats`` gives the
+Trainer ``TrainOptions(async_stats=True)`` (the CUDA step, loss and gradient norm read a step late and
+the norm clipped on the device, which a CPU run otherwise replaces with its synchronising step), so a CPU
+run takes the code path a GPU run takes. Every ``registry().get`` call of the run (plyx-model's rmsnorm, swiglu, rope,
 attention, linear_cross_entropy...) is recorded with the implementation it returned, the dtype and
 device of its first tensor and the Python types of its tensors, so the benchmark can show whether
 the Triton kernels served both paths and whether DTensors reached them (a DTensor argument would
@@ -59,6 +65,28 @@ def trace(out: Path) -> None:
 def main() -> int:
     out, argv = Path(sys.argv[1]), sys.argv[2:]
     trace(out)
+    if argv[:1] == ["--async-stats"]:
+        import attrs
+        from plyx.train import _trainer
+
+        init = _trainer.Trainer.__init__
+
+        def with_async_stats(self: Any, config: Any, **kw: Any) -> None:
+            kw["options"] = attrs.evolve(kw.get("options") or _trainer.TrainOptions(), async_stats=True)
+            init(self, config, **kw)
+
+        _trainer.Trainer.__init__ = with_async_stats  # type: ignore[method-assign]
+        argv = argv[1:]
+    if argv[:1] == ["--clock"]:
+        import _step_profile
+
+        _step_profile.install_clock(Path(argv[1]), int(argv[2]))
+        argv = argv[3:]
+    if argv[:1] == ["--profile"]:
+        import _step_profile
+
+        _step_profile.install(Path(argv[1]), int(argv[2]), int(argv[3]))
+        argv = argv[4:]
     from plyx.specs.cli import main as plyx
 
     return int(plyx(argv) or 0)

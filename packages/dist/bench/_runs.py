@@ -43,7 +43,9 @@ def free_port() -> int:
 
 
 def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: float | None,
-          timeout: float = 3600, one_rank: bool = False, kernels: Path | None = None) -> dict[str, float]:
+          timeout: float = 3600, one_rank: bool = False, kernels: Path | None = None,
+          profile: tuple[Path, int, int] | None = None, async_stats: bool = False,
+          clock: tuple[Path, int] | None = None, extra_env: dict[str, str] | None = None) -> dict[str, float]:
     """Run ``plyx train`` on ``config`` and return its last logged metrics row.
 
     Args:
@@ -51,12 +53,23 @@ def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: 
         one_rank: a distributed run of world size 1 in the command's own process (torchrun's variables set
             in its environment): the strategy's code path without a launcher process.
         kernels: record the kernel implementations the run used into this JSON file (``_kernel_trace.py``).
+        profile: ``(out, start, steps)``: ``torch.profiler`` over the ``steps`` steps after step ``start``,
+            summarised into ``out`` (``_step_profile.py``; needs ``kernels``).
+        async_stats: the Trainer's CUDA step on any device (``TrainOptions.async_stats``; needs ``kernels``).
+        clock: ``(out, start)``: host wall and CPU time stamped at each step from ``start`` (needs ``kernels``).
+        extra_env: more environment variables for the run.
     """
     work.mkdir(parents=True, exist_ok=True)
     path = work / "config.json"
     path.write_text(json.dumps(config), encoding="utf-8")
     if kernels is not None:
         cmd = [sys.executable, str(Path(__file__).with_name("_kernel_trace.py")), str(kernels)]
+        if async_stats:
+            cmd += ["--async-stats"]
+        if clock is not None:
+            cmd += ["--clock", str(clock[0]), str(clock[1])]
+        if profile is not None:
+            cmd += ["--profile", str(profile[0]), str(profile[1]), str(profile[2])]
     else:
         cmd = [sys.executable, "-m", "plyx.specs"]
     cmd += ["train", str(path), "--no-progress", "--no-tensorboard", "--overwrite"]
@@ -70,6 +83,7 @@ def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: 
     if one_rank:
         env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(free_port()))
+    env.update(extra_env or {})
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -31,6 +32,12 @@ from plyx.dist._plan import Plan, plan
 __all__ = ["DistStrategy", "RankFailure"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _local_at_one_rank() -> bool:
+    """Whether a one-rank run steps and clips on local tensors (default); ``PLYX_DIST_LOCAL_WS1=0`` keeps the
+    DTensor path, for benchmarks that measure the difference (``bench/fsdp_ws1_vs_plain.py --before``)."""
+    return os.environ.get("PLYX_DIST_LOCAL_WS1", "1") != "0"
 
 
 class RankFailure(RuntimeError):
@@ -97,6 +104,7 @@ class DistStrategy:
         # FSDP / HSDP / FSDP + TP: no hook sees their collectives' completion, a profiled step does
         self._sampler = CommSampler(cuda=self.plan.backend == "nccl") if self.sharded and self.world_size > 1 else None
         self._step_open = False  # inside a step (between its first micro-batch and the end of its last)
+        self._local_step: Any = None  # the optimizer's one-rank step on local tensors (prepare_optimizer)
 
     # -- model -------------------------------------------------------------------------
     def build_model(self, build: Callable[[str], nn.Module], seed: int) -> nn.Module:
@@ -196,6 +204,8 @@ class DistStrategy:
         """
         from torch.distributed.tensor import DTensor
 
+        if self.world_size == 1 and _local_at_one_rank():  # every gradient whole on the rank: no DTensor dispatch
+            return float(self.clip_grad_norm_on_device(parameters, max_norm))
         groups: dict[Any, list[torch.Tensor]] = {}
         for p in parameters:
             if p.grad is not None:
@@ -215,6 +225,36 @@ class DistStrategy:
                 torch._foreach_mul_(grads, coef)
         return total
 
+    def clip_grad_norm_on_device(self, parameters: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """The Trainer's one-rank step (no host sync): the norm as a 0-dim tensor, gradients clipped in place.
+
+        At world size 1 every mesh has one rank and each DTensor gradient's local tensor is the whole
+        gradient: the norm and the scaling run on those (``plyx.dist._local``), the arithmetic of
+        ``clip_grad_norm_`` without DTensor's dispatch per foreach call nor the norm's ``full_tensor``.
+        On several ranks it is ``clip_grad_norm`` (which reads the norm on the host).
+        """
+        if self.world_size > 1:
+            return torch.tensor(self.clip_grad_norm(parameters, max_norm))
+        if not _local_at_one_rank():  # the DTensor path (plyx-train's own on-device clip)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+            return norm
+        from plyx.dist._local import clip_local_, whole_local
+
+        return clip_local_([whole_local(p.grad) for p in parameters if p.grad is not None], max_norm)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called by the Trainer once its optimizer exists: at world size 1 (FSDP2, HSDP or FSDP + TP on one
+        rank) the optimizer steps on its parameters' local tensors, which are the whole tensors there
+        (``plyx.dist._local.LocalShardStep``); the state stays DTensors for checkpoints. On several ranks the
+        local tensors are shards and the optimizer keeps DTensor's path, which a non-elementwise optimizer
+        (Adafactor's row and column statistics) needs."""
+        if self.sharded and self.world_size == 1 and _local_at_one_rank():
+            from plyx.dist._local import LocalShardStep
+
+            self._local_step = LocalShardStep(optimizer)
+
     # -- metrics -----------------------------------------------------------------------
     def _collective(self, fn: Callable[[], Any], what: str) -> Any:
         try:
@@ -227,18 +267,24 @@ class DistStrategy:
             ) from None
 
     def reduce_mean(self, values: Sequence[float]) -> list[float]:
+        if self.world_size == 1:
+            return [float(v) for v in values]  # the mean over one rank: no collective, no device round trip
         t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
         self._collective(lambda: dist.all_reduce(t), "all-reduce of the step metrics")
         # ranks of one TP group hold the same values: the mean over the world is the mean over dp
         return (t / self.world_size).tolist()
 
     def gather(self, value: float) -> list[float]:
+        if self.world_size == 1:
+            return [float(value)]
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         self._collective(lambda: dist.all_gather(out, t), "all-gather of the rank metrics")
         return [float(o) for o in out]
 
     def barrier(self) -> None:
+        if self.world_size == 1:
+            return
         self._collective(lambda: dist.barrier(), "barrier")
 
     # -- checkpoints -------------------------------------------------------------------

@@ -325,6 +325,9 @@ class Trainer:
         own_ckpt = config.activation_checkpointing and dist is None  # a strategy checkpoints before sharding
         self.ckpt_layers = _checkpoint_layers(self.module) if own_ckpt else 0
         self.optimizer = build_optimizer(self.module, config.optimizer)
+        prepare = getattr(self.strategy, "prepare_optimizer", None)  # optional: a strategy may hook the step
+        if prepare is not None:
+            prepare(self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, config.schedule, config.steps)
         self.step = 0
         self.run_id = uuid.uuid4().hex
@@ -500,6 +503,8 @@ class Trainer:
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=c.precision == "bf16-autocast")
         params = [p for p in self.module.parameters() if p.requires_grad]
         clip = c.optimizer.grad_clip if c.optimizer.grad_clip > 0 else math.inf
+        # optional: a strategy's own no-sync clip (plyx-dist at world size 1 clips the DTensors' local tensors)
+        clip_on_device = getattr(st, "clip_grad_norm_on_device", None) or _clip_on_device
         hook = get_plugin_manager().hook
         start_step = self.step
         window_t, window_steps = time.perf_counter(), 0
@@ -574,7 +579,7 @@ class Trainer:
                         step_losses = torch.stack(micro)
                         loss_mean = step_losses.mean()
                         if stats.lookahead:  # the device skips a non-finite update; the host learns of it a step later
-                            grad_norm_t = _clip_on_device(params, clip)
+                            grad_norm_t = clip_on_device(params, clip)
                             skip_update(self.optimizer, loss_mean, grad_norm_t)
                         else:
                             loss_value = float(loss_mean)  # a CPU-GPU sync point, once per step
