@@ -58,6 +58,9 @@ MODELS = {
                   intermediate_size=688, vocab_size=1024),
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=8192, vocab_size=32768),
+    # the 1.1B's depth at a tiny width: host overhead per layer dominates (profile_serving's mixed-step profile)
+    "deep": dict(hidden_size=64, num_hidden_layers=22, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=176, vocab_size=1024),
     # TinyLlama 1.1B's shape: the model of the GPU figures in issue 27 and of bench_generate's "1.1b"
     "1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                  intermediate_size=5632, vocab_size=32000),
