@@ -187,9 +187,8 @@ def main(argv: list[str] | None = None) -> int:
               "```"]
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
     stem = args.out or f"profile-serving-{device.type}-{args.model}-{dt.date.today().isoformat()}"
-    path = Path(stem) if "/" in stem else RESULTS / f"{stem}.txt"  # --out DIR/NAME.txt writes there
+    path = RESULTS / (stem if stem.endswith(".txt") else f"{stem}.txt")  # an absolute --out writes there
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text + "\n")
     print(f"wrote {path}")
