@@ -196,9 +196,9 @@ class Engine:
             want = c.cuda_graphs and self.device.type == "cuda"
         if not want or not self.packed:
             return None
-        from plyx.serve.engine._mixed_graphs import MixedGraphs
+        from plyx.serve.engine._mixed_graphs import MAX_GRAPH_TOKENS, MixedGraphs
 
-        graphs = MixedGraphs(self.model, self.cache, max_tokens=c.max_batch_tokens,
+        graphs = MixedGraphs(self.model, self.cache, max_tokens=min(c.max_batch_tokens, MAX_GRAPH_TOKENS),
                              max_rows=c.max_batch_size, capture=self.device.type == "cuda",
                              return_hidden=self._lm_head)
         if self.device.type == "cuda":

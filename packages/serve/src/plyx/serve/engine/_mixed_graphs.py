@@ -35,10 +35,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["MixedGraphs", "mixed_buckets"]
+__all__ = ["MAX_GRAPH_TOKENS", "MixedGraphs", "mixed_buckets"]
 
 #: the scratch sequence id ``warm_up`` runs on (engine ids count up from 0)
 _SCRATCH_ID = -(1 << 40)
+
+#: the largest bucket the engine builds: per-token attention re-reads a chunk's prefix once per token (from L2:
+#: one sequence's keys of a layer are a few hundred KB), which grows with the square of the chunk; steps of more
+#: tokens run the eager packed step, whose chunk attention tiles the queries
+MAX_GRAPH_TOKENS = 1024
 
 
 def mixed_buckets(max_tokens: int) -> list[int]:
