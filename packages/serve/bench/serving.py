@@ -298,7 +298,7 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
     engine = Engine(model, tokenizer=tokenizer, config=EngineConfig(
         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, max_model_len=max_len, prefix_caching=prefix_caching, max_queue=100_000,
-        packed_step=packed, cuda_graphs=not args.no_graphs,
+        packed_step=packed, cuda_graphs=not args.no_graphs, mixed_graphs=False if args.no_mixed_graphs else None,
         mixed_chunk=(16 if args.device.startswith("cuda") else 0) if args.mixed_chunk < 0 else args.mixed_chunk))
     app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000,
                                                      switch_interval=args.switch_interval))
@@ -486,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the engine with one forward per group of rows (EngineConfig.packed_step=False, "
                         "the step before packing), prefix caching on: before/after in one run")
     p.add_argument("--no-graphs", action="store_true", help="EngineConfig.cuda_graphs=False (eager decode steps)")
+    p.add_argument("--no-mixed-graphs", action="store_true",
+                   help="EngineConfig.mixed_graphs=False (steps with a prefill chunk run the eager packed step)")
     p.add_argument("--skip-prefix-off", action="store_true", help="skip the run with prefix caching off")
     p.add_argument("--vs-generate", action="store_true",
                    help="also time plyx generate on the same requests, --max-concurrency at a time, and report "

@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["MAX_GRAPH_TOKENS", "MixedGraphs", "mixed_buckets"]
@@ -164,11 +165,17 @@ class MixedGraphs:
             end = cache.length(sid)
             used = -(-end // bs)
             tables[i, :used] = blocks[:used]
-            for p in range(end - n, end):
+            if n == 1:  # a decode row: plain ints beat numpy's per-call cost
+                p = end - 1
                 pos[t] = p
                 slots[t] = blocks[p // bs] * bs + p % bs
-                t += 1
-            rows[t - n:t] = i
+                rows[t] = i
+            else:  # a chunk: its positions and slots as array arithmetic
+                p = np.arange(end - n, end)
+                pos[t:t + n] = p
+                slots[t:t + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
+                rows[t:t + n] = i
+            t += n
         if bucket > N:  # padding tokens repeat token 0: the same writes into the same slot
             for part in (self._ids, pos, slots, rows):
                 part[N:bucket] = part[0]
