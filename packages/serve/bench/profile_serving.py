@@ -183,6 +183,20 @@ def main(argv: list[str] | None = None) -> int:
     buf = io.StringIO()
     pstats.Stats(prof_host, stream=buf).sort_stats("tottime").print_stats(args.top)
     lines += ["## cProfile: host side of 5 decode-only steps (by own time)", "", "```", buf.getvalue().strip(), "```", ""]
+    # where a mixed step's host time goes, by phase (cumulative, under cProfile: its overhead inflates Python):
+    # with graphs, everything but the model forward is what remains on the host
+    phases = {"_schedule": "schedule", "prepare": "MixedGraphs.prepare (metadata + copy)",
+              "begin_packed_step": "begin_packed_step (metadata + copy)", "forward": "model forward (TransformerLM)",
+              "_run": "MixedGraphs._run (forward or replay)", "sample_rows": "sampling", "_accept": "accept tokens",
+              "step": "Engine.step (all of it)"}
+    table = []
+    for (file, _, fn), st in pstats.Stats(prof_mixed).stats.items():  # type: ignore[attr-defined]
+        if fn in phases and (fn != "forward" or file.endswith("_model.py") and st[0] == len(mixed)):
+            if (fn == "prepare" and not file.endswith("_mixed_graphs.py")) or (fn == "step" and not file.endswith("_engine.py")):
+                continue
+            table.append(f"  {phases[fn]:<44} {st[3] * 1e3 / len(mixed):8.2f} ms/step  ({st[0] // len(mixed)} calls)")
+    lines += [f"## host phases of a mixed step (cumulative ms per step under cProfile, {len(mixed)} steps)", "", "```",
+              *sorted(table), "```", ""]
     buf = io.StringIO()
     pstats.Stats(prof_mixed, stream=buf).sort_stats("tottime").print_stats(args.top)
     lines += [f"## cProfile: host side of {len(mixed)} mixed steps (by own time)", "", "```", buf.getvalue().strip(),
