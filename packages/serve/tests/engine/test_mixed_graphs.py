@@ -61,6 +61,23 @@ def test_engine_with_mixed_graph_path_matches_unpadded_packed_steps(lm):
     assert bucketed.mixed_graphs.steps == bucketed.stats.steps  # every step took the bucketed path
 
 
+def test_token_budget_is_capped_at_the_largest_bucket_so_every_step_replays(lm, monkeypatch):
+    """A budget above the largest bucket (``MAX_GRAPH_TOKENS``) would send big steps to the eager path (and a
+    GPU to compiling mid-serving): the scheduler caps each step at the largest bucket instead."""
+    import plyx.serve.engine._mixed_graphs as mg
+
+    monkeypatch.setattr(mg, "MAX_GRAPH_TOKENS", 32)
+    prompts = prompts_of(6, seed=9, lo=30, hi=60)
+    sp = SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True)
+    kw = dict(max_batch_size=6, max_batch_tokens=128, block_size=4, num_blocks=200, cuda_graphs=False)
+    capped = Engine(lm, config=EngineConfig(mixed_graphs=True, **kw))
+    assert capped.mixed_graphs.max_tokens == 32
+    toks_c, _ = _run_arrivals(capped, prompts, sp)
+    toks_p, _ = _run_arrivals(Engine(lm, config=EngineConfig(mixed_graphs=False, **kw)), prompts, sp)
+    assert toks_c == toks_p
+    assert capped.mixed_graphs.steps == capped.stats.steps  # no step fell back to the eager packed forward
+
+
 def _two_engines(model, **kw):
     return [Engine(model, config=EngineConfig(mixed_graphs=m, **kw)) for m in (False, True)]
 

@@ -657,6 +657,8 @@ class Engine:
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         budget = self.config.max_batch_tokens
+        if self.mixed_graphs is not None:  # every step fits a captured bucket: no eager step, no compile mid-serving
+            budget = min(budget, self.mixed_graphs.max_tokens)
         planned: dict[Sequence, tuple[int, int]] = {}  # seq -> (tokens, blocks)
         self._drafts = {}
         preempted = False
