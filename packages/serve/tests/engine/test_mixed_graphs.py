@@ -78,6 +78,23 @@ def test_token_budget_is_capped_at_the_largest_bucket_so_every_step_replays(lm, 
     assert capped.mixed_graphs.steps == capped.stats.steps  # no step fell back to the eager packed forward
 
 
+def test_speculative_rows_and_preemption_through_the_bucketed_step(lm):
+    """Prompt-lookup drafts ride in the bucketed step as extra tokens (verified from every fed position's
+    output), and a pool small enough to preempt: tokens equal to the unpadded packed engine's."""
+    rng = random.Random(4)
+    motif = [rng.randrange(256) for _ in range(6)]
+    prompts = [motif * 4 + [rng.randrange(256) for _ in range(rng.randrange(1, 8))] for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    kw = dict(max_batch_size=6, max_batch_tokens=48, block_size=4, num_blocks=24, max_model_len=64,
+              prefix_caching=False, cuda_graphs=False, speculative_ngram=3)
+    runs = {}
+    for mixed in (False, True):
+        engine = Engine(lm, config=EngineConfig(mixed_graphs=mixed, **kw))
+        runs[mixed] = (_run_arrivals(engine, prompts, sp)[0], engine.stats)
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1].spec_drafted > 0 and runs[True][1].preemptions > 0
+
+
 def _two_engines(model, **kw):
     return [Engine(model, config=EngineConfig(mixed_graphs=m, **kw)) for m in (False, True)]
 

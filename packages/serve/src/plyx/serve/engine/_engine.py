@@ -13,7 +13,8 @@ Every ``step()``:
 2. **execute**: one packed forward over every scheduled token (``plyx.attn.begin_packed_step``:
    prefill chunks and decode rows flattened into one ``[1, N]`` batch, attention through the
    paged kernel per group of equal counts); decode-only steps replay a CUDA graph of their
-   batch bucket where one is captured. Without a block-addressable cache (or with resident
+   batch bucket where one is captured, and steps with prefill chunks a graph of their token-count
+   bucket (``MixedGraphs``, captured when the engine starts). Without a block-addressable cache (or with resident
    adapters) one forward per group of equal new-token counts, so no row is padded.
 3. **sample** the rows that reached the end of their tokens, each with its own
    processors and seeded generator; completions ``n > 1`` fork completion 0's
