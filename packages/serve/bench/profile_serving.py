@@ -8,10 +8,17 @@ steady state, then measures:
    packed with every decode row), and the share of one step spent on the host before the device waits;
 2. ``torch.profiler`` tables of one decode-only and one mixed step (top ops by self device time on CUDA,
    by self CPU time on CPU);
-3. ``cProfile`` of the host side of decode-only steps (the Python functions the engine runs per step).
+3. ``cProfile`` of the host side of decode-only steps and of ``--mixed-steps`` mixed steps (the Python
+   functions the engine runs per step; kernel-registry lookups per mixed step counted).
+
+Mixed steps replay a CUDA graph per token-count bucket (``MixedGraphs``) where the engine captured them
+(CUDA, ``--mixed-graphs auto``); ``--mixed-graphs off`` measures the eager packed step, ``on`` on CPU runs
+the bucketed static step without capture. ``--model deep`` (the 1.1B's 22 layers at width 64) makes the
+per-layer host work dominate on CPU.
 
     python packages/serve/bench/profile_serving.py                                   # CPU, tiny
-    python packages/serve/bench/profile_serving.py --device cuda --model 1.1b --batch 32
+    python packages/serve/bench/profile_serving.py --model deep --batch 32 --input-len 32      # CPU, host-bound
+    python packages/serve/bench/profile_serving.py --device cuda --model 1.1b --batch 32 --input-len 32
 
 Printed, and written to ``bench/results/profile-serving-<device>-<model>-<date>.txt``.
 """
@@ -66,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="decode-only steps timed")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--mixed-steps", type=int, default=10, help="mixed steps timed (median reported)")
+    p.add_argument("--mixed-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="mixed steps through MixedGraphs: auto = on CUDA with graphs")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -82,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         return prefix + [rng.randrange(8, vocab) for _ in range(args.input_len)]
 
     max_len = args.prefix_len + args.input_len + args.steps * 4 + 64
+    mixed_graphs = {"auto": None, "on": True, "off": False}[args.mixed_graphs]
     engine = Engine(model, config=EngineConfig(max_batch_size=args.batch + 1, max_batch_tokens=args.max_batch_tokens,
-                                               max_model_len=max_len, cuda_graphs=not args.no_graphs))
+                                               max_model_len=max_len, cuda_graphs=not args.no_graphs,
+                                               mixed_graphs=mixed_graphs))
     params = SamplingParams(temperature=0, max_new_tokens=max_len - args.prefix_len - args.input_len - 1,
                             ignore_eos=True)
     for i in range(args.batch):
@@ -102,20 +114,34 @@ def main(argv: list[str] | None = None) -> int:
         return (time.perf_counter() - start) / n
 
     decode_s = timed_decode(args.steps)
-    mixed = []
-    for j in range(3):  # a new request's prompt packed with every decode row
+    mixed, mixed_cpu = [], []
+    for j in range(max(1, args.mixed_steps)):  # a new request's prompt packed with every decode row
         engine.add_request(f"m{j}", prompt(), SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True))
         _sync(device)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         engine.step()
         _sync(device)
         mixed.append(time.perf_counter() - start)
+        mixed_cpu.append(time.process_time() - cpu)  # this process's CPU time: other jobs' turns do not count
+    prof_mixed = cProfile.Profile()  # the same steps again under cProfile (it slows Python down: not timed)
+    for j in range(len(mixed)):
+        engine.add_request(f"c{j}", prompt(), SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True))
+        prof_mixed.enable()
+        engine.step()
+        _sync(device)
+        prof_mixed.disable()
+    mixed_ms = sorted(mixed)[len(mixed) // 2] * 1e3
+    lookups = sum(st[1] for fn, st in pstats.Stats(prof_mixed).stats.items()  # type: ignore[attr-defined]
+                  if fn[2] == "get" and fn[0].endswith("_registry.py")) / len(mixed)
     # host share: the time step() takes to return with the device not synchronised by us (look-ahead queued)
     start = time.perf_counter()
     engine.step()
     host_s = time.perf_counter() - start
     _sync(device)
 
+    mg = engine.mixed_graphs
+    mixed_path = ("the eager packed step" if mg is None else
+                  "MixedGraphs (captured)" if mg.capture else "MixedGraphs (static step, eager)")
     lines = [
         f"# one serving step — {torch.cuda.get_device_name() if device.type == 'cuda' else platform.processor() or 'cpu'}"
         f", {dt.datetime.now(dt.timezone.utc).isoformat(timespec='seconds')}",
@@ -126,7 +152,12 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"decode-only step: {decode_s * 1e3:.2f} ms ({args.batch / decode_s:.0f} tok/s)",
         f"mixed step (one prompt of {args.prefix_len + args.input_len} tokens + {args.batch} decodes): "
-        f"{min(mixed) * 1e3:.2f} ms (best of 3)",
+        f"{mixed_ms:.2f} ms (median of {len(mixed)}, best {min(mixed) * 1e3:.2f}) through "
+        f"{mixed_path}"
+        f", {lookups:.0f} kernel-registry lookups per mixed step; process CPU time per mixed step "
+        f"{sorted(mixed_cpu)[len(mixed_cpu) // 2] * 1e3:.2f} ms (median)",
+        f"mixed-step graphs: buckets {mg.buckets}, warm-up {mg.warmup_s:.2f} s, replays {mg.replays}" if mg else
+        "mixed-step graphs: off",
         f"host time of one decode step, until step() returns: {host_s * 1e3:.2f} ms",
         "",
     ]
@@ -151,12 +182,32 @@ def main(argv: list[str] | None = None) -> int:
     prof_host.disable()
     buf = io.StringIO()
     pstats.Stats(prof_host, stream=buf).sort_stats("tottime").print_stats(args.top)
-    lines += ["## cProfile: host side of 5 decode-only steps (by own time)", "", "```", buf.getvalue().strip(), "```"]
+    lines += ["## cProfile: host side of 5 decode-only steps (by own time)", "", "```", buf.getvalue().strip(), "```", ""]
+    # where a mixed step's host time goes, by phase (cumulative, under cProfile: its overhead inflates Python):
+    # with graphs, everything but the model forward is what remains on the host
+    phases = {"_schedule": "schedule", "prepare": "MixedGraphs.prepare (metadata + copy)",
+              "begin_packed_step": "begin_packed_step (metadata + copy)", "forward": "model forward (TransformerLM)",
+              "_run": "MixedGraphs._run (forward or replay)", "sample_rows": "sampling", "_accept": "accept tokens",
+              "step": "Engine.step (all of it)"}
+    table = []
+    for (file, _, fn), st in pstats.Stats(prof_mixed).stats.items():  # type: ignore[attr-defined]
+        if fn in phases and (fn != "forward" or file.endswith("_model.py") and st[0] == len(mixed)):
+            if (fn == "prepare" and not file.endswith("_mixed_graphs.py")) or (fn == "step" and not file.endswith("_engine.py")):
+                continue
+            table.append(f"  {phases[fn]:<44} {st[3] * 1e3 / len(mixed):8.2f} ms/step  ({st[0] // len(mixed)} calls)")
+    lines += [f"## host phases of a mixed step (cumulative ms per step under cProfile, {len(mixed)} steps)", "", "```",
+              *sorted(table), "```", ""]
+    buf = io.StringIO()
+    pstats.Stats(prof_mixed, stream=buf).sort_stats("tottime").print_stats(args.top)
+    lines += [f"## cProfile: host side of {len(mixed)} mixed steps (by own time)", "", "```", buf.getvalue().strip(),
+              "```"]
     text = "\n".join(lines)
     print(text)
-    RESULTS.mkdir(exist_ok=True)
     stem = args.out or f"profile-serving-{device.type}-{args.model}-{dt.date.today().isoformat()}"
-    (RESULTS / f"{stem}.txt").write_text(text + "\n")
+    path = RESULTS / (stem if stem.endswith(".txt") else f"{stem}.txt")  # an absolute --out writes there
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    print(f"wrote {path}")
     return 0
 
 

@@ -58,6 +58,9 @@ MODELS = {
                   intermediate_size=688, vocab_size=1024),
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=8192, vocab_size=32768),
+    # the 1.1B's depth at a tiny width: host overhead per layer dominates (profile_serving's mixed-step profile)
+    "deep": dict(hidden_size=64, num_hidden_layers=22, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=176, vocab_size=1024),
     # TinyLlama 1.1B's shape: the model of the GPU figures in issue 27 and of bench_generate's "1.1b"
     "1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                  intermediate_size=5632, vocab_size=32000),
@@ -221,8 +224,73 @@ def run_client(url: str, reqs: list[Request], max_concurrency: int, on_warm: Any
     return [Timing(**t) for t in raw], duration
 
 
+class StepTrace:
+    """Per engine step: wall ms, decode rows, prefill tokens and how it ran (``--step-trace``).
+
+    Wraps ``engine.step`` on the instance (the engine thread calls it), reading the engine's counters
+    around each call: prefill tokens are the step's computed prompt tokens; decode rows are the step's
+    other fed tokens (one each without speculation) plus rows sampled from a look-ahead forward. A step
+    is ``mixed-graph`` / ``decode-graph`` when a mixed-step / decode graph was replayed, else ``eager``.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.rows: list[dict[str, Any]] = []
+        self._step = engine.step
+        self._t0 = time.perf_counter()
+        engine.step = self._traced
+
+    def reset(self) -> None:
+        self.rows.clear()
+        self._t0 = time.perf_counter()
+
+    def _replays(self) -> tuple[int, int]:
+        e = self.engine
+        mixed, decode = getattr(e, "mixed_graphs", None), e.graphs
+        return (mixed.replays if mixed is not None else 0), (decode.replays if decode is not None else 0)
+
+    def _traced(self) -> Any:
+        st = self.engine.stats
+        steps, prompt, ahead = st.steps, st.prompt_tokens, st.looked_ahead
+        mixed, decode = self._replays()
+        t = time.perf_counter()
+        out = self._step()
+        wall = time.perf_counter() - t
+        if st.steps == steps:
+            return out  # nothing was scheduled
+        prefill = st.prompt_tokens - prompt
+        m, d = self._replays()
+        kind = "mixed-graph" if m > mixed else "decode-graph" if d > decode else "eager"
+        self.rows.append({"t_s": round(t - self._t0, 6), "wall_ms": round(wall * 1e3, 3),
+                          "decode_rows": st.last_batch_tokens - prefill + (st.looked_ahead - ahead),
+                          "prefill_tokens": prefill, "batch_seqs": st.last_batch_seqs, "path": kind})
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Mean wall ms of mixed steps (a prefill chunk on board) and of decode-only steps; step counts by path."""
+        mixed = [r["wall_ms"] for r in self.rows if r["prefill_tokens"]]
+        decode = [r["wall_ms"] for r in self.rows if not r["prefill_tokens"]]
+        paths: dict[str, int] = {}
+        for r in self.rows:
+            paths[r["path"]] = paths.get(r["path"], 0) + 1
+        return {"steps": len(self.rows), "mixed_steps": len(mixed), "decode_steps": len(decode),
+                "mixed_step_ms": statistics.fmean(mixed) if mixed else 0.0,
+                "decode_step_ms": statistics.fmean(decode) if decode else 0.0,
+                "mixed_ms_total": sum(mixed), "decode_ms_total": sum(decode), "paths": paths}
+
+    def write(self, path: str | Path) -> Path:
+        """The trace as JSON lines (one step each), then the summary as the last line; written atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        lines = [json.dumps(r) for r in self.rows] + [json.dumps({"summary": self.summary()})]
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(path)
+        return path
+
+
 def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.Namespace, prefix_caching: bool,
-               packed: bool = True) -> dict[str, Any]:
+               packed: bool = True, trace: str = "") -> dict[str, Any]:
     from plyx.serve.engine import Engine, EngineConfig
     from plyx.serve.server import ServerSettings, create_app, serve_in_thread
 
@@ -230,13 +298,16 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
     engine = Engine(model, tokenizer=tokenizer, config=EngineConfig(
         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, max_model_len=max_len, prefix_caching=prefix_caching, max_queue=100_000,
-        packed_step=packed, cuda_graphs=not args.no_graphs,
+        packed_step=packed, cuda_graphs=not args.no_graphs, mixed_graphs=False if args.no_mixed_graphs else None,
         mixed_chunk=(16 if args.device.startswith("cuda") else 0) if args.mixed_chunk < 0 else args.mixed_chunk))
     app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000,
                                                      switch_interval=args.switch_interval))
     marks: dict[str, int] = {}
+    tracer = StepTrace(engine) if trace else None
 
     def on_warm() -> None:  # between warm-up and measured run; the engine thread is idle by then
+        if tracer is not None:
+            tracer.reset()
         if engine.prefix is not None:
             engine.prefix.clear()  # the measured run starts with an empty prefix cache
             marks["hits"], marks["queried"] = engine.prefix.hit_tokens, engine.prefix.queried_tokens
@@ -255,6 +326,17 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
              "engine_step_ms": (aengine.step_seconds - marks["step_s"]) * 1e3 / max(1, engine.stats.steps - marks["steps"]),
              "prefix_hit_rate": (p.hit_tokens - marks["hits"]) / max(1, p.queried_tokens - marks["queried"])
              if p is not None else 0.0}
+    mg = getattr(engine, "mixed_graphs", None)
+    extra["mixed_graphs"] = mg is not None and mg.capture
+    if mg is not None:
+        extra["mixed_graph_warmup_s"] = mg.warmup_s
+    if tracer is not None:
+        extra["step_trace"] = tracer.summary()
+        print(f"step trace: {tracer.write(trace)}")
+        t = extra["step_trace"]
+        print(f"engine steps {t['steps']}: mixed-step mean {t['mixed_step_ms']:.2f} ms ({t['mixed_steps']} steps, "
+              f"{t['mixed_ms_total']:.0f} ms), decode-only-step mean {t['decode_step_ms']:.2f} ms ({t['decode_steps']} "
+              f"steps, {t['decode_ms_total']:.0f} ms), by path {t['paths']}")
     step = "" if packed else ", one forward per group"
     return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'}{step})", reqs, timings,
                      duration, extra)
@@ -404,11 +486,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the engine with one forward per group of rows (EngineConfig.packed_step=False, "
                         "the step before packing), prefix caching on: before/after in one run")
     p.add_argument("--no-graphs", action="store_true", help="EngineConfig.cuda_graphs=False (eager decode steps)")
+    p.add_argument("--no-mixed-graphs", action="store_true",
+                   help="EngineConfig.mixed_graphs=False (steps with a prefill chunk run the eager packed step)")
     p.add_argument("--skip-prefix-off", action="store_true", help="skip the run with prefix caching off")
     p.add_argument("--vs-generate", action="store_true",
                    help="also time plyx generate on the same requests, --max-concurrency at a time, and report "
                         "serving output tok/s over generate's (serving_vs_generate)")
-    p.add_argument("--out", default="", help="result file stem (default: results/serving-<device>-<model>-<date>)")
+    p.add_argument("--out", default="", help="result file stem (default: results/serving-<device>-<model>-<date>); "
+                   "a path with a directory writes there")
+    p.add_argument("--step-trace", default="", metavar="FILE",
+                   help="JSON lines of every engine step of the first measured run (wall ms, decode rows, prefill "
+                        "tokens, graph or eager) and a summary line (mixed-step and decode-only-step means)")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     if args.threads:
@@ -419,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     # an untimed pass first: one-time costs (imports, lazy module loads, kernel compiles for every shape
     # class, allocator growth) would otherwise land on whichever configuration runs first
     bench_plyx(model, tok, reqs[: min(len(reqs), 32)], args, True)
-    runs = [bench_plyx(model, tok, reqs, args, True)]
+    runs = [bench_plyx(model, tok, reqs, args, True, trace=args.step_trace)]
     if not args.skip_prefix_off:
         runs.append(bench_plyx(model, tok, reqs, args, False))
     if args.compare_grouped:
@@ -435,10 +523,11 @@ def main(argv: list[str] | None = None) -> int:
               "torch_threads": torch.get_num_threads(), "args": vars(args) | {"request_rate": str(args.request_rate)},
               "model_params": sum(x.numel() for x in model.parameters()), "runs": runs, **extra}
     print(render(report))
-    RESULTS.mkdir(exist_ok=True)
     stem = args.out or f"serving-{args.device.split(':')[0]}-{args.model}-{dt.date.today().isoformat()}"
-    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    (RESULTS / f"{stem}.md").write_text(render(report) + "\n")
+    base = RESULTS / stem  # an absolute --out writes there
+    base.parent.mkdir(parents=True, exist_ok=True)
+    base.with_name(base.name + ".json").write_text(json.dumps(report, indent=2))
+    base.with_name(base.name + ".md").write_text(render(report) + "\n")
     return 0
 
 
@@ -471,6 +560,14 @@ def render(report: dict[str, Any]) -> str:
     row("preemptions", lambda r: str(r.get("preemptions", "-")))
     row("engine steps", lambda r: str(r.get("engine_steps", "-")))
     row("engine step mean (ms)", lambda r: f"{r['engine_step_ms']:.1f}" if "engine_step_ms" in r else "-")
+    if any("step_trace" in r for r in report["runs"]):
+        row("mixed-step mean (ms) / steps", lambda r: f"{r['step_trace']['mixed_step_ms']:.2f} / "
+            f"{r['step_trace']['mixed_steps']}" if "step_trace" in r else "-")
+        row("decode-only-step mean (ms) / steps", lambda r: f"{r['step_trace']['decode_step_ms']:.2f} / "
+            f"{r['step_trace']['decode_steps']}" if "step_trace" in r else "-")
+    if any("mixed_graph_warmup_s" in r for r in report["runs"]):
+        row("mixed-graph warm-up (s)", lambda r: f"{r['mixed_graph_warmup_s']:.1f}" if "mixed_graph_warmup_s" in r
+            else "-")
     if "serving_vs_generate" in report:
         lines += ["", f"serving output tok/s / generate's at batch {a['max_concurrency'] or a['num_prompts']}: "
                       f"**{report['serving_vs_generate']:.2f}** (target >= 0.80)"]

@@ -80,3 +80,25 @@ def test_profile_of_one_serving_step(tmp_path):
     for part in ("decode-only step:", "mixed step (one prompt of 12 tokens + 3 decodes)", "packed step True",
                  "torch.profiler: one mixed step", "cProfile: host side"):
         assert part in text
+
+
+def test_step_trace_records_every_measured_step_and_summarises_mixed_and_decode_steps(serving, tmp_path):
+    argv = ["--model", "tiny", "--num-prompts", "4", "--input-len", "8", "--prefix-len", "8", "--output-len", "5",
+            "--range-ratio", "0", "--threads", "1", "--skip-hf", "--skip-prefix-off", "--max-concurrency", "2",
+            "--out", str(tmp_path / "t"), "--step-trace", str(tmp_path / "trace.jsonl")]
+    assert serving.main(argv) == 0
+    lines = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    steps, summary = lines[:-1], lines[-1]["summary"]
+    run = json.loads((tmp_path / "t.json").read_text())["runs"][0]
+    assert len(steps) == summary["steps"] == run["engine_steps"]  # the measured run's steps, all of them
+    # every prompt token of the measured run is in some step's prefill (4 prompts of 16, some from the prefix cache)
+    assert 0 < sum(s["prefill_tokens"] for s in steps) <= 4 * 16
+    # every output token but each request's first comes from a decode row (the first samples after the prefill)
+    assert sum(s["decode_rows"] for s in steps) == 4 * (5 - 1)
+    assert summary["mixed_steps"] + summary["decode_steps"] == summary["steps"]
+    assert summary["mixed_steps"] >= 2 and summary["decode_steps"] >= 1  # concurrency 2: arrivals while decoding
+    assert {s["path"] for s in steps} == {"eager"}  # CPU: no graphs
+    assert all(s["wall_ms"] > 0 for s in steps)
+    mixed = [s["wall_ms"] for s in steps if s["prefill_tokens"]]
+    assert abs(summary["mixed_step_ms"] - sum(mixed) / len(mixed)) < 1e-6
+    assert "mixed-step mean (ms) / steps" in (tmp_path / "t.md").read_text()

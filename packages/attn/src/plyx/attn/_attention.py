@@ -208,7 +208,8 @@ class Attention(nn.Module):
             return fn(q, k_pool, v_pool, *scales, tables, lens, scale=self.scale,  # type: ignore[no-any-return]
                       window=self.sliding_window)
         q = q.to(k_pool.dtype)
-        fn = kernel("paged_attention", q, k_pool, v_pool, head_dim=self.head_dim)
+        fn = step.kernel_for("paged_attention", (q.shape, q.dtype, k_pool.dtype), q, k_pool, v_pool,
+                             head_dim=self.head_dim)
         return fn(q, k_pool, v_pool, tables, lens, scale=self.scale, window=self.sliding_window)  # type: ignore[no-any-return]
 
     def _attend_varlen(self, q: torch.Tensor, step: KVStep) -> torch.Tensor:
@@ -220,7 +221,7 @@ class Attention(nn.Module):
         outs = []
         for g in step.varlen:  # type: ignore[union-attr]
             qg = flat[g.start:g.start + g.rows * g.query_len].view(g.rows, g.query_len, H, Dh)
-            fn = kernel("paged_attention", qg, k_pool, v_pool, head_dim=Dh)
+            fn = step.kernel_for("paged_attention", (qg.shape, qg.dtype, k_pool.dtype), qg, k_pool, v_pool, head_dim=Dh)
             o = fn(qg, k_pool, v_pool, g.block_tables, g.context_lens, scale=self.scale, window=self.sliding_window)
             outs.append(o.reshape(-1, H, Dh))  # (rows * query_len, H, Dh)
         return (outs[0] if len(outs) == 1 else torch.cat(outs))[None]  # (1, N, H, Dh)

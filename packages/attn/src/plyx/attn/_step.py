@@ -62,6 +62,19 @@ class KVStep:
     key_mask: torch.Tensor | None
     slots: torch.Tensor | None = None
     varlen: tuple[Any, ...] | None = None
+    #: kernels chosen for this step, by (name, shape key): every layer of a step attends the same shapes, so the
+    #: registry is asked once per step instead of once per layer (``kernel_for``)
+    kernels: dict[Any, Any] = attrs.field(factory=dict, eq=False, repr=False)
+
+    def kernel_for(self, name: str, key: Any, *tensors: torch.Tensor, **shape: int) -> Any:
+        """``plyx.attn`` kernel ``name`` for ``tensors``, looked up once per step and ``key`` (the same shapes
+        and dtypes in every layer) instead of once per layer."""
+        fn = self.kernels.get((name, key))
+        if fn is None:
+            from plyx.attn._kernels import kernel
+
+            fn = self.kernels[(name, key)] = kernel(name, *tensors, **shape)
+        return fn
 
     def pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``layer``'s keys and values as ``[num_blocks, block_size, KV, Dh]``, the layout ``paged_attention`` reads."""

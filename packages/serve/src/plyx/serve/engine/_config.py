@@ -69,6 +69,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     """On a CUDA device, replay decode steps as CUDA graphs (one per batch-size bucket, captured on first
     use); prefill chunks then run in their own forward (``mixed_chunk`` is ignored). No effect on CPU."""
 
+    mixed_graphs: bool | None = None
+    """Run packed steps that carry a prefill chunk (mixed steps) as CUDA graphs, one per token-count bucket
+    (``plyx.serve.engine.MixedGraphs``), all captured when the engine starts. None: on where ``cuda_graphs`` and
+    packed steps are on and the device is CUDA. True on CPU runs the same bucketed static step eagerly (what
+    the tests compare with the unpadded packed step). False: packed steps run eagerly."""
+
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "block_size", "max_queue"):
             value = getattr(self, name)

@@ -13,7 +13,8 @@ Every ``step()``:
 2. **execute**: one packed forward over every scheduled token (``plyx.attn.begin_packed_step``:
    prefill chunks and decode rows flattened into one ``[1, N]`` batch, attention through the
    paged kernel per group of equal counts); decode-only steps replay a CUDA graph of their
-   batch bucket where one is captured. Without a block-addressable cache (or with resident
+   batch bucket where one is captured, and steps with prefill chunks a graph of their token-count
+   bucket (``MixedGraphs``, captured when the engine starts). Without a block-addressable cache (or with resident
    adapters) one forward per group of equal new-token counts, so no row is padded.
 3. **sample** the rows that reached the end of their tokens, each with its own
    processors and seeded generator; completions ``n > 1`` fork completion 0's
@@ -161,6 +162,8 @@ class Engine:
         self.graphs = self._decode_graphs() if lora is None else None  # graphs bake in one adapter map
         # one packed (varlen) forward per step: every scheduled token in one [1, N] row
         self.packed = self._can_pack()
+        # packed steps as graphs, one per token-count bucket, warmed (compiled and captured) here, not mid-serving
+        self.mixed_graphs = self._mixed_step_graphs()
         # decode steps replayed as graphs must hold decodes alone, and a packed step needs no padded ride-along
         self._mixed = 0 if self.graphs is not None or self.packed else c.mixed_chunk
         # look-ahead: the next token's logits of sequences whose last sampled token was fed before the host read it
@@ -185,6 +188,23 @@ class Engine:
         if hasattr(self.cache, "kv_scales"):
             return False
         return "kv_step" in inspect.signature(self.model.forward).parameters
+
+    def _mixed_step_graphs(self) -> Any:
+        """``MixedGraphs`` for packed steps (see ``EngineConfig.mixed_graphs``), warmed up on CUDA; or None."""
+        c = self.config
+        want = c.mixed_graphs
+        if want is None:
+            want = c.cuda_graphs and self.device.type == "cuda"
+        if not want or not self.packed:
+            return None
+        from plyx.serve.engine._mixed_graphs import MAX_GRAPH_TOKENS, MixedGraphs
+
+        graphs = MixedGraphs(self.model, self.cache, max_tokens=min(c.max_batch_tokens, MAX_GRAPH_TOKENS),
+                             max_rows=c.max_batch_size, capture=self.device.type == "cuda",
+                             return_hidden=self._lm_head)
+        if self.device.type == "cuda":
+            graphs.warm_up()
+        return graphs
 
     def _decode_graphs(self) -> Any:
         """CUDA-graph decode steps (``DecodeGraphs``) when the config asks and the model and device allow."""
@@ -471,9 +491,13 @@ class Engine:
         tokens = [t for s, n in group
                   for t in (s.tokens[s.num_computed:] + drafts[s.seq_id] if s.seq_id in drafts
                             else s.tokens[s.num_computed:s.num_computed + n])]
-        ids, positions, step = begin_packed_step(self.cache, [s.seq_id for s, _ in group], counts, tokens,
-                                                 self.device)
-        out = self.model(ids, position_ids=positions, kv_step=step, return_hidden=self._lm_head)  # [1, N, D|V]
+        seq_ids = [s.seq_id for s, _ in group]
+        mixed = self.mixed_graphs
+        if mixed is not None and mixed.fits(len(group), len(tokens)):  # a replayed graph of the token bucket
+            out = mixed.step(seq_ids, counts, tokens)  # [N, D|V], a view of the graph's buffer
+        else:
+            ids, positions, step = begin_packed_step(self.cache, seq_ids, counts, tokens, self.device)
+            out = self.model(ids, position_ids=positions, kv_step=step, return_hidden=self._lm_head)[0]  # [N, D|V]
         ends = list(itertools.accumulate(counts))  # row i's last token is ends[i] - 1
         plain = [i for i, (s, _) in enumerate(group) if s.seq_id not in drafts]
         done = self._advance([group[i] for i in plain], finishing)
@@ -487,7 +511,7 @@ class Engine:
         if not picks:
             return [], [], None
         # the LM head only on rows that sample and on speculating rows' fed positions
-        logits = self._logits(out[0].index_select(0, torch.tensor(picks, device=self.device)))  # [R + M, V]
+        logits = self._logits(out.index_select(0, torch.tensor(picks, device=self.device)))  # [R + M, V]
         greedy = logits[len(done):].argmax(dim=-1) if verify else None  # [M]
         return list(logits[:len(done)].unbind(0)), verify, greedy
 
@@ -634,6 +658,8 @@ class Engine:
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
         budget = self.config.max_batch_tokens
+        if self.mixed_graphs is not None:  # every step fits a captured bucket: no eager step, no compile mid-serving
+            budget = min(budget, self.mixed_graphs.max_tokens)
         planned: dict[Sequence, tuple[int, int]] = {}  # seq -> (tokens, blocks)
         self._drafts = {}
         preempted = False
