@@ -1,0 +1,128 @@
+"""Disaggregated prefill/decode: KV blocks handed over give the colocated engine's tokens; the two-process
+server (front end + decode engine, prefill worker process, gloo send/recv) answers through the real OpenAI
+front end; a dead worker is a 503 that names it, with no hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from plyx.serve import SamplingParams
+from plyx.serve.engine import Engine, EngineConfig
+from plyx.serve.engine._kv_transfer import KVBlocks, export_prefix, import_prefix
+
+from .conftest import API_KEY, MODEL_NAME, serve, small_lm
+
+PROMPT = ("You are a helpful assistant. Answer briefly. hello world, the quick brown fox 0123456789 "
+          '{"answer": "yes", "count": 3, "ok": true}')
+
+
+def _engine(model, **kw):
+    return Engine(model, config=EngineConfig(**{"max_batch_size": 8, "max_batch_tokens": 64, "block_size": 8,
+                                                "num_blocks": 96, **kw}))
+
+
+def test_handed_over_kv_gives_the_colocated_greedy_tokens():
+    model = small_lm(vocab=128, max_seq_len=256)
+    g = torch.Generator().manual_seed(3)
+    # lengths around block edges: none, one block + 1, exact blocks, a long chunked one
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 32, 33, 150)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    colocated = _engine(model).generate(prompts, greedy)
+
+    prefill, decode = _engine(model), _engine(model)
+    imported = 0
+    for p in prompts:
+        prefill.generate([p], SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True))
+        blocks = export_prefix(prefill, p)
+        assert blocks.num_tokens == (len(p) - 1) // 8 * 8  # whole blocks, never the last token
+        assert blocks.k.shape == (2, blocks.num_tokens // 8, 8, 2, 16)
+        imported += import_prefix(decode, p, blocks)
+    out = decode.generate(prompts, greedy)
+    for a, b in zip(colocated, out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    # the decode engine computed only the tails: the handed-over blocks were used, not recomputed
+    assert decode.stats.prompt_tokens == sum(len(p) for p in prompts) - imported
+    assert imported == sum((len(p) - 1) // 8 * 8 for p in prompts)
+
+    # wrong keys and values would change the answer: the import is what the decode reads
+    p = prompts[-1]
+    bad = export_prefix(prefill, p)
+    other = _engine(model)
+    import_prefix(other, p, KVBlocks(bad.num_tokens, torch.randn_like(bad.k), torch.randn_like(bad.v)))
+    assert other.generate([p], greedy)[0].outputs[0].token_ids != colocated[-1].outputs[0].token_ids
+
+
+def test_import_without_room_falls_back_to_recompute():
+    model = small_lm(vocab=128, max_seq_len=64)
+    p = list(range(3, 60))
+    prefill = _engine(model)
+    prefill.generate([p], SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True))
+    blocks = export_prefix(prefill, p)
+    tight = _engine(model, num_blocks=9, max_batch_size=1, prefix_caching=True)
+    tight.cache.allocate(7)
+    tight.cache.reserve([7], [64])  # 8 of the 9 blocks are taken: no room for 7 imported blocks
+    assert import_prefix(tight, p, blocks) == 0
+    tight.cache.evict(7)
+    greedy = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    assert tight.generate([p], greedy)[0].outputs[0].token_ids == _engine(model).generate([p], greedy)[0].outputs[0].token_ids
+
+
+def test_disaggregate_refuses_what_it_cannot_hand_over():
+    from plyx.serve.engine._kv_transfer import check_transferable
+    from plyx.specs.errors import ConfigError
+
+    model = small_lm(vocab=128, max_seq_len=64)
+    with pytest.raises(ConfigError, match="prefix cache"):
+        check_transferable(_engine(model, prefix_caching=False))
+    with pytest.raises(ConfigError, match="quantised cache"):
+        check_transferable(_engine(model, kv_cache_dtype="int8"))
+
+
+@pytest.fixture(scope="module")
+def disagg_server(model_dir):
+    from plyx.serve.server import build_server
+    from plyx.specs.config.serve import ServeConfig
+
+    cfg = ServeConfig(model=str(model_dir), served_name=MODEL_NAME, api_key=API_KEY, device="cpu", block_size=4,
+                      num_blocks=256, max_batch_size=8, max_batch_tokens=64)
+    app = build_server(cfg, chat_template="chatml", drain_timeout=5,
+                       disaggregate={"threads": 1, "timeout": 30, "env": {"OMP_NUM_THREADS": "1"}})
+    with serve(app) as running:
+        yield running
+
+
+def test_two_processes_answer_through_the_openai_front_end(disagg_server, bpe, server_lm, greedy_reference):
+    import openai
+
+    client = openai.OpenAI(base_url=disagg_server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+    out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0)
+    ids = bpe.encode(PROMPT).ids
+    assert out.choices[0].text == bpe.decode(greedy_reference(server_lm, bpe, ids, 8).token_ids)
+    aengine = disagg_server.app.state.plyx.aengine
+    assert aengine.worker.proc.poll() is None and aengine.worker.proc.pid != os.getpid()
+    assert aengine.remote_prefills == 1
+    assert aengine.imported_tokens == (len(ids) - 1) // 4 * 4  # the worker's blocks, not a local prefill
+    assert disagg_server.engine.stats.prompt_tokens == len(ids) - aengine.imported_tokens
+    assert httpx.get(disagg_server.base_url + "/health").status_code == 200
+
+
+def test_a_dead_prefill_worker_is_a_503_naming_it(disagg_server):
+    aengine = disagg_server.app.state.plyx.aengine
+    pid = aengine.worker.proc.pid
+    os.kill(pid, signal.SIGKILL)
+    aengine.worker.proc.wait(10)
+    t0 = time.monotonic()
+    r = httpx.post(disagg_server.base_url + "/v1/completions", headers=disagg_server.headers, timeout=30,
+                   json={"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 4})
+    assert time.monotonic() - t0 < 10  # answered at once, no wait on the dead peer
+    assert r.status_code == 503
+    err = r.json()["error"]
+    assert err["code"] == "worker_unavailable"
+    assert f"prefill worker (pid {pid})" in err["message"] and "exited" in err["message"]
+    h = httpx.get(disagg_server.base_url + "/health")
+    assert h.status_code == 503 and f"pid {pid}" in h.json()["error"]["message"]
