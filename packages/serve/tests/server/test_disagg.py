@@ -21,6 +21,9 @@ PROMPT = ("You are a helpful assistant. Answer briefly. hello world, the quick b
           '{"answer": "yes", "count": 3, "ok": true}')
 
 
+HUNG_AFTER = 8.0  # the front end's receive timeout: a prefill of the tiny model takes milliseconds
+
+
 def _engine(model, **kw):
     return Engine(model, config=EngineConfig(**{"max_batch_size": 8, "max_batch_tokens": 64, "block_size": 8,
                                                 "num_blocks": 96, **kw}))
@@ -83,6 +86,93 @@ def test_disaggregate_refuses_what_it_cannot_hand_over():
         check_transferable(_engine(model, kv_cache_dtype="int8"))
 
 
+def _pair(consumer_device, producer_device, handler, geometry=(2, 4, 2, 8), producer_geometry=None, timeout=30.0):
+    """Both ends of a torch_distributed connector in one process (the producer on a thread)."""
+    import threading
+
+    from plyx.serve.disagg import get_kv_connector
+
+    factory = get_kv_connector("torch_distributed")
+    consumer = factory(role="consumer", address="127.0.0.1:0", timeout=timeout, device=consumer_device)
+    producer_box = {}
+
+    def produce():
+        producer = factory(role="producer", address=consumer.address, device=producer_device)
+        producer_box["p"] = producer
+        producer.connect(producer_geometry or geometry, torch.float32)
+        producer.serve(handler)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    return consumer, t
+
+
+@pytest.mark.parametrize("devices", [
+    ("cpu", "cpu"),
+    pytest.param(("cuda:0", "cuda:0"), marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+    pytest.param(("cuda:0", "cuda:1"), marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="one GPU")),
+], ids=["cpu-gloo", "one-gpu-gloo", "two-gpus-nccl"])
+def test_connector_hands_blocks_over(devices):
+    consumer_device, producer_device = devices
+
+    def handler(prompt):  # blocks whose values encode the prompt: the consumer checks them exactly
+        nb = (len(prompt) - 1) // 4
+        k = torch.arange(2 * nb * 4 * 2 * 8, dtype=torch.float32, device=producer_device).reshape(2, nb, 4, 2, 8)
+        if prompt[0] == 99:
+            raise ValueError("prompt starts with 99")
+        return KVBlocks(nb * 4, k + prompt[0], -k)
+
+    consumer, t = _pair(consumer_device, producer_device, handler)
+    consumer.connect((2, 4, 2, 8), torch.float32)
+    blocks = consumer.prefill([5] * 11)
+    assert blocks.num_tokens == 8 and blocks.k.shape == (2, 2, 4, 2, 8)
+    ref = torch.arange(2 * 2 * 4 * 2 * 8, dtype=torch.float32).reshape(2, 2, 4, 2, 8)
+    assert torch.equal(blocks.k.cpu(), ref + 5) and torch.equal(blocks.v.cpu(), -ref)
+    assert consumer.prefill([7, 1]).num_tokens == 0  # shorter than a block + 1: nothing to hand over
+    from plyx.serve.disagg import KVTransferError
+
+    with pytest.raises(KVTransferError, match="prompt starts with 99"):  # the worker's error, and it goes on
+        consumer.prefill([99] * 9)
+    assert consumer.prefill([6] * 5).num_tokens == 4
+    consumer.close()
+    t.join(10)
+    assert not t.is_alive()
+
+
+def test_connector_refuses_another_cache_geometry():
+    from plyx.serve.disagg import KVTransferError
+
+    consumer, t = _pair("cpu", "cpu", lambda p: None, producer_geometry=(2, 8, 2, 8))
+    with pytest.raises(KVTransferError, match=r"block_size.*\(1, 2, 8, 2, 8, 0\).*\(1, 2, 4, 2, 8, 0\)"):
+        consumer.connect((2, 4, 2, 8), torch.float32)
+    consumer.close()
+    t.join(10)
+    assert not t.is_alive()
+
+
+def test_kv_connector_plugin_lookup():
+    from plyx.serve.disagg import TorchDistributedConnector, get_kv_connector
+    from plyx.specs.errors import ConfigError
+
+    assert get_kv_connector("torch_distributed") is TorchDistributedConnector
+    with pytest.raises(ConfigError, match="'nixl' not found.*torch_distributed"):
+        get_kv_connector("nixl")
+
+
+def test_cli_options_of_disaggregation():
+    import argparse
+
+    from plyx.serve.server import SERVE_COMMAND
+    from plyx.serve.server._cli import _disagg_options
+
+    p = argparse.ArgumentParser()
+    SERVE_COMMAND.configure(p)
+    assert _disagg_options(p.parse_args(["/m"])) is None
+    args = p.parse_args(["/m", "--disaggregate", "--prefill-device", "cuda:1", "--kv-timeout", "5"])
+    assert _disagg_options(args) == {"device": "cuda:1", "connector": "torch_distributed", "backend": "auto",
+                                     "timeout": 5.0}
+
+
 @pytest.fixture(scope="module")
 def disagg_server(model_dir):
     from plyx.serve.server import build_server
@@ -91,7 +181,7 @@ def disagg_server(model_dir):
     cfg = ServeConfig(model=str(model_dir), served_name=MODEL_NAME, api_key=API_KEY, device="cpu", block_size=4,
                       num_blocks=256, max_batch_size=8, max_batch_tokens=64)
     app = build_server(cfg, chat_template="chatml", drain_timeout=5,
-                       disaggregate={"threads": 1, "timeout": 30, "env": {"OMP_NUM_THREADS": "1"}})
+                       disaggregate={"threads": 1, "timeout": HUNG_AFTER, "env": {"OMP_NUM_THREADS": "1"}})
     with serve(app) as running:
         yield running
 
@@ -111,10 +201,24 @@ def test_two_processes_answer_through_the_openai_front_end(disagg_server, bpe, s
     assert httpx.get(disagg_server.base_url + "/health").status_code == 200
 
 
+def test_a_hung_prefill_worker_is_a_503_after_the_timeout(disagg_server):
+    aengine = disagg_server.app.state.plyx.aengine
+    pid = aengine.worker.proc.pid
+    os.kill(pid, signal.SIGSTOP)  # alive, but it never answers
+    t0 = time.monotonic()
+    r = httpx.post(disagg_server.base_url + "/v1/completions", headers=disagg_server.headers, timeout=60,
+                   json={"model": MODEL_NAME, "prompt": PROMPT + " again", "max_tokens": 4})
+    waited = time.monotonic() - t0
+    assert r.status_code == 503 and HUNG_AFTER - 1 < waited < HUNG_AFTER + 20
+    assert f"prefill worker (pid {pid}) did not answer within 8 s" in r.json()["error"]["message"]
+    os.kill(pid, signal.SIGKILL)  # the next test sees it dead
+
+
 def test_a_dead_prefill_worker_is_a_503_naming_it(disagg_server):
     aengine = disagg_server.app.state.plyx.aengine
     pid = aengine.worker.proc.pid
-    os.kill(pid, signal.SIGKILL)
+    if aengine.worker.proc.poll() is None:
+        os.kill(pid, signal.SIGKILL)
     aengine.worker.proc.wait(10)
     t0 = time.monotonic()
     r = httpx.post(disagg_server.base_url + "/v1/completions", headers=disagg_server.headers, timeout=30,
@@ -123,6 +227,6 @@ def test_a_dead_prefill_worker_is_a_503_naming_it(disagg_server):
     assert r.status_code == 503
     err = r.json()["error"]
     assert err["code"] == "worker_unavailable"
-    assert f"prefill worker (pid {pid})" in err["message"] and "exited" in err["message"]
+    assert f"prefill worker (pid {pid}) exited with code -9" in err["message"]
     h = httpx.get(disagg_server.base_url + "/health")
     assert h.status_code == 503 and f"pid {pid}" in h.json()["error"]["message"]

@@ -49,7 +49,7 @@ class DisaggAsyncEngine(AsyncEngine):
     @property
     def unavailable(self) -> str | None:
         """Why the worker cannot serve (naming it), or None while it can."""
-        if self._failure is None and self.worker.proc.poll() is not None:
+        if self.worker.proc.poll() is not None:  # an exit says more than an earlier timeout did
             self._failure = self.worker.failure()
         return self._failure
 

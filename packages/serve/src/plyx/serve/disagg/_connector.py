@@ -116,12 +116,12 @@ class TorchDistributedConnector:
         else:
             theirs = self._recv(torch.zeros(6, dtype=torch.long))
             peer = self._recv(torch.zeros(2, dtype=torch.long))
+            self._send(here)  # first: a refused producer then waits in its serve loop for close()
             if not torch.equal(theirs, mine):
                 raise KVTransferError(
                     f"the prefill worker's cache (version, layers, block_size, kv_heads, head_dim, dtype code) = "
                     f"{tuple(theirs.tolist())} differs from the decode engine's {tuple(mine.tolist())}; start both "
                     "from one checkpoint with one --block-size and --dtype")
-            self._send(here)
         both_cuda = bool(here[0]) and bool(peer[0])
         # NCCL cannot put two ranks on one device: one shared GPU hands over through gloo (staged on the CPU)
         nccl = both_cuda and (self.backend == "nccl" or (self.backend == "auto" and int(here[1]) != int(peer[1])))
