@@ -19,7 +19,7 @@ from plyx.serve._params import SamplingParams
 from plyx.serve.disagg._launch import PrefillWorker, WorkerUnavailableError
 from plyx.serve.engine._async import AsyncEngine, RequestStream
 from plyx.serve.engine._engine import Engine
-from plyx.serve.engine._kv_transfer import check_transferable, import_prefix
+from plyx.serve.engine._kv_transfer import KVBlocks, check_transferable, import_prefix
 
 __all__ = ["DisaggAsyncEngine"]
 
@@ -82,6 +82,9 @@ class DisaggAsyncEngine(AsyncEngine):
             self._failure = self.worker.failure(exc)
         else:
             self.remote_prefills += 1
+            device = self.engine.device
+            if blocks.k.device != device:  # staged on the CPU (gloo): copy here, not on the engine thread
+                blocks = KVBlocks(blocks.num_tokens, blocks.k.to(device), blocks.v.to(device))
             return blocks
         log.error("disaggregated prefill stopped: %s", self._failure)
         raise WorkerUnavailableError(self.worker.name, self._failure)
