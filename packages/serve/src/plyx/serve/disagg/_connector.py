@@ -36,6 +36,7 @@ __all__ = ["BUILTIN_CONNECTORS", "KVTransferError", "TorchDistributedConnector",
 
 _VERSION = 1
 OP_CLOSE, OP_PREFILL = 0, 1
+_READY_KEY = "plyx-kv-producer-ready"
 #: cache dtypes a hand-over carries, by wire code
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -91,12 +92,13 @@ class TorchDistributedConnector:
         self.dtype: torch.dtype | None = None
 
     # -- both ends -----------------------------------------------------------------------
-    def connect(self, geometry: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    def connect(self, geometry: tuple[int, int, int, int], dtype: torch.dtype, wait: float = 300.0) -> None:
         """Join the group (blocks until the other end joins) and check both caches have one geometry.
 
         Args:
             geometry: ``(layers, block_size, kv_heads, head_dim)`` of this end's cache (``kv_geometry``).
             dtype: this end's cache dtype.
+            wait: seconds the consumer waits for the producer to come up (it loads a model first).
 
         Raises:
             KVTransferError: the two caches differ (the message names both).
@@ -105,6 +107,11 @@ class TorchDistributedConnector:
 
         # the producer waits for work without limit: only the consumer's receives are timed
         timeout = dt.timedelta(seconds=self.timeout if self.role == "consumer" else 7 * 24 * 3600)
+        # the group's rendezvous waits only `timeout`: the consumer first waits for the producer to be up
+        if self.role == "producer":
+            self.store.set(_READY_KEY, "1")
+        else:
+            self.store.wait([_READY_KEY], dt.timedelta(seconds=wait))
         self._ctl = dist.ProcessGroupGloo(dist.PrefixStore("plyx-kv-ctl", self.store), self.rank, 2, timeout)
         mine = torch.tensor([_VERSION, *geometry, _dtype_code(dtype)], dtype=torch.long)
         self.geometry, self.dtype = tuple(geometry), dtype

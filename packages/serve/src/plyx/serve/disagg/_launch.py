@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import tempfile
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["PrefillWorker", "WorkerUnavailableError", "start_prefill_worker"]
+
+log = logging.getLogger("plyx.serve.disagg")
 
 
 class WorkerUnavailableError(RuntimeError):
@@ -37,8 +40,9 @@ class PrefillWorker:
     def __init__(self, argv: list[str], connector: Any, *, env: dict[str, str] | None = None) -> None:
         self.argv = argv
         self.connector = connector
-        self.log_path = Path(tempfile.mkstemp(prefix="plyx-prefill-worker-", suffix=".log")[1])
-        self._log = self.log_path.open("wb")
+        fd, name = tempfile.mkstemp(prefix="plyx-prefill-worker-", suffix=".log")
+        self.log_path = Path(name)
+        self._log = os.fdopen(fd, "wb")
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env={**os.environ, **(env or {})})
 
@@ -52,7 +56,7 @@ class PrefillWorker:
 
         def join() -> None:
             try:
-                self.connector.connect(geometry, dtype)
+                self.connector.connect(geometry, dtype, wait=start_timeout + 5)
             except BaseException as exc:  # handed to the caller's thread
                 error.append(exc)
 
@@ -148,4 +152,6 @@ def start_prefill_worker(path: str | Path, engine: Any, *, connector: str = "tor
                        timeout=timeout, threads=threads)
     worker = PrefillWorker(argv, consumer, env=env)
     worker.connect(kv_geometry(engine), engine.cache.kv_blocks(0)[0].dtype, start_timeout)
+    log.info("disaggregated: %s on %s joined through %s (its log: %s)", worker.name, device, connector,
+             worker.log_path)
     return worker

@@ -176,6 +176,7 @@ def _disagg_options(args: argparse.Namespace) -> dict[str, Any] | None:
 def _run(args: argparse.Namespace) -> int:
     import sys
 
+    from plyx.serve.disagg import KVTransferError, WorkerUnavailableError
     from plyx.serve.server._paths import PathError, check_model_path
     from plyx.specs.errors import PlyxError
 
@@ -187,7 +188,7 @@ def _run(args: argparse.Namespace) -> int:
                            drain_timeout=args.drain_timeout, mixed_chunk=args.mixed_chunk,
                            lora=lora_specs(args.lora), tool_parser=args.tool_call_parser,
                            kv_cache_dtype=args.kv_cache_dtype, disaggregate=_disagg_options(args))
-    except (PathError, PlyxError, ValueError, RuntimeError) as exc:  # RuntimeError: a worker that did not start
+    except (PathError, PlyxError, ValueError, WorkerUnavailableError, KVTransferError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     import uvicorn
