@@ -173,6 +173,18 @@ def test_cli_options_of_disaggregation():
                                      "timeout": 5.0}
 
 
+def test_a_worker_that_cannot_start_is_an_error_quoting_its_log(tmp_path):
+    from plyx.serve.disagg import WorkerUnavailableError, start_prefill_worker
+
+    engine = _engine(small_lm(vocab=128, max_seq_len=64))
+    missing = tmp_path / "no-such-checkpoint"
+    t0 = time.monotonic()
+    with pytest.raises(WorkerUnavailableError, match=r"(?s)prefill worker \(pid \d+\) exited with code 1 before "
+                       r"joining.*no-such-checkpoint"):
+        start_prefill_worker(missing, engine, threads=1, env={"OMP_NUM_THREADS": "1"})
+    assert time.monotonic() - t0 < 120
+
+
 @pytest.fixture(scope="module")
 def disagg_server(model_dir):
     from plyx.serve.server import build_server

@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     from plyx.serve.engine._kv_transfer import kv_geometry
     from plyx.serve.server._cli import _num_blocks
     from plyx.serve.server._loading import load_model
+    from plyx.serve.server._paths import PathError
+    from plyx.specs.errors import PlyxError
 
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="prefill-worker %(levelname)s %(message)s")
@@ -82,13 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = load_model(args.path, device=str(device), dtype=args.dtype)
-    sizing = argparse.Namespace(num_blocks=args.num_blocks, block_size=args.block_size,
-                                memory_fraction=args.memory_fraction)
-    engine = build_prefill_engine(model, block_size=args.block_size, num_blocks=_num_blocks(sizing, model, device),
-                                  max_model_len=args.max_model_len, max_batch_tokens=args.max_batch_tokens)
-    connector = get_kv_connector(args.connector)(role="producer", address=args.address, timeout=args.timeout,
-                                                 device=device, backend=args.backend)
+    try:  # what cannot be loaded is one line (the front end quotes this log's tail), not a traceback
+        model = load_model(args.path, device=str(device), dtype=args.dtype)
+        sizing = argparse.Namespace(num_blocks=args.num_blocks, block_size=args.block_size,
+                                    memory_fraction=args.memory_fraction)
+        engine = build_prefill_engine(model, block_size=args.block_size,
+                                      num_blocks=_num_blocks(sizing, model, device),
+                                      max_model_len=args.max_model_len, max_batch_tokens=args.max_batch_tokens)
+        connector = get_kv_connector(args.connector)(role="producer", address=args.address, timeout=args.timeout,
+                                                     device=device, backend=args.backend)
+    except (PlyxError, PathError, ValueError, OSError) as exc:
+        print(f"prefill worker: error: {exc}", file=sys.stderr)
+        return 1
     connector.connect(kv_geometry(engine), engine.cache.kv_blocks(0)[0].dtype)
     log.info("serving prefills on %s (%d KV blocks)", device, engine.cache.layout.num_blocks)
     try:
