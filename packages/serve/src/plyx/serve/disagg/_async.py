@@ -100,5 +100,5 @@ class DisaggAsyncEngine(AsyncEngine):
 
     async def shutdown(self, timeout: float = 0.0) -> None:
         await super().shutdown(timeout)
-        await asyncio.to_thread(self._transfer.shutdown, True)
+        await asyncio.to_thread(self._transfer.shutdown, True, cancel_futures=True)
         await asyncio.to_thread(self.worker.stop)
