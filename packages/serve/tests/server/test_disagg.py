@@ -129,9 +129,9 @@ def test_connector_hands_blocks_over(devices):
     ref = torch.arange(2 * 2 * 4 * 2 * 8, dtype=torch.float32).reshape(2, 2, 4, 2, 8)
     assert torch.equal(blocks.k.cpu(), ref + 5) and torch.equal(blocks.v.cpu(), -ref)
     assert consumer.prefill([7, 1]).num_tokens == 0  # shorter than a block + 1: nothing to hand over
-    from plyx.serve.disagg import KVTransferError
+    from plyx.serve.disagg import KVRequestError
 
-    with pytest.raises(KVTransferError, match="prompt starts with 99"):  # the worker's error, and it goes on
+    with pytest.raises(KVRequestError, match="prompt starts with 99"):  # the worker's error, and it goes on
         consumer.prefill([99] * 9)
     assert consumer.prefill([6] * 5).num_tokens == 4
     consumer.close()

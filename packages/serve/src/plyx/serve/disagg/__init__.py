@@ -16,6 +16,7 @@ Example::
 from plyx.serve.disagg._async import DisaggAsyncEngine
 from plyx.serve.disagg._connector import (
     BUILTIN_CONNECTORS,
+    KVRequestError,
     KVTransferError,
     TorchDistributedConnector,
     get_kv_connector,
@@ -27,6 +28,7 @@ __all__ = [
     "BUILTIN_CONNECTORS",
     "DisaggAsyncEngine",
     "KVBlocks",
+    "KVRequestError",
     "KVTransferError",
     "PrefillWorker",
     "TorchDistributedConnector",

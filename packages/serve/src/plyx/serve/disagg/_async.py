@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from plyx.serve._params import SamplingParams
+from plyx.serve.disagg._connector import KVRequestError
 from plyx.serve.disagg._launch import PrefillWorker, WorkerUnavailableError
 from plyx.serve.engine._async import AsyncEngine, RequestStream
 from plyx.serve.engine._engine import Engine
@@ -70,14 +71,10 @@ class DisaggAsyncEngine(AsyncEngine):
     def _prefill(self, prompt: list[int]) -> Any:  # on the transfer thread
         if self._failure is not None:
             raise WorkerUnavailableError(self.worker.name, self._failure)
-        from plyx.serve.disagg._connector import KVTransferError
-
         try:
             blocks = self.worker.connector.prefill(prompt)
-        except KVTransferError as exc:
-            if "failed on this prompt" in str(exc):  # the worker is fine; this request is not
-                raise RuntimeError(str(exc)) from None
-            self._failure = self.worker.failure(exc)
+        except KVRequestError:  # the worker is fine; this request is not (the server answers 500)
+            raise
         except Exception as exc:  # the group failed: dead peer or timeout; the connector cannot recover
             self._failure = self.worker.failure(exc)
         else:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from plyx.serve.engine._kv_transfer import KVBlocks
 
-__all__ = ["BUILTIN_CONNECTORS", "KVTransferError", "TorchDistributedConnector", "get_kv_connector"]
+__all__ = ["BUILTIN_CONNECTORS", "KVRequestError", "KVTransferError", "TorchDistributedConnector", "get_kv_connector"]
 
 _VERSION = 1
 OP_CLOSE, OP_PREFILL = 0, 1
@@ -43,6 +43,10 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class KVTransferError(RuntimeError):
     """The transfer failed: the peer died, did not answer in time, or its cache does not match ours."""
+
+
+class KVRequestError(KVTransferError):
+    """The worker failed on this one prompt (its error is the message); it goes on serving."""
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
@@ -164,7 +168,7 @@ class TorchDistributedConnector:
         status, num_tokens, msg_len = self._recv(torch.zeros(3, dtype=torch.long)).tolist()
         if status != 0:
             msg = bytes(self._recv(torch.zeros(msg_len, dtype=torch.uint8)).tolist()).decode("utf-8", "replace")
-            raise KVTransferError(f"the prefill worker failed on this prompt: {msg}")
+            raise KVRequestError(f"the prefill worker failed on this prompt: {msg}")
         assert self.geometry is not None and self.dtype is not None
         layers, bs, kv, dh = self.geometry
         shape = (layers, num_tokens // bs, bs, kv, dh)  # [L, nb, bs, KV, Dh]
