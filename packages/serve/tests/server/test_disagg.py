@@ -242,3 +242,28 @@ def test_a_dead_prefill_worker_is_a_503_naming_it(disagg_server):
     assert f"prefill worker (pid {pid}) exited with code -9" in err["message"]
     h = httpx.get(disagg_server.base_url + "/health")
     assert h.status_code == 503 and f"pid {pid}" in h.json()["error"]["message"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_two_processes_on_gpus(model_dir, bpe):
+    """On a GPU: the worker on the second GPU when there are two (NCCL), else sharing the first (gloo)."""
+    import openai
+    from plyx.model import load_checkpoint
+    from plyx.serve.server import build_server
+    from plyx.specs.config.serve import ServeConfig
+
+    cfg = ServeConfig(model=str(model_dir), served_name=MODEL_NAME, api_key=API_KEY, device="cuda", block_size=4,
+                      num_blocks=256, max_batch_size=8, max_batch_tokens=64)
+    app = build_server(cfg, chat_template="chatml", drain_timeout=5, disaggregate={"timeout": 60})
+    ids = bpe.encode(PROMPT).ids
+    colocated = Engine(load_checkpoint(model_dir, device="cuda"), config=EngineConfig(
+        max_batch_size=8, max_batch_tokens=64, block_size=4, num_blocks=256))
+    want = colocated.generate([ids], SamplingParams(temperature=0, max_new_tokens=8))[0].outputs[0].token_ids
+    with serve(app) as running:
+        client = openai.OpenAI(base_url=running.base_url + "/v1", api_key=API_KEY, max_retries=0)
+        out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=8, temperature=0)
+        aengine = running.app.state.plyx.aengine
+        assert out.choices[0].text == bpe.decode(list(want))
+        assert aengine.remote_prefills == 1 and aengine.imported_tokens == (len(ids) - 1) // 4 * 4
+        want_device = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+        assert aengine.worker.argv[aengine.worker.argv.index("--device") + 1] == want_device
