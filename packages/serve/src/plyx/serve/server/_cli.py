@@ -191,6 +191,11 @@ def _run(args: argparse.Namespace) -> int:
     except (PathError, PlyxError, ValueError, WorkerUnavailableError, KVTransferError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    worker = getattr(app.state.plyx.aengine, "worker", None)
+    if worker is not None:  # where the other process of this server is, and where its output goes
+        device = worker.argv[worker.argv.index("--device") + 1]
+        print(f"plyx serve: disaggregated; the {worker.name} prefills on {device} (its log: {worker.log_path})",
+              file=sys.stderr)
     import uvicorn
 
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
