@@ -1,7 +1,8 @@
 """The built-in plugin of plyx-serve, registered under the `plyx` entry-point group.
 
-Contributes every built-in logits processor and sampler through ``plyx_samplers``; the
-generation loop finds them by name exactly as it finds a third party's.
+Contributes every built-in logits processor and sampler through ``plyx_samplers``, the tool-call parsers
+through ``plyx_tool_parsers`` and the KV connector of disaggregated serving through ``plyx_kv_connectors``;
+each is found by name exactly as a third party's is.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ def plyx_tool_parsers() -> list[Any]:
     from plyx.serve.server._tool_parsers import BUILTIN_PARSERS
 
     return [Component(name, cls, (cls.__doc__ or "").split("\n")[0]) for name, cls in BUILTIN_PARSERS.items()]
+
+
+@hookimpl
+def plyx_kv_connectors() -> list[Any]:
+    from plyx.serve.disagg._connector import BUILTIN_CONNECTORS
+
+    return [Component(name, cls, (cls.__doc__ or "").split("\n")[0]) for name, cls in BUILTIN_CONNECTORS.items()]
 
 
 @hookimpl

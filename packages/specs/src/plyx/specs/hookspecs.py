@@ -127,6 +127,17 @@ def plyx_tool_parsers() -> list[Any]:
 
 
 @hookspec
+def plyx_kv_connectors() -> list[Any]:
+    """KV connectors of disaggregated serving (plyx-serve ships ``torch_distributed``: send/recv over gloo or NCCL).
+
+    :return: a list of ``Component``; ``factory(role=..., address=..., timeout=..., device=..., backend=...)``
+        returns a connector as documented by plyx-serve (``plyx.serve.disagg``): ``connect``, ``close``, the
+        consumer's ``prefill(prompt_ids) -> KVBlocks`` and the producer's ``serve(handler)``.
+        ``plyx serve --disaggregate --kv-connector NAME`` selects it by the Component's name.
+    """
+
+
+@hookspec
 def plyx_reward_functions() -> list[Any]:
     """Reward functions of online RL (plyx-rl's GRPO ships ``exact_match``, ``numeric_match``, ``regex_format``,
     ``length_penalty`` and ``reward_model``).

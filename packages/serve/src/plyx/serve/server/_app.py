@@ -26,6 +26,7 @@ from typing import Any
 
 import msgspec
 from fastapi import FastAPI
+from plyx.serve.disagg._launch import WorkerUnavailableError
 from plyx.serve.engine import AsyncEngine, Engine, QueueFullError
 from plyx.serve.server._chat import ChatTemplate, ChatTemplateError, load_chat_template
 from plyx.serve.server._errors import (
@@ -85,9 +86,10 @@ class ServerSettings(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
 
 
 class _State:
-    def __init__(self, engine: Engine, settings: ServerSettings, chat_template: ChatTemplate | None) -> None:
+    def __init__(self, engine: Engine, settings: ServerSettings, chat_template: ChatTemplate | None,
+                 aengine: AsyncEngine | None = None) -> None:
         self.engine = engine
-        self.aengine = AsyncEngine(engine)
+        self.aengine = aengine if aengine is not None else AsyncEngine(engine)
         self.settings = settings
         self.chat_template = chat_template
         self.metrics = ServerMetrics(engine)
@@ -109,7 +111,7 @@ def _pm() -> Any:
 
 
 def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_template: ChatTemplate | str | None
-               = None, model_dir: str | None = None) -> FastAPI:
+               = None, model_dir: str | None = None, aengine: AsyncEngine | None = None) -> FastAPI:
     """The app serving ``engine`` (its thread starts with the app and stops, after draining, with it).
 
     Args:
@@ -118,10 +120,12 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
         chat_template: a ``ChatTemplate``, a builtin name (``chatml``...), a file or Jinja source; default:
             the template of ``model_dir``'s tokenizer config.
         model_dir: the model directory (tokenizer config and chat template).
+        aengine: the ``AsyncEngine`` driving ``engine`` (default: a plain one); disaggregated serving passes a
+            ``plyx.serve.disagg.DisaggAsyncEngine``, whose prefills run in a worker process.
     """
     settings = settings or ServerSettings()
     template = chat_template if isinstance(chat_template, ChatTemplate) else load_chat_template(model_dir, chat_template)
-    state = _State(engine, settings, template)
+    state = _State(engine, settings, template, aengine)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -149,6 +153,9 @@ def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_t
     async def health() -> Response:
         if not state.aengine.alive and state.aengine.accepting:
             return error_response(APIError(503, "the engine thread is not running", code="engine_dead"))
+        down = getattr(state.aengine, "unavailable", None)  # a disaggregated worker that died
+        if down:
+            return error_response(APIError(503, down, code="worker_unavailable"))
         return Response(b'{"status":"ok"}', media_type="application/json")
 
     @app.get("/metrics")
@@ -599,6 +606,9 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
     except ConfigError as exc:
         state.inflight -= 1
         raise from_config_error(exc) from None
+    except WorkerUnavailableError as exc:  # disaggregated serving: the prefill worker is gone
+        state.inflight -= 1
+        raise APIError(503, f"{exc}; restart the server (or its worker)", code="worker_unavailable") from None
     except BaseException:
         state.inflight -= 1
         raise

@@ -52,6 +52,18 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="hermes",
                    help="parser of tool_choice=auto replies: hermes | llama3_json | mistral | a plugin's "
                         "(empty: none)")
+    g = p.add_argument_group("disaggregated prefill/decode (vLLM's P/D disaggregation)")
+    g.add_argument("--disaggregate", action="store_true",
+                   help="prefill prompts in a worker process (its own GPU when there are two) and hand their KV "
+                        "blocks to this server's decode engine through a KV connector")
+    g.add_argument("--prefill-device", default="auto",
+                   help="the prefill worker's device (auto: the second GPU if any, else --device's)")
+    g.add_argument("--kv-connector", default="torch_distributed",
+                   help="KV connector plugin (plyx_kv_connectors); built in: torch_distributed")
+    g.add_argument("--kv-backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="torch_distributed's transport (auto: NCCL between two GPUs, gloo otherwise)")
+    g.add_argument("--kv-timeout", type=float, default=120.0,
+                   help="seconds a prefill may take before the worker counts as hung (the server then answers 503)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -103,11 +115,14 @@ def lora_specs(values: list[str]) -> dict[str, str]:
 
 def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: int = 512,
                  drain_timeout: float = 30.0, mixed_chunk: int = -1, lora: dict[str, str] | None = None,
-                 tool_parser: str = "hermes", kv_cache_dtype: str = "auto") -> Any:
+                 tool_parser: str = "hermes", kv_cache_dtype: str = "auto",
+                 disaggregate: dict[str, Any] | None = None) -> Any:
     """The FastAPI app of a ``ServeConfig`` (model loaded, engine built; its thread starts with the app).
 
     ``lora`` maps served names to PEFT adapter directories (``plyx.serve.MultiLora``); a name is then a model
-    requests may name. ``tool_parser`` parses ``tool_choice=auto`` replies."""
+    requests may name. ``tool_parser`` parses ``tool_choice=auto`` replies. ``disaggregate`` (keyword
+    arguments of ``plyx.serve.disagg.start_prefill_worker``, ``{}`` for its defaults) starts a prefill worker
+    and serves through a ``DisaggAsyncEngine``: this process decodes, the worker prefills."""
     import torch
     from plyx.serve.engine import Engine, EngineConfig
     from plyx.serve.server._app import ServerSettings, create_app
@@ -140,12 +155,28 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
                               max_request_bytes=cfg.max_request_bytes, max_concurrent=max_concurrent,
                               drain_timeout=drain_timeout, guardrail_policy=cfg.guardrail_policy,
                               tool_parser=tool_parser)
-    return create_app(engine, settings=settings, chat_template=chat_template, model_dir=cfg.model)
+    aengine = None
+    if disaggregate is not None:
+        from plyx.serve.disagg import DisaggAsyncEngine, start_prefill_worker
+
+        worker = start_prefill_worker(cfg.model, engine, dtype=cfg.dtype, num_blocks=cfg.num_blocks,
+                                      **disaggregate)
+        aengine = DisaggAsyncEngine(engine, worker)
+    return create_app(engine, settings=settings, chat_template=chat_template, model_dir=cfg.model, aengine=aengine)
+
+
+def _disagg_options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """``start_prefill_worker``'s options of ``--disaggregate`` and its flags (None without it)."""
+    if not args.disaggregate:
+        return None
+    return {"device": args.prefill_device, "connector": args.kv_connector, "backend": args.kv_backend,
+            "timeout": args.kv_timeout}
 
 
 def _run(args: argparse.Namespace) -> int:
     import sys
 
+    from plyx.serve.disagg import KVTransferError, WorkerUnavailableError
     from plyx.serve.server._paths import PathError, check_model_path
     from plyx.specs.errors import PlyxError
 
@@ -156,10 +187,15 @@ def _run(args: argparse.Namespace) -> int:
         app = build_server(cfg, chat_template=args.chat_template, max_concurrent=args.max_concurrent,
                            drain_timeout=args.drain_timeout, mixed_chunk=args.mixed_chunk,
                            lora=lora_specs(args.lora), tool_parser=args.tool_call_parser,
-                           kv_cache_dtype=args.kv_cache_dtype)
-    except (PathError, PlyxError, ValueError) as exc:
+                           kv_cache_dtype=args.kv_cache_dtype, disaggregate=_disagg_options(args))
+    except (PathError, PlyxError, ValueError, WorkerUnavailableError, KVTransferError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    worker = getattr(app.state.plyx.aengine, "worker", None)
+    if worker is not None:  # where the other process of this server is, and where its output goes
+        device = worker.argv[worker.argv.index("--device") + 1]
+        print(f"plyx serve: disaggregated; the {worker.name} prefills on {device} (its log: {worker.log_path})",
+              file=sys.stderr)
     import uvicorn
 
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level=args.log_level,
