@@ -38,6 +38,7 @@ from plyx.serve._params import SamplingParams
 from plyx.serve._tokenizer import TokenizerView
 from plyx.serve.engine._config import EngineConfig
 from plyx.serve.engine._prefix_cache import PrefixCache
+from plyx.serve.engine._multistep import accept_block, block_steps, multi_step_row, run_block
 from plyx.serve.engine._sampling import sample_rows
 from plyx.serve.engine._sequence import EngineRequest, SeqStatus, Sequence
 from plyx.specs.errors import ConfigError
@@ -84,6 +85,7 @@ class EngineStats:
         self.preemptions = 0
         self.requests_finished = 0
         self.requests_aborted = 0
+        self.multi_step_blocks = 0  # schedules that ran several decode steps (``EngineConfig.decode_steps``)
         self.looked_ahead = 0  # tokens fed by a look-ahead forward that the next step sampled from
         self.spec_drafted = 0  # draft tokens fed (speculative_ngram)
         self.spec_accepted = 0  # draft tokens the target's argmax confirmed
@@ -158,6 +160,9 @@ class Engine:
         self._lm_head = getattr(model, "lm_head_weight", None) is not None
         # resident adapters (``plyx.serve.MultiLora``): requests name one; a step's rows may mix them
         self.lora = lora
+        steps = c.decode_steps if c.decode_steps is not None else (8 if self.device.type == "cuda" else 1)
+        # multi-step decode (``_multistep``): plain rows only; drafts and adapters keep one step per schedule
+        self.decode_steps = 1 if lora is not None or c.speculative_ngram else steps
         self.graphs = self._decode_graphs() if lora is None else None  # graphs bake in one adapter map
         # one packed (varlen) forward per step: every scheduled token in one [1, N] row
         self.packed = self._can_pack()
@@ -198,7 +203,9 @@ class Engine:
 
         # one token per row: the engine's prefill chunks run as ordinary forwards (ragged, mixed with decodes), so
         # the step buffers (copied to the device every step) stay one token wide
-        return DecodeGraphs(self.model, self.cache, max_batch=self.config.max_batch_size, max_query=1)
+        # (a multi-step block of k greedy steps needs k columns: ``greedy_steps``)
+        return DecodeGraphs(self.model, self.cache, max_batch=self.config.max_batch_size,
+                            max_query=max(1, self.decode_steps))
 
     # -- requests --------------------------------------------------------------------------
     def compile_grammar(self, params: SamplingParams) -> Any:
@@ -326,6 +333,12 @@ class Engine:
         self.stats.steps += 1
         self.stats.last_batch_seqs = len(planned)
         self.stats.last_batch_tokens = sum(n for _, n in planned)
+        k = block_steps(self, planned) if self.decode_steps > 1 else 1
+        if k > 1:  # a block of k decode steps, the tokens read once (``_multistep``)
+            seqs = [s for s, _ in planned]
+            self.stats.steps += k - 1
+            self.stats.multi_step_blocks += 1
+            return accept_block(self, seqs, run_block(self, seqs, k))
         # rows whose logits the previous step's look-ahead computed sample without a forward
         finishing = [s for s, n in planned if n == 0]
         rows = [self._ahead.pop(s.seq_id) for s in finishing]
@@ -419,6 +432,8 @@ class Engine:
         """
         if self.waiting or any(s.pending for s in self.running):
             return ()
+        if self.decode_steps > 1 and all(multi_step_row(s) or s.finished for s in seqs):
+            return ()  # the next step runs a multi-step block (it needs its rows' tokens on the host first)
         keep = [i for i, s in enumerate(seqs) if len(s.completion.token_ids) + 1 < s.completion.limit]
         if not keep:
             return ()

@@ -19,7 +19,7 @@ from plyx.serve._processors import SamplingState
 from plyx.serve._structured import GrammarMask
 from plyx.serve.engine._sequence import Sequence
 
-__all__ = ["plain_greedy", "sample_rows"]
+__all__ = ["plain_greedy", "sample_rows", "sample_tokens"]
 
 
 def _needs_state(seq: Sequence) -> bool:
@@ -46,14 +46,12 @@ def plain_greedy(seq: Sequence) -> bool:
             and not p.logit_bias and not p.banned_token_ids and not p.min_tokens)
 
 
-def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: torch.Generator | None,
-                before_sync: Callable[[torch.Tensor], None] | None = None,
-                ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """One token per row of ``logits`` (``[R, V]`` float32, row i for ``seqs[i]``); and its log-probabilities.
+def sample_tokens(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: torch.Generator | None,
+                  generated_offset: int = 0) -> torch.Tensor:
+    """One token per row of ``logits`` (``[R, V]``, row i for ``seqs[i]``), on the device: no host sync.
 
-    ``before_sync(tokens)`` is called with the chosen tokens still on the device (``[R]``), before the step's one
-    wait for them: the engine queues the next forward there (look-ahead), so the device works while the host
-    reads the tokens and handles them.
+    ``generated_offset`` counts tokens each row chose that its ``Sequence`` does not hold yet (step j of a
+    multi-step decode samples as the single step after j more tokens would: ``min_tokens`` reads the count).
     """
     R, V = logits.shape
     device = logits.device
@@ -73,9 +71,22 @@ def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: to
         else:  # no processor reads them: one shared row of zeros
             prompt_mask = torch.zeros(1, V, dtype=torch.bool, device=device).expand(R, V)
             counts = torch.zeros(1, V, dtype=torch.int32, device=device).expand(R, V)
-        generated = torch.tensor([len(s.tokens) - len(s.request.prompt_ids) for s in seqs], device=device)
+        generated = torch.tensor([len(s.tokens) - len(s.request.prompt_ids) + generated_offset for s in seqs], device=device)
         state = SamplingState(prompt_mask, counts, generated, [s.generator for s in seqs], default_generator)
         tokens = pipeline.sample(pipeline.process(logits, state), state)  # [R]
+    return tokens
+
+
+def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: torch.Generator | None,
+                before_sync: Callable[[torch.Tensor], None] | None = None,
+                ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """One token per row of ``logits`` (``[R, V]`` float32, row i for ``seqs[i]``); and its log-probabilities.
+
+    ``before_sync(tokens)`` is called with the chosen tokens still on the device (``[R]``), before the step's one
+    wait for them: the engine queues the next forward there (look-ahead), so the device works while the host
+    reads the tokens and handles them.
+    """
+    tokens = sample_tokens(seqs, logits, default_generator)
     if before_sync is not None:
         before_sync(tokens)
     out = tokens.tolist()  # the one host sync of the step

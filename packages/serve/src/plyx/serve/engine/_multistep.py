@@ -1,0 +1,116 @@
+"""Multi-step decode: ``k`` decode steps per schedule, the host reading the tokens once per block.
+
+A decode-only step's device work is small (one token per row); what it costs on a GPU is the host work
+around it: scheduling, reserving slots, filling and copying the step's inputs, reading the tokens back,
+accepting them. When nothing can change the batch in between (no request waits, no row needs per-token
+host logic) the engine runs ``k`` steps back to back, each fed the previous step's tokens on the device:
+
+* plain-greedy batches on CUDA: one replay of ``DecodeGraphs.greedy_steps`` (the ``k`` steps and their
+  argmax inside one CUDA graph, as ``generate`` decodes);
+* anything else (sampled rows, CPU, no graph bucket): ``k`` one-token forwards (graph replays where a
+  bucket holds the batch) and ``k`` device-side samplings, every row with its own processors and seeded
+  generator, and one device-to-host copy of the ``[B, k]`` tokens at the end.
+
+The tokens are then accepted one at a time per row, in order, so a row that finishes inside the block
+(EOS, a stop token id, ``max_tokens``) keeps exactly what a one-step engine would have emitted; its later
+tokens are discarded with its cache entry. Seeded and greedy rows produce the same tokens as with ``k = 1``:
+each row draws from its own generator in the same order, and ``min_tokens`` sees the count it would see.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from plyx.serve.engine._sampling import _needs_state, plain_greedy, sample_tokens
+from plyx.serve.engine._sequence import Sequence
+
+if TYPE_CHECKING:
+    from plyx.serve.engine._engine import Engine, EngineOutput
+
+__all__ = ["accept_block", "block_steps", "multi_step_row", "run_block"]
+
+
+def multi_step_row(seq: Sequence) -> bool:
+    """Whether a decoding row needs no host logic between two of its tokens: no grammar, stop strings,
+    log-probs, penalties (their counts live on the host), custom processors or samplers, adapter."""
+    p = seq.params
+    return (seq.matcher is None and not p.stop and p.logprobs is None and not p.processors and p.sampler is None
+            and not _needs_state(seq) and seq.request.adapter is None
+            and len(seq.tokens) > len(seq.request.prompt_ids))  # its first token forks followers (n > 1)
+
+
+def block_steps(engine: Engine, planned: list[tuple[Sequence, int]]) -> int:
+    """How many decode steps this schedule runs: ``EngineConfig.decode_steps`` rounded down to a power of two
+    (so a few graphs per bucket serve every block) when the step is decode-only, every running row is in it
+    and allows it, nothing waits, and the cache has room; else 1.
+
+    The block never runs past the longest remaining completion (a shorter row's extra tokens are discarded)
+    nor past the context of any row.
+    """
+    k = engine.decode_steps
+    if k <= 1 or engine.waiting or len(planned) != len(engine.running):
+        return 1
+    seqs = []
+    for seq, n in planned:
+        if n != 1 or seq.pending != 1 or not multi_step_row(seq):
+            return 1
+        seqs.append(seq)
+    remaining = max(s.completion.limit - len(s.completion.token_ids) for s in seqs)
+    room = min(engine.max_model_len - len(s.tokens) + 1 for s in seqs)  # cache positions left to the fullest row
+    k = min(k, remaining, room)
+    if k <= 1:
+        return 1
+    k = 1 << (k.bit_length() - 1)
+    ids = [s.seq_id for s in seqs]
+    while k > 1 and engine.cache.blocks_needed(ids, [k] * len(ids)) > engine.cache.num_free_blocks():
+        k //= 2  # never evict or preempt for a block's speculative tail
+    return k
+
+
+def _one_step(engine: Engine, ids: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """Feed each row its token (``[B]`` on the device); the next logits ``[B, V]``. Reserves one slot per row."""
+    graphs = engine.graphs
+    if graphs is not None and graphs.bucket(len(ids)) is not None:
+        return graphs.step(ids, tokens)  # type: ignore[no-any-return]  # the graph's buffer: sampled before reuse
+    if engine.packed:
+        from plyx.attn import begin_packed_step
+
+        ids_t, positions, step = begin_packed_step(engine.cache, ids, [1] * len(ids), tokens, engine.device)
+        out = engine.model(ids_t, position_ids=positions, kv_step=step, return_hidden=engine._lm_head)  # [1, B, D|V]
+        return engine._logits(out[0])  # [B, V]
+    # one forward of [B, 1] through the cache's own writes (quantised caches, no packed step)
+    kw: dict[str, Any] = {"cache": engine.cache, "seq_ids": ids, "attention_mask": None}
+    out = engine.model(tokens[:, None], return_hidden=engine._lm_head, **kw) if engine._lm_head else \
+        engine.model(tokens[:, None], **kw)  # [B, 1, D|V]
+    return engine._logits(out[:, -1])  # [B, V]
+
+
+def run_block(engine: Engine, seqs: list[Sequence], k: int) -> list[list[int]]:
+    """Run ``k`` decode steps of ``seqs`` (each fed its one pending token first); the chosen tokens ``[B][k]``."""
+    ids = [s.seq_id for s in seqs]
+    first = [s.tokens[s.num_computed] for s in seqs]
+    graphs = engine.graphs
+    if (graphs is not None and graphs.bucket(len(ids)) is not None and k <= graphs.max_query
+            and all(plain_greedy(s) for s in seqs)):
+        return graphs.greedy_steps(ids, first, k).tolist()  # type: ignore[no-any-return]  # one replay, one read
+    tokens = torch.tensor(first, dtype=torch.long, device=engine.device)
+    chosen = []
+    for j in range(k):
+        logits = _one_step(engine, ids, tokens)
+        tokens = sample_tokens(seqs, logits, engine.generator, generated_offset=j)  # [B], no host sync
+        chosen.append(tokens)
+    return torch.stack(chosen, dim=1).tolist()  # [B, k]: the block's one device-to-host copy
+
+
+def accept_block(engine: Engine, seqs: list[Sequence], rows: list[list[int]]) -> list[EngineOutput]:
+    """Accept each row's tokens in order, one event per token, up to the token that finishes it (its cache
+    entry, holding the block's later tokens too, is freed then)."""
+    outputs: list[EngineOutput] = []
+    for seq, row in zip(seqs, rows):
+        for token in row:
+            seq.num_computed += 1  # the token fed before this one is in the cache
+            outputs.extend(engine._accept(seq, token, None))
+            if seq.finished:
+                break
+    return outputs
