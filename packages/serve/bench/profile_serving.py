@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20, help="decode-only steps timed")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--decode-steps", type=int, default=0,
+                   help="EngineConfig.decode_steps of the profiled engine (0: the device's default); the decode-only "
+                        "figures are also measured at 1 (one step per schedule) for comparison")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -81,25 +84,61 @@ def main(argv: list[str] | None = None) -> int:
     def prompt() -> list[int]:
         return prefix + [rng.randrange(8, vocab) for _ in range(args.input_len)]
 
-    max_len = args.prefix_len + args.input_len + args.steps * 4 + 64
-    engine = Engine(model, config=EngineConfig(max_batch_size=args.batch + 1, max_batch_tokens=args.max_batch_tokens,
-                                               max_model_len=max_len, cuda_graphs=not args.no_graphs))
-    params = SamplingParams(temperature=0, max_new_tokens=max_len - args.prefix_len - args.input_len - 1,
-                            ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(f"r{i}", prompt(), params)
-    while any(s.pending > 1 for s in engine.running) or engine.waiting:  # prefill every prompt
-        engine.step()
-    for _ in range(3):  # warm: graphs captured, kernels compiled
-        engine.step()
-    _sync(device)
+    default_k = 8 if device.type == "cuda" else 1
+    k_main = args.decode_steps or default_k
+    max_len = args.prefix_len + args.input_len + (args.steps + 16) * max(k_main, 1) * 2 + 64
+
+    def filled(k: int) -> Any:
+        """An engine (``decode_steps=k``) with ``--batch`` requests prefilled and decoding in steady state."""
+        eng = Engine(model, config=EngineConfig(max_batch_size=args.batch + 1, max_batch_tokens=args.max_batch_tokens,
+                                                max_model_len=max_len, cuda_graphs=not args.no_graphs,
+                                                decode_steps=k))
+        params = SamplingParams(temperature=0, max_new_tokens=max_len - args.prefix_len - args.input_len - 1,
+                                ignore_eos=True)
+        for i in range(args.batch):
+            eng.add_request(f"r{i}", prompt(), params)
+        while any(s.pending > 1 for s in eng.running) or eng.waiting:  # prefill every prompt
+            eng.step()
+        for _ in range(3):  # warm: graphs captured, kernels compiled
+            eng.step()
+        _sync(device)
+        return eng
+
+    forward_s = [0.0]  # wall time inside the model's forward (eager forwards; a graph replay is not seen)
+
+    def clock(module: Any, inputs: Any) -> None:
+        forward_s.append(time.perf_counter())
+
+    def stop(module: Any, inputs: Any, output: Any) -> None:
+        forward_s[0] += time.perf_counter() - forward_s.pop()
+
+    model.register_forward_pre_hook(clock)
+    model.register_forward_hook(stop)
+
+    def decode_figures(k: int) -> tuple[float, float, float]:
+        """(wall s per decode step, host s per decode step outside the model's forward, tokens per step) of an
+        engine with ``decode_steps=k``; a decode step is one token per row (a block of k counts k)."""
+        eng = filled(k)
+        steps0, forward_s[0] = eng.stats.steps, 0.0
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        _sync(device)
+        wall = time.perf_counter() - start
+        n = eng.stats.steps - steps0
+        return wall / n, (wall - forward_s[0]) / n, args.batch * n / wall
+
+    ks = sorted({1, k_main})
+    figures = {k: decode_figures(k) for k in ks}
+    engine = filled(k_main)
 
     def timed_decode(n: int) -> float:
         start = time.perf_counter()
+        steps0 = engine.stats.steps
         for _ in range(n):
             engine.step()
         _sync(device)
-        return (time.perf_counter() - start) / n
+        return (time.perf_counter() - start) / max(1, engine.stats.steps - steps0)
 
     decode_s = timed_decode(args.steps)
     mixed = []
@@ -122,12 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"model `{args.model}` ({sum(x.numel() for x in model.parameters()) / 1e6:.1f} M params, {args.dtype}), "
         f"{args.batch} decode rows, prompts {args.prefix_len}+{args.input_len}, packed step {engine.packed}, "
-        f"CUDA graphs {engine.graphs is not None}, look-ahead {engine.look_ahead}",
+        f"CUDA graphs {engine.graphs is not None}, look-ahead {engine.look_ahead}, "
+        f"decode_steps {engine.decode_steps}",
         "",
         f"decode-only step: {decode_s * 1e3:.2f} ms ({args.batch / decode_s:.0f} tok/s)",
+        *(f"decode_steps={k}: {w * 1e3:.3f} ms per decode step ({tps:.0f} tok/s); host ms per decode step outside "
+          f"the model's forward{' (eager launches count as model time)' if device.type == 'cuda' else ''}: "
+          f"{h * 1e3:.3f}" for k, (w, h, tps) in figures.items()),
         f"mixed step (one prompt of {args.prefix_len + args.input_len} tokens + {args.batch} decodes): "
         f"{min(mixed) * 1e3:.2f} ms (best of 3)",
-        f"host time of one decode step, until step() returns: {host_s * 1e3:.2f} ms",
+        f"host time of one decode step (a block of decode_steps), until step() returns: {host_s * 1e3:.2f} ms",
         "",
     ]
     from torch.profiler import ProfilerActivity, profile

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from plyx.serve.engine._sampling import _needs_state, plain_greedy, sample_tokens
+from plyx.serve.engine._sampling import RowSampler, _needs_state, plain_greedy
 from plyx.serve.engine._sequence import Sequence
 
 if TYPE_CHECKING:
@@ -95,10 +95,13 @@ def run_block(engine: Engine, seqs: list[Sequence], k: int) -> list[list[int]]:
             and all(plain_greedy(s) for s in seqs)):
         return graphs.greedy_steps(ids, first, k).tolist()  # type: ignore[no-any-return]  # one replay, one read
     tokens = torch.tensor(first, dtype=torch.long, device=engine.device)
+    sample: RowSampler | None = None
     chosen = []
     for j in range(k):
-        logits = _one_step(engine, ids, tokens)
-        tokens = sample_tokens(seqs, logits, engine.generator, generated_offset=j)  # [B], no host sync
+        logits = _one_step(engine, ids, tokens)  # [B, V]
+        if sample is None:  # built once per block (the logits' width may exceed the tokenizer's vocabulary)
+            sample = RowSampler(seqs, logits.shape[1], logits.device, engine.generator)
+        tokens = sample(logits, generated_offset=j)  # [B], no host sync
         chosen.append(tokens)
     return torch.stack(chosen, dim=1).tolist()  # [B, k]: the block's one device-to-host copy
 
