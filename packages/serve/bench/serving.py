@@ -165,7 +165,9 @@ async def _client(url: str, reqs: list[Request], max_concurrency: int, conn: Any
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         # warm-up, not counted: a few short requests at once compile the kernels of every shape class
         # (prefill chunks, mixed and decode steps) and fill the allocator
-        warm = [Request(r.prompt, 4, 0.0) for r in reqs[:16]]
+        # (as many as run at once, long enough for multi-step decode blocks: every graph of the measured
+        # batch size is captured here, not in the measured run)
+        warm = [Request(r.prompt, 24, 0.0) for r in reqs[:max(16, min(len(reqs), max_concurrency or 16))]]
         await asyncio.gather(*(_one(client, url, r, time.perf_counter(), None) for r in warm))
         conn.send("warm")
         if conn.recv() != "go":  # the server side resets its prefix cache and counters meanwhile
@@ -230,7 +232,7 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
     engine = Engine(model, tokenizer=tokenizer, config=EngineConfig(
         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, max_model_len=max_len, prefix_caching=prefix_caching, max_queue=100_000,
-        packed_step=packed, cuda_graphs=not args.no_graphs,
+        packed_step=packed, cuda_graphs=not args.no_graphs, decode_steps=args.decode_steps or None,
         mixed_chunk=(16 if args.device.startswith("cuda") else 0) if args.mixed_chunk < 0 else args.mixed_chunk))
     app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000,
                                                      switch_interval=args.switch_interval))
@@ -242,6 +244,7 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
             marks["hits"], marks["queried"] = engine.prefix.hit_tokens, engine.prefix.queried_tokens
         marks["preemptions"] = engine.stats.preemptions
         marks["steps"] = engine.stats.steps
+        marks["blocks"] = engine.stats.multi_step_blocks
         marks["step_s"] = aengine.step_seconds
 
     aengine = app.state.plyx.aengine
@@ -256,6 +259,8 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
              "prefix_hit_rate": (p.hit_tokens - marks["hits"]) / max(1, p.queried_tokens - marks["queried"])
              if p is not None else 0.0}
     step = "" if packed else ", one forward per group"
+    step += f", decode_steps {engine.decode_steps}"
+    extra["multi_step_blocks"] = engine.stats.multi_step_blocks - marks["blocks"]
     return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'}{step})", reqs, timings,
                      duration, extra)
 
@@ -404,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run the engine with one forward per group of rows (EngineConfig.packed_step=False, "
                         "the step before packing), prefix caching on: before/after in one run")
     p.add_argument("--no-graphs", action="store_true", help="EngineConfig.cuda_graphs=False (eager decode steps)")
+    p.add_argument("--decode-steps", type=int, default=0,
+                   help="EngineConfig.decode_steps (multi-step decode; 0: the device's default, 8 on CUDA, 1 on CPU)")
+    p.add_argument("--compare-decode-steps", type=int, default=0,
+                   help="also run the server with this EngineConfig.decode_steps (e.g. 1: one step per schedule)")
     p.add_argument("--skip-prefix-off", action="store_true", help="skip the run with prefix caching off")
     p.add_argument("--vs-generate", action="store_true",
                    help="also time plyx generate on the same requests, --max-concurrency at a time, and report "
@@ -424,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(bench_plyx(model, tok, reqs, args, False))
     if args.compare_grouped:
         runs.append(bench_plyx(model, tok, reqs, args, True, packed=False))
+    if args.compare_decode_steps:
+        other = argparse.Namespace(**{**vars(args), "decode_steps": args.compare_decode_steps})
+        runs.append(bench_plyx(model, tok, reqs, other, True))
     extra: dict[str, Any] = {}
     if args.vs_generate:
         runs.append(bench_generate(model, reqs, args))

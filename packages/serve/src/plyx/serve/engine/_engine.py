@@ -37,8 +37,8 @@ from plyx.serve._outputs import RequestOutput, StreamEvent
 from plyx.serve._params import SamplingParams
 from plyx.serve._tokenizer import TokenizerView
 from plyx.serve.engine._config import EngineConfig
-from plyx.serve.engine._prefix_cache import PrefixCache
 from plyx.serve.engine._multistep import accept_block, block_steps, multi_step_row, run_block
+from plyx.serve.engine._prefix_cache import PrefixCache
 from plyx.serve.engine._sampling import sample_rows
 from plyx.serve.engine._sequence import EngineRequest, SeqStatus, Sequence
 from plyx.specs.errors import ConfigError
