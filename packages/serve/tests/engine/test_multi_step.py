@@ -6,6 +6,7 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 from plyx.serve import SamplingParams
 from plyx.serve.engine import Engine, EngineConfig
 from plyx.specs.errors import ConfigError
@@ -14,7 +15,7 @@ from plyx.specs.errors import ConfigError
 def _engine(lm, k, **kw):
     cfg = dict(max_batch_size=8, max_batch_tokens=64, block_size=4, num_blocks=240, prefix_caching=False)
     cfg.update(kw)
-    return Engine(lm, config=EngineConfig(decode_steps=k, **cfg), eos_token_id=kw.pop("eos", None))
+    return Engine(lm, config=EngineConfig(decode_steps=k, **cfg))
 
 
 def _prompts(count, seed):
@@ -107,3 +108,48 @@ def test_rows_needing_host_logic_keep_one_step(lm):
     got, engine = _run(lm, 4, prompts, params)
     assert got == want
     assert engine.stats.multi_step_blocks == 0  # the log-probs row is in every decode step
+
+
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_blocks_through_the_static_graph_step(lm, look_ahead):
+    """The CUDA path, run eagerly on CPU (``DecodeGraphs(capture=False)``, what a graph replays): plain-greedy
+    blocks take ``greedy_steps`` (k steps in one call), sampled blocks k one-token static steps; with the
+    look-ahead on (CUDA's default) the engine still reaches blocks. Same tokens as one step at a time."""
+    from plyx.serve._graphs import DecodeGraphs
+
+    prompts = _prompts(6, seed=24)
+    greedy = SamplingParams(temperature=0, max_new_tokens=19, ignore_eos=True)
+    sampled = [SamplingParams(temperature=0.8, top_k=30, seed=7 + i, max_new_tokens=13, ignore_eos=True)
+               for i in range(len(prompts))]
+    for params in (greedy, sampled):
+        want = _engine(lm, 1).generate(prompts, params)
+        engine = _engine(lm, 4, look_ahead=look_ahead)
+        graphs = engine.graphs = DecodeGraphs(lm, engine.cache, max_batch=8, capture=False, max_query=4,
+                                              buckets=[2, 4, 8])
+        fused = []
+        plain_steps = graphs.greedy_steps
+        graphs.greedy_steps = lambda ids, tokens, k: fused.append(k) or plain_steps(ids, tokens, k)
+        got = engine.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert engine.stats.multi_step_blocks > 0 and graphs.steps > 0
+        assert (4 in fused) if params is greedy else not fused  # greedy blocks: k steps in one (graph) call
+        assert engine.cache.usage().blocks_used == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_blocks_replay_captured_graphs_on_cuda():
+    """On a GPU (decode_steps defaults to 8): greedy blocks replay one captured k-step graph, sampled blocks
+    one-step graphs; same tokens as one step per schedule."""
+    from conftest import small_lm
+
+    model = small_lm().to("cuda")
+    prompts = _prompts(6, seed=25)
+    for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
+                   [SamplingParams(temperature=0.8, seed=i, max_new_tokens=30, ignore_eos=True) for i in range(6)]):
+        want = _engine(model, 1).generate(prompts, params)
+        engine = Engine(model, config=EngineConfig(max_batch_size=8, max_batch_tokens=64, block_size=4,
+                                                   num_blocks=240, prefix_caching=False))
+        assert engine.decode_steps == 8 and engine.graphs is not None
+        got = engine.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert engine.stats.multi_step_blocks > 0 and engine.graphs.replays > 0
