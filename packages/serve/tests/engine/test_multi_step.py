@@ -128,7 +128,7 @@ def test_blocks_through_the_static_graph_step(lm, look_ahead):
                                               buckets=[2, 4, 8])
         fused = []
         plain_steps = graphs.greedy_steps
-        graphs.greedy_steps = lambda ids, tokens, k: fused.append(k) or plain_steps(ids, tokens, k)
+        graphs.greedy_steps = lambda ids, tokens, k, fused=fused, run=plain_steps: fused.append(k) or run(ids, tokens, k)
         got = engine.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert engine.stats.multi_step_blocks > 0 and graphs.steps > 0
