@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def filled(k: int) -> Any:
         """An engine (``decode_steps=k``) with ``--batch`` requests prefilled and decoding in steady state."""
+        multi = {"decode_steps": k} if "decode_steps" in EngineConfig.__struct_fields__ else {}  # (older engines)
         eng = Engine(model, config=EngineConfig(max_batch_size=args.batch + 1, max_batch_tokens=args.max_batch_tokens,
-                                                max_model_len=max_len, cuda_graphs=not args.no_graphs,
-                                                decode_steps=k))
+                                                max_model_len=max_len, cuda_graphs=not args.no_graphs, **multi))
         params = SamplingParams(temperature=0, max_new_tokens=max_len - args.prefix_len - args.input_len - 1,
                                 ignore_eos=True)
         for i in range(args.batch):
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         engine with ``decode_steps=k``; a decode step is one token per row (a block of k counts k)."""
         eng = filled(k)
         steps0, forward_s[0] = eng.stats.steps, 0.0
+        eng.stats.multi_step_blocks = getattr(eng.stats, "multi_step_blocks", 0)
         start = time.perf_counter()
         for _ in range(args.steps):
             eng.step()
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         n = eng.stats.steps - steps0
         return wall / n, (wall - forward_s[0]) / n, args.batch * n / wall
 
-    ks = sorted({1, k_main})
+    ks = sorted({1, k_main}) if "decode_steps" in EngineConfig.__struct_fields__ else [1]
     figures = {k: decode_figures(k) for k in ks}
     engine = filled(k_main)
 
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         f"model `{args.model}` ({sum(x.numel() for x in model.parameters()) / 1e6:.1f} M params, {args.dtype}), "
         f"{args.batch} decode rows, prompts {args.prefix_len}+{args.input_len}, packed step {engine.packed}, "
         f"CUDA graphs {engine.graphs is not None}, look-ahead {engine.look_ahead}, "
-        f"decode_steps {engine.decode_steps}",
+        f"decode_steps {getattr(engine, 'decode_steps', 1)}",
         "",
         f"decode-only step: {decode_s * 1e3:.2f} ms ({args.batch / decode_s:.0f} tok/s)",
         *(f"decode_steps={k}: {w * 1e3:.3f} ms per decode step ({tps:.0f} tok/s); host ms per decode step outside "

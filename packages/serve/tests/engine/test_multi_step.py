@@ -32,9 +32,10 @@ def _params(count, stop=(), eos=False):
             for i in range(count)]
 
 
-def _run(lm, k, prompts, params, eos=None):
+def _run(lm, k, prompts, params, eos=None, look_ahead=False):
     engine = Engine(lm, config=EngineConfig(max_batch_size=8, max_batch_tokens=64, block_size=4, num_blocks=240,
-                                            prefix_caching=False, decode_steps=k), eos_token_id=eos)
+                                            prefix_caching=False, decode_steps=k, look_ahead=look_ahead),
+                    eos_token_id=eos)
     outs = engine.generate(prompts, params)
     assert engine.cache.usage().blocks_used == 0  # finished rows' blocks (and their discarded tail) came back
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs], engine
@@ -47,7 +48,10 @@ def test_config_rejects_out_of_range():
         EngineConfig(decode_steps=64)
 
 
-def test_blocks_equal_single_steps_with_stops_and_lengths_inside_blocks(lm):
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_blocks_equal_single_steps_with_stops_and_lengths_inside_blocks(lm, look_ahead):
+    """Also with the look-ahead (CUDA's default): the next block is queued before the host reads this one, and
+    rows that end by EOS or a stop id inside a block waste their share of the next."""
     prompts = _prompts(8, seed=21)
     plain, _ = _run(lm, 1, prompts, _params(8))
     # stop ids and EOS taken from the middle of the plain outputs: rows then finish mid-block
@@ -55,22 +59,24 @@ def test_blocks_equal_single_steps_with_stops_and_lengths_inside_blocks(lm):
     stop, eos = common[0][0], common[1][0]
     params = _params(8, stop=(stop,), eos=True)
     want, _ = _run(lm, 1, prompts, params, eos=eos)
-    got, engine = _run(lm, 4, prompts, params, eos=eos)
+    got, engine = _run(lm, 4, prompts, params, eos=eos, look_ahead=look_ahead)
     assert got == want
     assert engine.stats.multi_step_blocks > 0
+    assert (engine.stats.looked_ahead > 0) == look_ahead  # blocks queued before the host read the one before
     reasons = Counter(r for _, r, _ in want)
     assert reasons["stop"] >= 2 and reasons["length"] >= 1  # both kinds of ending happened
     assert any(len(ids) % 4 and r == "stop" for ids, r, _ in want)
 
 
-def test_arrival_and_abort_mid_block(lm):
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_arrival_and_abort_mid_block(lm, look_ahead):
     prompts = _prompts(4, seed=22)
     params = _params(4)
     params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, seed=p.seed, max_new_tokens=30,
                              ignore_eos=True) for p in params]
 
     def drive(k):
-        engine = _engine(lm, k)
+        engine = _engine(lm, k, look_ahead=look_ahead and k > 1)
         got: dict[str, list[int]] = {}
         for i in range(3):
             engine.add_request(f"r{i}", prompts[i], params[i])
@@ -91,7 +97,7 @@ def test_arrival_and_abort_mid_block(lm):
 
     want, _ = drive(1)
     got, engine = drive(4)
-    assert engine.stats.multi_step_blocks > 0
+    assert engine.stats.multi_step_blocks > 0 and (engine.stats.looked_ahead > 0) == look_ahead
     for rid in ("r0", "r2", "r3"):
         assert got[rid] == want[rid] and len(got[rid]) == 30
     # the aborted request streamed a prefix of its own output (a block may have carried it further), then stopped

@@ -37,7 +37,7 @@ from plyx.serve._outputs import RequestOutput, StreamEvent
 from plyx.serve._params import SamplingParams
 from plyx.serve._tokenizer import TokenizerView
 from plyx.serve.engine._config import EngineConfig
-from plyx.serve.engine._multistep import accept_block, block_steps, multi_step_row, run_block
+from plyx.serve.engine._multistep import accept_ahead, block_steps, multi_step_row, run_block
 from plyx.serve.engine._prefix_cache import PrefixCache
 from plyx.serve.engine._sampling import sample_rows
 from plyx.serve.engine._sequence import EngineRequest, SeqStatus, Sequence
@@ -175,6 +175,8 @@ class Engine:
         ahead = self.device.type == "cuda" if c.look_ahead is None else c.look_ahead
         self.look_ahead = ahead and (self.packed or self.graphs is not None) and not self.spec_k
         self._ahead: dict[int, torch.Tensor] = {}  # seq_id -> logits [V] (that token counts as computed)
+        # a multi-step block queued before the host read the previous one: (its rows, its tokens [B, k] on the device)
+        self._block_ahead: tuple[list[Sequence], torch.Tensor] | None = None
 
     def _can_pack(self) -> bool:
         """Whether steps run as one packed forward: asked for, a block-addressable cache, a model with the
@@ -327,6 +329,10 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[EngineOutput]:
         """Schedule, run one batched forward and sample; the outputs of this step."""
+        if self._block_ahead is not None:  # the multi-step block the last step queued before reading its own
+            outputs = accept_ahead(self)
+            if outputs or self._block_ahead is not None:
+                return outputs
         planned = self._schedule()
         if not planned:
             return []
@@ -338,7 +344,7 @@ class Engine:
             seqs = [s for s, _ in planned]
             self.stats.steps += k - 1
             self.stats.multi_step_blocks += 1
-            return accept_block(self, seqs, run_block(self, seqs, k))
+            return run_block(self, seqs, k)
         # rows whose logits the previous step's look-ahead computed sample without a forward
         finishing = [s for s, n in planned if n == 0]
         rows = [self._ahead.pop(s.seq_id) for s in finishing]

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from plyx.serve.engine._sampling import RowSampler, _needs_state, plain_greedy
-from plyx.serve.engine._sequence import Sequence
+from plyx.serve.engine._sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
     from plyx.serve.engine._engine import Engine, EngineOutput
 
-__all__ = ["accept_block", "block_steps", "multi_step_row", "run_block"]
+__all__ = ["accept_ahead", "accept_block", "block_steps", "multi_step_row", "run_block"]
 
 
 def multi_step_row(seq: Sequence) -> bool:
@@ -86,15 +86,16 @@ def _one_step(engine: Engine, ids: list[int], tokens: torch.Tensor) -> torch.Ten
     return engine._logits(out[:, -1])  # [B, V]
 
 
-def run_block(engine: Engine, seqs: list[Sequence], k: int) -> list[list[int]]:
-    """Run ``k`` decode steps of ``seqs`` (each fed its one pending token first); the chosen tokens ``[B][k]``."""
+def _queue_block(engine: Engine, seqs: list[Sequence], first: list[int] | torch.Tensor, k: int) -> torch.Tensor:
+    """Queue ``k`` decode steps of ``seqs``, fed ``first`` (host ints or ``[B]`` on the device) first; the chosen
+    tokens ``[B, k]`` on the device, not read (a copy where a graph's output buffer held them)."""
     ids = [s.seq_id for s in seqs]
-    first = [s.tokens[s.num_computed] for s in seqs]
     graphs = engine.graphs
     if (graphs is not None and graphs.bucket(len(ids)) is not None and k <= graphs.max_query
             and all(plain_greedy(s) for s in seqs)):
-        return graphs.greedy_steps(ids, first, k).tolist()  # type: ignore[no-any-return]  # one replay, one read
-    tokens = torch.tensor(first, dtype=torch.long, device=engine.device)
+        # one replay; its output buffer is overwritten by the next: cloned (a device copy) for a queued block
+        return graphs.greedy_steps(ids, first, k).clone()  # type: ignore[no-any-return]
+    tokens = first if isinstance(first, torch.Tensor) else torch.tensor(first, dtype=torch.long, device=engine.device)
     sample: RowSampler | None = None
     chosen = []
     for j in range(k):
@@ -103,7 +104,58 @@ def run_block(engine: Engine, seqs: list[Sequence], k: int) -> list[list[int]]:
             sample = RowSampler(seqs, logits.shape[1], logits.device, engine.generator)
         tokens = sample(logits, generated_offset=j)  # [B], no host sync
         chosen.append(tokens)
-    return torch.stack(chosen, dim=1).tolist()  # [B, k]: the block's one device-to-host copy
+    return torch.stack(chosen, dim=1)  # [B, k]
+
+
+def run_block(engine: Engine, seqs: list[Sequence], k: int) -> list[EngineOutput]:
+    """Run ``k`` decode steps of ``seqs`` (each fed its one pending token first) and accept their tokens.
+
+    With the look-ahead on (CUDA), the next block is queued before this one's tokens are read (``_queue_next``):
+    the device computes block N + 1 while the host accepts, detokenises and streams block N.
+    """
+    out = _queue_block(engine, seqs, [s.tokens[s.num_computed] for s in seqs], k)
+    _queue_next(engine, seqs, out, k)
+    return accept_block(engine, seqs, out.tolist())  # the block's one device-to-host copy
+
+
+def _queue_next(engine: Engine, seqs: list[Sequence], out: torch.Tensor, k: int) -> None:
+    """Queue the block after ``out`` (``[B, k]``, not read yet) when the next step would run exactly that block:
+    the look-ahead is on, nothing waits, these rows are every running row and none ends by length inside
+    ``out``. A row that ends inside ``out`` by EOS or a stop id wastes its share (its cache entry is freed
+    when it finishes; the device writes into those blocks before anything later on its stream)."""
+    if not engine.look_ahead or engine.waiting or len(seqs) != len(engine.running):
+        return
+    if any(s.completion.limit - len(s.completion.token_ids) <= k for s in seqs):
+        return  # a row ends by length inside this block: the batch changes, schedule it afresh
+    remaining = max(s.completion.limit - len(s.completion.token_ids) - k for s in seqs)
+    room = min(engine.max_model_len - len(s.tokens) - k + 1 for s in seqs)
+    k2 = min(engine.decode_steps, remaining, room)
+    if k2 <= 1:
+        return
+    k2 = 1 << (k2.bit_length() - 1)
+    ids = [s.seq_id for s in seqs]
+    if engine.cache.blocks_needed(ids, [k2] * len(ids)) > engine.cache.num_free_blocks():
+        return
+    engine._block_ahead = (seqs, _queue_block(engine, seqs, out[:, -1], k2))
+    engine.stats.looked_ahead += k2 * len(seqs)
+
+
+def accept_ahead(engine: Engine) -> list[EngineOutput]:
+    """The block the previous step queued: its rows still running take its tokens (finished or aborted rows'
+    are discarded), after the block after it is queued where the look-ahead allows."""
+    seqs, out = engine._block_ahead  # type: ignore[misc]
+    engine._block_ahead = None
+    alive = [i for i, s in enumerate(seqs) if s.status is SeqStatus.RUNNING and not s.finished]
+    if not alive:
+        return []
+    if len(alive) != len(seqs):
+        out = out.index_select(0, torch.tensor(alive, device=out.device))  # [B', k]
+        seqs = [seqs[i] for i in alive]
+    k = out.shape[1]
+    engine.stats.steps += k
+    engine.stats.multi_step_blocks += 1
+    _queue_next(engine, seqs, out, k)
+    return accept_block(engine, seqs, out.tolist())
 
 
 def accept_block(engine: Engine, seqs: list[Sequence], rows: list[list[int]]) -> list[EngineOutput]:
