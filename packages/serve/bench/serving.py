@@ -229,10 +229,12 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
     from plyx.serve.server import ServerSettings, create_app, serve_in_thread
 
     max_len = max(len(r.prompt) + r.output_len for r in reqs)
+    # (an engine before multi-step decode has no decode_steps: the script measures it too)
+    multi = {"decode_steps": args.decode_steps or None} if "decode_steps" in EngineConfig.__struct_fields__ else {}
     engine = Engine(model, tokenizer=tokenizer, config=EngineConfig(
         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, max_model_len=max_len, prefix_caching=prefix_caching, max_queue=100_000,
-        packed_step=packed, cuda_graphs=not args.no_graphs, decode_steps=args.decode_steps or None,
+        packed_step=packed, cuda_graphs=not args.no_graphs, **multi,
         mixed_chunk=(16 if args.device.startswith("cuda") else 0) if args.mixed_chunk < 0 else args.mixed_chunk))
     app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000,
                                                      switch_interval=args.switch_interval))
@@ -244,7 +246,7 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
             marks["hits"], marks["queried"] = engine.prefix.hit_tokens, engine.prefix.queried_tokens
         marks["preemptions"] = engine.stats.preemptions
         marks["steps"] = engine.stats.steps
-        marks["blocks"] = engine.stats.multi_step_blocks
+        marks["blocks"] = getattr(engine.stats, "multi_step_blocks", 0)
         marks["step_s"] = aengine.step_seconds
 
     aengine = app.state.plyx.aengine
@@ -259,8 +261,8 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
              "prefix_hit_rate": (p.hit_tokens - marks["hits"]) / max(1, p.queried_tokens - marks["queried"])
              if p is not None else 0.0}
     step = "" if packed else ", one forward per group"
-    step += f", decode_steps {engine.decode_steps}"
-    extra["multi_step_blocks"] = engine.stats.multi_step_blocks - marks["blocks"]
+    step += f", decode_steps {getattr(engine, 'decode_steps', 1)}"
+    extra["multi_step_blocks"] = getattr(engine.stats, "multi_step_blocks", 0) - marks["blocks"]
     return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'}{step})", reqs, timings,
                      duration, extra)
 
@@ -483,6 +485,7 @@ def render(report: dict[str, Any]) -> str:
     row("preemptions", lambda r: str(r.get("preemptions", "-")))
     row("engine steps", lambda r: str(r.get("engine_steps", "-")))
     row("engine step mean (ms)", lambda r: f"{r['engine_step_ms']:.1f}" if "engine_step_ms" in r else "-")
+    row("multi-step blocks", lambda r: str(r.get("multi_step_blocks", "-")))
     if "serving_vs_generate" in report:
         lines += ["", f"serving output tok/s / generate's at batch {a['max_concurrency'] or a['num_prompts']}: "
                       f"**{report['serving_vs_generate']:.2f}** (target >= 0.80)"]
