@@ -115,7 +115,20 @@ def run_block(engine: Engine, seqs: list[Sequence], k: int) -> list[EngineOutput
     """
     out = _queue_block(engine, seqs, [s.tokens[s.num_computed] for s in seqs], k)
     _queue_next(engine, seqs, out, k)
-    return accept_block(engine, seqs, out.tolist())  # the block's one device-to-host copy
+    return accept_block(engine, seqs, _to_host(out))  # the block's one device-to-host copy
+
+
+def _to_host(tokens: torch.Tensor) -> list[list[int]]:
+    """``tokens.tolist()``, waiting for the device with the GIL released (a CUDA event's wait): the server's
+    event loop streams the previous block's tokens meanwhile instead of waiting for the engine thread."""
+    if tokens.device.type != "cuda":
+        return tokens.tolist()  # type: ignore[no-any-return]
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()  # type: ignore[no-any-return]
 
 
 def _queue_next(engine: Engine, seqs: list[Sequence], out: torch.Tensor, k: int) -> None:
@@ -155,7 +168,7 @@ def accept_ahead(engine: Engine) -> list[EngineOutput]:
     engine.stats.steps += k
     engine.stats.multi_step_blocks += 1
     _queue_next(engine, seqs, out, k)
-    return accept_block(engine, seqs, out.tolist())
+    return accept_block(engine, seqs, _to_host(out))
 
 
 def accept_block(engine: Engine, seqs: list[Sequence], rows: list[list[int]]) -> list[EngineOutput]:
