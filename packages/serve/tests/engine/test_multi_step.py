@@ -106,6 +106,25 @@ def test_arrival_and_abort_mid_block(lm, look_ahead):
         assert 6 <= len(stream) < 30 and list(full[:len(stream)]) == stream
 
 
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_a_full_batch_runs_blocks_while_requests_wait(lm, look_ahead):
+    """More requests than the batch holds: blocks still run (nothing could be admitted anyway) and end where the
+    first row ends by length, so the waiting request joins then; same outputs as one step at a time."""
+    prompts = _prompts(7, seed=26)
+    params = _params(7)
+    want = [o.outputs[0].token_ids for o in _engine(lm, 1, max_batch_size=3).generate(prompts, params)]
+    engine = _engine(lm, 4, max_batch_size=3, look_ahead=look_ahead)
+    blocks_while_waiting = 0
+    reqs = [engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    while engine.has_unfinished():
+        before, waiting = engine.stats.multi_step_blocks, bool(engine.waiting)
+        engine.step()
+        blocks_while_waiting += waiting and engine.stats.multi_step_blocks > before
+    assert [r.seqs[0].completion.output().token_ids for r in reqs] == want
+    assert blocks_while_waiting > 0
+    assert engine.cache.usage().blocks_used == 0
+
+
 def test_rows_needing_host_logic_keep_one_step(lm):
     prompts = _prompts(3, seed=23)
     params = [SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True, logprobs=2)] + \

@@ -43,22 +43,25 @@ def multi_step_row(seq: Sequence) -> bool:
 def block_steps(engine: Engine, planned: list[tuple[Sequence, int]]) -> int:
     """How many decode steps this schedule runs: ``EngineConfig.decode_steps`` rounded down to a power of two
     (so a few graphs per bucket serve every block) when the step is decode-only, every running row is in it
-    and allows it, nothing waits, and the cache has room; else 1.
+    and allows it, nothing waits (or the batch is full: then the block ends where the first row ends by
+    length), and the cache has room; else 1.
 
     The block never runs past the longest remaining completion (a shorter row's extra tokens are discarded)
     nor past the context of any row.
     """
     k = engine.decode_steps
-    if k <= 1 or engine.waiting or len(planned) != len(engine.running):
+    if k <= 1 or len(planned) != len(engine.running) or not _may_wait(engine):
         return 1
     seqs = []
     for seq, n in planned:
         if n != 1 or seq.pending != 1 or not multi_step_row(seq):
             return 1
         seqs.append(seq)
-    remaining = max(s.completion.limit - len(s.completion.token_ids) for s in seqs)
+    left = [s.completion.limit - len(s.completion.token_ids) for s in seqs]
     room = min(engine.max_model_len - len(s.tokens) + 1 for s in seqs)  # cache positions left to the fullest row
-    k = min(k, remaining, room)
+    # waiting requests (a full batch): the block ends where the first row ends by length, so they are admitted
+    # then; otherwise it runs to the longest remaining completion
+    k = min(k, min(left) if engine.waiting else max(left), room)
     if k <= 1:
         return 1
     k = 1 << (k.bit_length() - 1)
@@ -66,6 +69,12 @@ def block_steps(engine: Engine, planned: list[tuple[Sequence, int]]) -> int:
     while k > 1 and engine.cache.blocks_needed(ids, [k] * len(ids)) > engine.cache.num_free_blocks():
         k //= 2  # never evict or preempt for a block's speculative tail
     return k
+
+
+def _may_wait(engine: Engine) -> bool:
+    """Whether waiting requests may wait for a block's end: none waits, or the batch is full (nothing could be
+    admitted before a running row ends anyway)."""
+    return not engine.waiting or len(engine.running) >= engine.config.max_batch_size
 
 
 def _one_step(engine: Engine, ids: list[int], tokens: torch.Tensor) -> torch.Tensor:
@@ -133,16 +142,16 @@ def _to_host(tokens: torch.Tensor) -> list[list[int]]:
 
 def _queue_next(engine: Engine, seqs: list[Sequence], out: torch.Tensor, k: int) -> None:
     """Queue the block after ``out`` (``[B, k]``, not read yet) when the next step would run exactly that block:
-    the look-ahead is on, nothing waits, these rows are every running row and none ends by length inside
-    ``out``. A row that ends inside ``out`` by EOS or a stop id wastes its share (its cache entry is freed
+    the look-ahead is on, nothing waits (or the batch is full), these rows are every running row and none ends
+    by length inside ``out``. A row that ends inside ``out`` by EOS or a stop id wastes its share (its cache entry is freed
     when it finishes; the device writes into those blocks before anything later on its stream)."""
-    if not engine.look_ahead or engine.waiting or len(seqs) != len(engine.running):
+    if not engine.look_ahead or not _may_wait(engine) or len(seqs) != len(engine.running):
         return
-    if any(s.completion.limit - len(s.completion.token_ids) <= k for s in seqs):
+    left = [s.completion.limit - len(s.completion.token_ids) - k for s in seqs]  # after this block
+    if min(left) <= 0:
         return  # a row ends by length inside this block: the batch changes, schedule it afresh
-    remaining = max(s.completion.limit - len(s.completion.token_ids) - k for s in seqs)
     room = min(engine.max_model_len - len(s.tokens) - k + 1 for s in seqs)
-    k2 = min(engine.decode_steps, remaining, room)
+    k2 = min(engine.decode_steps, min(left) if engine.waiting else max(left), room)
     if k2 <= 1:
         return
     k2 = 1 << (k2.bit_length() - 1)
