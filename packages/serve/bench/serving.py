@@ -445,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.vs_generate:
         runs.append(bench_generate(model, reqs, args))
         extra["serving_vs_generate"] = runs[0]["output_throughput"] / runs[-1]["output_throughput"]
+        extra["serving_vs_generate_runs"] = {r["name"]: r["output_throughput"] / runs[-1]["output_throughput"]
+                                             for r in runs[:-1]}
     if not args.skip_hf:
         runs.append(bench_hf(hf, reqs, args, args.device))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
@@ -493,6 +495,7 @@ def render(report: dict[str, Any]) -> str:
     if "serving_vs_generate" in report:
         lines += ["", f"serving output tok/s / generate's at batch {a['max_concurrency'] or a['num_prompts']}: "
                       f"**{report['serving_vs_generate']:.2f}** (target >= 0.80)"]
+        lines += [f"- {name}: {ratio:.2f}" for name, ratio in report.get("serving_vs_generate_runs", {}).items()]
     return "\n".join(lines)
 
 
