@@ -203,9 +203,9 @@ class Engine:
             return None  # a model without the static-step entry point runs eagerly
         from plyx.serve._graphs import DecodeGraphs
 
-        # one token per row: the engine's prefill chunks run as ordinary forwards (ragged, mixed with decodes), so
-        # the step buffers (copied to the device every step) stay one token wide
-        # (a multi-step block of k greedy steps needs k columns: ``greedy_steps``)
+        # the engine's prefill chunks run as ordinary forwards (ragged, mixed with decodes), so the step buffers
+        # (copied to the device every step) are one token wide, or decode_steps wide: a multi-step block of k
+        # greedy steps (``greedy_steps``) takes k columns
         return DecodeGraphs(self.model, self.cache, max_batch=self.config.max_batch_size,
                             max_query=max(1, self.decode_steps))
 
