@@ -94,6 +94,26 @@ def test_blocks_needed_predicts_reserve() -> None:
     assert free - cache.num_free_blocks() == need == 3
 
 
+def test_blocks_needed_of_one_sequence_predicts_reserve() -> None:
+    """The one-sequence shortcut (a scheduler's per-row question) agrees with reserve: block boundaries, shared
+    partly filled blocks (copy-on-write), zero tokens."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(40):
+        cache = PagedKVCache(layout(num_blocks=64, max_seq_len=64))
+        cache.allocate(0)
+        write(cache, [0], [rng.randrange(1, 12)])
+        if trial % 2:
+            cache.fork(0, 1)  # the source's last block is shared: its next write copies it unless full
+        sid = rng.choice(cache.sequences())
+        n = rng.randrange(0, 9)
+        need = cache.blocks_needed([sid], [n])
+        free = cache.num_free_blocks()
+        cache.reserve([sid], [n])
+        assert free - cache.num_free_blocks() == need, (trial, sid, n)
+
+
 def test_accounting_in_bytes() -> None:
     cache = PagedKVCache(layout(num_blocks=5, layers=3))
     per_block = 2 * 3 * BS * KV * DH * 4  # k and v, 3 layers, float32

@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mixed-steps", type=int, default=10, help="mixed steps timed (median reported)")
     p.add_argument("--mixed-graphs", default="auto", choices=["auto", "on", "off"],
                    help="mixed steps through MixedGraphs: auto = on CUDA with graphs")
+    p.add_argument("--decode-steps", type=int, default=0,
+                   help="EngineConfig.decode_steps of the profiled engine (0: the device's default); the decode-only "
+                        "figures are also measured at 1 (one step per schedule) for comparison")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -91,27 +94,69 @@ def main(argv: list[str] | None = None) -> int:
     def prompt() -> list[int]:
         return prefix + [rng.randrange(8, vocab) for _ in range(args.input_len)]
 
-    max_len = args.prefix_len + args.input_len + args.steps * 4 + 64
+    default_k = 8 if device.type == "cuda" else 1
+    k_main = args.decode_steps or default_k
+    max_len = args.prefix_len + args.input_len + (args.steps + 16) * max(k_main, 1) * 2 + 64
+
     mixed_graphs = {"auto": None, "on": True, "off": False}[args.mixed_graphs]
-    engine = Engine(model, config=EngineConfig(max_batch_size=args.batch + 1, max_batch_tokens=args.max_batch_tokens,
-                                               max_model_len=max_len, cuda_graphs=not args.no_graphs,
-                                               mixed_graphs=mixed_graphs))
-    params = SamplingParams(temperature=0, max_new_tokens=max_len - args.prefix_len - args.input_len - 1,
-                            ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(f"r{i}", prompt(), params)
-    while any(s.pending > 1 for s in engine.running) or engine.waiting:  # prefill every prompt
-        engine.step()
-    for _ in range(3):  # warm: graphs captured, kernels compiled
-        engine.step()
-    _sync(device)
+
+    def filled(k: int) -> Any:
+        """An engine (``decode_steps=k``) with ``--batch`` requests prefilled and decoding in steady state."""
+        multi = {"decode_steps": k} if "decode_steps" in EngineConfig.__struct_fields__ else {}  # (older engines)
+        eng = Engine(model, config=EngineConfig(max_batch_size=args.batch + 1, max_batch_tokens=args.max_batch_tokens,
+                                                max_model_len=max_len, cuda_graphs=not args.no_graphs,
+                                                mixed_graphs=mixed_graphs, **multi))
+        params = SamplingParams(temperature=0, max_new_tokens=max_len - args.prefix_len - args.input_len - 1,
+                                ignore_eos=True)
+        for i in range(args.batch):
+            eng.add_request(f"r{i}", prompt(), params)
+        while any(s.pending > 1 for s in eng.running) or eng.waiting:  # prefill every prompt
+            eng.step()
+        for _ in range(3):  # warm: graphs captured, kernels compiled
+            eng.step()
+        _sync(device)
+        return eng
+
+    # time inside the model's forward (eager forwards; a graph replay is not seen). On CPU in thread CPU time, so
+    # other processes' turns on a shared machine do not land in either share; on CUDA in wall time.
+    now = time.perf_counter if device.type == "cuda" else time.thread_time
+    forward_s = [0.0]
+
+    def clock(module: Any, inputs: Any) -> None:
+        forward_s.append(now())
+
+    def stop(module: Any, inputs: Any, output: Any) -> None:
+        forward_s[0] += now() - forward_s.pop()
+
+    model.register_forward_pre_hook(clock)
+    model.register_forward_hook(stop)
+
+    def decode_figures(k: int) -> tuple[float, float, float]:
+        """(wall s per decode step, host s per decode step outside the model's forward, tokens/s) of an engine with
+        ``decode_steps=k`` over ``--steps * decode_steps`` decode steps (one token per row each: a block of k
+        counts k), so every k decodes the same contexts."""
+        eng = filled(k)
+        steps0, forward_s[0] = eng.stats.steps, 0.0
+        eng.stats.multi_step_blocks = getattr(eng.stats, "multi_step_blocks", 0)
+        start, start_host = time.perf_counter(), now()
+        while eng.stats.steps - steps0 < args.steps * k_main:  # the same tokens (so contexts) at every k
+            eng.step()
+        _sync(device)
+        wall, host = time.perf_counter() - start, now() - start_host
+        n = eng.stats.steps - steps0
+        return wall / n, (host - forward_s[0]) / n, args.batch * n / wall
+
+    ks = sorted({1, k_main}) if "decode_steps" in EngineConfig.__struct_fields__ else [1]
+    figures = {k: decode_figures(k) for k in ks}
+    engine = filled(k_main)
 
     def timed_decode(n: int) -> float:
         start = time.perf_counter()
+        steps0 = engine.stats.steps
         for _ in range(n):
             engine.step()
         _sync(device)
-        return (time.perf_counter() - start) / n
+        return (time.perf_counter() - start) / max(1, engine.stats.steps - steps0)
 
     decode_s = timed_decode(args.steps)
     mixed, mixed_cpu = [], []
@@ -148,9 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"model `{args.model}` ({sum(x.numel() for x in model.parameters()) / 1e6:.1f} M params, {args.dtype}), "
         f"{args.batch} decode rows, prompts {args.prefix_len}+{args.input_len}, packed step {engine.packed}, "
-        f"CUDA graphs {engine.graphs is not None}, look-ahead {engine.look_ahead}",
+        f"CUDA graphs {engine.graphs is not None}, look-ahead {engine.look_ahead}, "
+        f"decode_steps {getattr(engine, 'decode_steps', 1)}",
         "",
         f"decode-only step: {decode_s * 1e3:.2f} ms ({args.batch / decode_s:.0f} tok/s)",
+        # on CUDA the host share is the next line's "until step() returns" (a replayed graph hides its forward)
+        *(f"decode_steps={k}: {w * 1e3:.3f} ms per decode step ({tps:.0f} tok/s)" + (
+            f"; host ms per decode step outside the model's forward: {h * 1e3:.3f} (thread CPU time)"
+            if device.type != "cuda" else "") for k, (w, h, tps) in figures.items()),
         f"mixed step (one prompt of {args.prefix_len + args.input_len} tokens + {args.batch} decodes): "
         f"{mixed_ms:.2f} ms (median of {len(mixed)}, best {min(mixed) * 1e3:.2f}) through "
         f"{mixed_path}"
@@ -158,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{sorted(mixed_cpu)[len(mixed_cpu) // 2] * 1e3:.2f} ms (median)",
         f"mixed-step graphs: buckets {mg.buckets}, warm-up {mg.warmup_s:.2f} s, replays {mg.replays}" if mg else
         "mixed-step graphs: off",
-        f"host time of one decode step, until step() returns: {host_s * 1e3:.2f} ms",
+        f"host time of one decode step (a block of decode_steps), until step() returns: {host_s * 1e3:.2f} ms",
+
         "",
     ]
     from torch.profiler import ProfilerActivity, profile

@@ -168,7 +168,9 @@ async def _client(url: str, reqs: list[Request], max_concurrency: int, conn: Any
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         # warm-up, not counted: a few short requests at once compile the kernels of every shape class
         # (prefill chunks, mixed and decode steps) and fill the allocator
-        warm = [Request(r.prompt, 4, 0.0) for r in reqs[:16]]
+        # (as many as run at once, long enough for multi-step decode blocks: every graph of the measured
+        # batch size is captured here, not in the measured run)
+        warm = [Request(r.prompt, 24, 0.0) for r in reqs[:max(16, min(len(reqs), max_concurrency or 16))]]
         await asyncio.gather(*(_one(client, url, r, time.perf_counter(), None) for r in warm))
         conn.send("warm")
         if conn.recv() != "go":  # the server side resets its prefix cache and counters meanwhile
@@ -295,10 +297,14 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
     from plyx.serve.server import ServerSettings, create_app, serve_in_thread
 
     max_len = max(len(r.prompt) + r.output_len for r in reqs)
+    # (an engine before multi-step decode has no decode_steps: the script measures it too)
+    multi = {"decode_steps": args.decode_steps or None} if "decode_steps" in EngineConfig.__struct_fields__ else {}
     engine = Engine(model, tokenizer=tokenizer, config=EngineConfig(
         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
         num_blocks=args.num_blocks, max_model_len=max_len, prefix_caching=prefix_caching, max_queue=100_000,
         packed_step=packed, cuda_graphs=not args.no_graphs, mixed_graphs=False if args.no_mixed_graphs else None,
+        **multi,
+
         mixed_chunk=(16 if args.device.startswith("cuda") else 0) if args.mixed_chunk < 0 else args.mixed_chunk))
     app = create_app(engine, settings=ServerSettings(model_name="bench", max_concurrent=100_000,
                                                      switch_interval=args.switch_interval))
@@ -313,13 +319,17 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
             marks["hits"], marks["queried"] = engine.prefix.hit_tokens, engine.prefix.queried_tokens
         marks["preemptions"] = engine.stats.preemptions
         marks["steps"] = engine.stats.steps
+        marks["blocks"] = getattr(engine.stats, "multi_step_blocks", 0)
         marks["step_s"] = aengine.step_seconds
+        marks["cpu_s"] = time.process_time()  # the server's CPU seconds (engine thread + event loop)
 
     aengine = app.state.plyx.aengine
     with serve_in_thread(app) as running:
         timings, duration = run_client(running.base_url + "/v1/completions", reqs, args.max_concurrency, on_warm)
+    cpu_s = time.process_time() - marks["cpu_s"]
     p = engine.prefix
-    extra = {"prefix_caching": prefix_caching, "packed_step": engine.packed, "preemptions": engine.stats.preemptions - marks["preemptions"],
+    extra = {"server_cpu_s": cpu_s,  # on a shared machine, wall times carry other processes' turns; this does not
+             "prefix_caching": prefix_caching, "packed_step": engine.packed, "preemptions": engine.stats.preemptions - marks["preemptions"],
              "engine_steps": engine.stats.steps - marks["steps"],
              # the engine's own time per step (the thread's wall time in Engine.step): TPOT above it is the
              # scheduling of requests and the HTTP path
@@ -338,6 +348,8 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
               f"{t['mixed_ms_total']:.0f} ms), decode-only-step mean {t['decode_step_ms']:.2f} ms ({t['decode_steps']} "
               f"steps, {t['decode_ms_total']:.0f} ms), by path {t['paths']}")
     step = "" if packed else ", one forward per group"
+    step += f", decode_steps {getattr(engine, 'decode_steps', 1)}"
+    extra["multi_step_blocks"] = getattr(engine.stats, "multi_step_blocks", 0) - marks["blocks"]
     return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'}{step})", reqs, timings,
                      duration, extra)
 
@@ -488,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-graphs", action="store_true", help="EngineConfig.cuda_graphs=False (eager decode steps)")
     p.add_argument("--no-mixed-graphs", action="store_true",
                    help="EngineConfig.mixed_graphs=False (steps with a prefill chunk run the eager packed step)")
+    p.add_argument("--decode-steps", type=int, default=0,
+                   help="EngineConfig.decode_steps (multi-step decode; 0: the device's default, 8 on CUDA, 1 on CPU)")
+    p.add_argument("--compare-decode-steps", type=int, default=0,
+                   help="also run the server with this EngineConfig.decode_steps (e.g. 1: one step per schedule)")
     p.add_argument("--skip-prefix-off", action="store_true", help="skip the run with prefix caching off")
     p.add_argument("--vs-generate", action="store_true",
                    help="also time plyx generate on the same requests, --max-concurrency at a time, and report "
@@ -512,10 +528,15 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(bench_plyx(model, tok, reqs, args, False))
     if args.compare_grouped:
         runs.append(bench_plyx(model, tok, reqs, args, True, packed=False))
+    if args.compare_decode_steps:
+        other = argparse.Namespace(**{**vars(args), "decode_steps": args.compare_decode_steps})
+        runs.append(bench_plyx(model, tok, reqs, other, True))
     extra: dict[str, Any] = {}
     if args.vs_generate:
         runs.append(bench_generate(model, reqs, args))
         extra["serving_vs_generate"] = runs[0]["output_throughput"] / runs[-1]["output_throughput"]
+        extra["serving_vs_generate_runs"] = {r["name"]: r["output_throughput"] / runs[-1]["output_throughput"]
+                                             for r in runs[:-1]}
     if not args.skip_hf:
         runs.append(bench_hf(hf, reqs, args, args.device))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
@@ -568,9 +589,12 @@ def render(report: dict[str, Any]) -> str:
     if any("mixed_graph_warmup_s" in r for r in report["runs"]):
         row("mixed-graph warm-up (s)", lambda r: f"{r['mixed_graph_warmup_s']:.1f}" if "mixed_graph_warmup_s" in r
             else "-")
+    row("multi-step blocks", lambda r: str(r.get("multi_step_blocks", "-")))
+    row("server CPU s (engine + event loop)", lambda r: f"{r['server_cpu_s']:.2f}" if "server_cpu_s" in r else "-")
     if "serving_vs_generate" in report:
         lines += ["", f"serving output tok/s / generate's at batch {a['max_concurrency'] or a['num_prompts']}: "
                       f"**{report['serving_vs_generate']:.2f}** (target >= 0.80)"]
+        lines += [f"- {name}: {ratio:.2f}" for name, ratio in report.get("serving_vs_generate_runs", {}).items()]
     return "\n".join(lines)
 
 

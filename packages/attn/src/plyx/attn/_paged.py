@@ -205,6 +205,12 @@ class PagedKVCache:
 
     def blocks_needed(self, seq_ids: Sequence[int], num_tokens: Sequence[int]) -> int:
         """Free blocks ``reserve(seq_ids, num_tokens)`` would take now (copy-on-write copies included)."""
+        if len(seq_ids) == 1 and len(num_tokens) == 1:  # a scheduler asks per row, every step: no plan to build
+            seq, n = self._seqs.get(seq_ids[0]), int(num_tokens[0])
+            if seq is not None and n >= 0 and seq.length + n <= self._layout.max_seq_len:
+                bs = self.block_size
+                cow = n > 0 and seq.length % bs != 0 and self._refs[seq.blocks[-1]] > 1
+                return -(-(seq.length + n) // bs) - len(seq.blocks) + int(cow)
         return self._plan(unique_ids(seq_ids), [int(n) for n in num_tokens])[1]
 
     def blocks(self, seq_id: int) -> list[int]:

@@ -52,6 +52,13 @@ class Completion:
         self.draft_proposed = 0
         self.draft_accepted = 0
         self._hold = max((len(s) for s in params.stop), default=0)
+        # incremental detokenisation (vLLM's): the text of a short window of the newest tokens, so a streamed
+        # token costs a few tokens' decode instead of the whole completion's (130 us a row and token at 512
+        # tokens with a byte-level BPE: milliseconds per engine step at serving batch sizes)
+        self._stable = ""  # the text of token_ids[:_read], built window by window
+        self._prefix = 0  # the window starts here: the tokens before it only count through _stable
+        self._read = 0
+        self._prefix_text = ""  # decode(token_ids[_prefix:_read]): the window's context, already in _stable
 
     @property
     def finished(self) -> bool:
@@ -95,9 +102,30 @@ class Completion:
         )
 
     # -- text ------------------------------------------------------------------------
-    def _decode(self) -> str:
+    def _decode(self, ids: Sequence[int] | None = None) -> str:
         assert self.tokenizer is not None
-        return self.tokenizer.decode(self.token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        return self.tokenizer.decode(self.token_ids if ids is None else ids,
+                                     skip_special_tokens=self.params.skip_special_tokens)
+
+    def _current_text(self) -> str:
+        """``decode(token_ids)``, from the last window: the window starts one advance back, so a decoder that
+        treats a sequence's first token differently (a stripped leading space) sees the same start in the
+        window's context text and in the window, and their difference is the new tokens' text."""
+        ids = self.token_ids
+        new = self._decode(ids[self._prefix:])
+        if not new.startswith(self._prefix_text):  # the context decodes differently now: the whole text
+            return self._decode()
+        tail = new[len(self._prefix_text):]
+        if tail.endswith("\ufffd"):  # an incomplete character: the window stays, the caller holds it back
+            return self._stable + tail
+        self._stable += tail
+        context = self._decode(ids[self._read:])
+        if context:  # the next window starts at these tokens
+            self._prefix, self._prefix_text = self._read, context
+        else:  # they decode to nothing (skipped special tokens): an empty context would not stand for them
+            self._prefix_text = new
+        self._read = len(ids)
+        return self._stable
 
     def _check_stop_strings(self) -> None:
         full = self._decode()
@@ -116,7 +144,7 @@ class Completion:
         if self._final_text is not None:
             full = self._final_text
         else:
-            full = self._decode()
+            full = self._decode() if self.finished else self._current_text()  # the whole text once, at the end
             if not self.finished:
                 safe = len(full)
                 while safe and full[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence may still change

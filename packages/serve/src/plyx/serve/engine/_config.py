@@ -74,6 +74,17 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     (``plyx.serve.engine.MixedGraphs``), all captured when the engine starts. None: on where ``cuda_graphs`` and
     packed steps are on and the device is CUDA. True on CPU runs the same bucketed static step eagerly (what
     the tests compare with the unpadded packed step). False: packed steps run eagerly."""
+    decode_steps: int | None = None
+    """Decode steps per schedule when the step is decode-only and no request waits (multi-step decode): the
+    engine runs this many one-token steps back to back, each fed the previous step's tokens on the device, and
+    reads the tokens once (plain-greedy batches on CUDA: one graph replay of all of them, as ``generate``).
+    A step's host work (scheduling, inputs, the token read-back) is then paid once per block instead of once per
+    token, which is what bounds a GPU decode step at serving batch sizes. Rows needing per-token host logic
+    (grammar, stop strings, log-probs, penalties, custom processors, adapters) keep one step per schedule; a row
+    finishing inside a block keeps exactly the tokens one step at a time would give (the rest is discarded).
+    The cost: a request arriving mid-block waits for the block's end (at most ``decode_steps - 1`` steps) and
+    tokens are streamed in bursts. None: 8 on CUDA, 1 elsewhere (on CPU the forward, not the host, dominates).
+    Values are used rounded down to a power of two, at most 32."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "block_size", "max_queue"):
@@ -89,6 +100,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         if not 0 <= self.speculative_ngram <= 16:
             raise ConfigError("EngineConfig.speculative_ngram", "speculative_ngram must be in [0, 16]",
                               value=self.speculative_ngram, fix="use 0 (off) or a few draft tokens, e.g. 4")
+        if self.decode_steps is not None and not 1 <= self.decode_steps <= 32:
+            raise ConfigError("EngineConfig.decode_steps", "decode_steps must be in [1, 32]", value=self.decode_steps,
+                              fix="use 1 (one step per schedule), e.g. 8, or None for the device's default")
         from plyx.serve._ngram import check_lookup
 
         check_lookup(self.prompt_lookup_min, self.prompt_lookup_max)

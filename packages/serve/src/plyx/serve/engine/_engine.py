@@ -38,6 +38,7 @@ from plyx.serve._outputs import RequestOutput, StreamEvent
 from plyx.serve._params import SamplingParams
 from plyx.serve._tokenizer import TokenizerView
 from plyx.serve.engine._config import EngineConfig
+from plyx.serve.engine._multistep import accept_ahead, block_steps, multi_step_row, run_block
 from plyx.serve.engine._prefix_cache import PrefixCache
 from plyx.serve.engine._sampling import sample_rows
 from plyx.serve.engine._sequence import EngineRequest, SeqStatus, Sequence
@@ -85,6 +86,7 @@ class EngineStats:
         self.preemptions = 0
         self.requests_finished = 0
         self.requests_aborted = 0
+        self.multi_step_blocks = 0  # schedules that ran several decode steps (``EngineConfig.decode_steps``)
         self.looked_ahead = 0  # tokens fed by a look-ahead forward that the next step sampled from
         self.spec_drafted = 0  # draft tokens fed (speculative_ngram)
         self.spec_accepted = 0  # draft tokens the target's argmax confirmed
@@ -159,6 +161,9 @@ class Engine:
         self._lm_head = getattr(model, "lm_head_weight", None) is not None
         # resident adapters (``plyx.serve.MultiLora``): requests name one; a step's rows may mix them
         self.lora = lora
+        steps = c.decode_steps if c.decode_steps is not None else (8 if self.device.type == "cuda" else 1)
+        # multi-step decode (``_multistep``): plain rows only; drafts and adapters keep one step per schedule
+        self.decode_steps = 1 if lora is not None or c.speculative_ngram else steps
         self.graphs = self._decode_graphs() if lora is None else None  # graphs bake in one adapter map
         # one packed (varlen) forward per step: every scheduled token in one [1, N] row
         self.packed = self._can_pack()
@@ -173,6 +178,8 @@ class Engine:
         ahead = self.device.type == "cuda" if c.look_ahead is None else c.look_ahead
         self.look_ahead = ahead and (self.packed or self.graphs is not None) and not self.spec_k
         self._ahead: dict[int, torch.Tensor] = {}  # seq_id -> logits [V] (that token counts as computed)
+        # a multi-step block queued before the host read the previous one: (its rows, its tokens [B, k] on the device)
+        self._block_ahead: tuple[list[Sequence], torch.Tensor] | None = None
 
     def _can_pack(self) -> bool:
         """Whether steps run as one packed forward: asked for, a block-addressable cache, a model with the
@@ -216,9 +223,11 @@ class Engine:
             return None  # a model without the static-step entry point runs eagerly
         from plyx.serve._graphs import DecodeGraphs
 
-        # one token per row: the engine's prefill chunks run as ordinary forwards (ragged, mixed with decodes), so
-        # the step buffers (copied to the device every step) stay one token wide
-        return DecodeGraphs(self.model, self.cache, max_batch=self.config.max_batch_size, max_query=1)
+        # the engine's prefill chunks run as ordinary forwards (ragged, mixed with decodes), so the step buffers
+        # (copied to the device every step) are one token wide, or decode_steps wide: a multi-step block of k
+        # greedy steps (``greedy_steps``) takes k columns
+        return DecodeGraphs(self.model, self.cache, max_batch=self.config.max_batch_size,
+                            max_query=max(1, self.decode_steps))
 
     # -- requests --------------------------------------------------------------------------
     def compile_grammar(self, params: SamplingParams) -> Any:
@@ -340,12 +349,22 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[EngineOutput]:
         """Schedule, run one batched forward and sample; the outputs of this step."""
+        if self._block_ahead is not None:  # the multi-step block the last step queued before reading its own
+            outputs = accept_ahead(self)
+            if outputs or self._block_ahead is not None:
+                return outputs
         planned = self._schedule()
         if not planned:
             return []
         self.stats.steps += 1
         self.stats.last_batch_seqs = len(planned)
         self.stats.last_batch_tokens = sum(n for _, n in planned)
+        k = block_steps(self, planned) if self.decode_steps > 1 else 1
+        if k > 1:  # a block of k decode steps, the tokens read once (``_multistep``)
+            seqs = [s for s, _ in planned]
+            self.stats.steps += k - 1
+            self.stats.multi_step_blocks += 1
+            return run_block(self, seqs, k)
         # rows whose logits the previous step's look-ahead computed sample without a forward
         finishing = [s for s, n in planned if n == 0]
         rows = [self._ahead.pop(s.seq_id) for s in finishing]
@@ -439,6 +458,8 @@ class Engine:
         """
         if self.waiting or any(s.pending for s in self.running):
             return ()
+        if self.decode_steps > 1 and all(multi_step_row(s) or s.finished for s in seqs):
+            return ()  # the next step runs a multi-step block (it needs its rows' tokens on the host first)
         keep = [i for i, s in enumerate(seqs) if len(s.completion.token_ids) + 1 < s.completion.limit]
         if not keep:
             return ()

@@ -19,7 +19,7 @@ from plyx.serve._processors import SamplingState
 from plyx.serve._structured import GrammarMask
 from plyx.serve.engine._sequence import Sequence
 
-__all__ = ["plain_greedy", "sample_rows"]
+__all__ = ["RowSampler", "plain_greedy", "sample_rows", "sample_tokens"]
 
 
 def _needs_state(seq: Sequence) -> bool:
@@ -46,6 +46,56 @@ def plain_greedy(seq: Sequence) -> bool:
             and not p.logit_bias and not p.banned_token_ids and not p.min_tokens)
 
 
+class RowSampler:
+    """The sampling of one set of rows, built once and applied to several steps' logits (a multi-step block):
+    the processors pipeline and its state are made here, so each step adds device work only.
+
+    Args:
+        seqs: the rows, in the logits' row order.
+        vocab: the logits' width. device: theirs.
+        default_generator: the generator of unseeded rows.
+    """
+
+    def __init__(self, seqs: Seq[Sequence], vocab: int, device: torch.device,
+                 default_generator: torch.Generator | None) -> None:
+        self.greedy = all(plain_greedy(s) for s in seqs)
+        if self.greedy:
+            return
+        R, V = len(seqs), vocab
+        matchers = [s.matcher for s in seqs]
+        grammar = GrammarMask(matchers, V) if any(m is not None for m in matchers) else None
+        self.pipeline = LogitsPipeline([s.params for s in seqs], [sorted(s.completion.stop_ids) for s in seqs],
+                                       grammar)
+        if any(_needs_state(s) for s in seqs):
+            for s in seqs:
+                _row_state(s, V, device)
+            self.prompt_mask = torch.stack([s.prompt_mask for s in seqs])  # type: ignore[misc]  # [R, V]
+            self.counts = torch.stack([s.output_counts for s in seqs])  # type: ignore[misc]  # [R, V]
+        else:  # no processor reads them: one shared row of zeros
+            self.prompt_mask = torch.zeros(1, V, dtype=torch.bool, device=device).expand(R, V)
+            self.counts = torch.zeros(1, V, dtype=torch.int32, device=device).expand(R, V)
+        self.generated = torch.tensor([len(s.tokens) - len(s.request.prompt_ids) for s in seqs], device=device)
+        self.generators = [s.generator for s in seqs]
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, generated_offset: int = 0) -> torch.Tensor:
+        """One token per row of ``logits`` (``[R, V]``), on the device: no host sync.
+
+        ``generated_offset`` counts tokens each row chose that its ``Sequence`` does not hold yet (step j of a
+        block samples as the single step after j more tokens would: ``min_tokens`` reads the count).
+        """
+        if self.greedy:
+            return logits.argmax(dim=-1)  # [R]
+        generated = self.generated + generated_offset if generated_offset else self.generated
+        state = SamplingState(self.prompt_mask, self.counts, generated, self.generators, self.default_generator)
+        return self.pipeline.sample(self.pipeline.process(logits, state), state)  # [R]
+
+
+def sample_tokens(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``logits`` (``[R, V]``, row i for ``seqs[i]``), on the device: no host sync."""
+    return RowSampler(seqs, logits.shape[1], logits.device, default_generator)(logits)
+
+
 def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: torch.Generator | None,
                 before_sync: Callable[[torch.Tensor], None] | None = None,
                 ) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -55,27 +105,7 @@ def sample_rows(seqs: Seq[Sequence], logits: torch.Tensor, default_generator: to
     wait for them: the engine queues the next forward there (look-ahead), so the device works while the host
     reads the tokens and handles them.
     """
-    R, V = logits.shape
-    device = logits.device
-    if all(plain_greedy(s) for s in seqs):
-        tokens = logits.argmax(dim=-1)  # [R]
-    else:
-        params = [s.params for s in seqs]
-        stop_ids = [sorted(s.completion.stop_ids) for s in seqs]
-        matchers = [s.matcher for s in seqs]
-        grammar = GrammarMask(matchers, V) if any(m is not None for m in matchers) else None
-        pipeline = LogitsPipeline(params, stop_ids, grammar)
-        if any(_needs_state(s) for s in seqs):
-            for s in seqs:
-                _row_state(s, V, device)
-            prompt_mask = torch.stack([s.prompt_mask for s in seqs])  # type: ignore[misc]  # [R, V]
-            counts = torch.stack([s.output_counts for s in seqs])  # type: ignore[misc]  # [R, V]
-        else:  # no processor reads them: one shared row of zeros
-            prompt_mask = torch.zeros(1, V, dtype=torch.bool, device=device).expand(R, V)
-            counts = torch.zeros(1, V, dtype=torch.int32, device=device).expand(R, V)
-        generated = torch.tensor([len(s.tokens) - len(s.request.prompt_ids) for s in seqs], device=device)
-        state = SamplingState(prompt_mask, counts, generated, [s.generator for s in seqs], default_generator)
-        tokens = pipeline.sample(pipeline.process(logits, state), state)  # [R]
+    tokens = sample_tokens(seqs, logits, default_generator)
     if before_sync is not None:
         before_sync(tokens)
     out = tokens.tolist()  # the one host sync of the step

@@ -1,0 +1,193 @@
+"""Multi-step decode: ``k`` decode steps per schedule, the host reading the tokens once per block.
+
+A decode-only step's device work is small (one token per row); what it costs on a GPU is the host work
+around it: scheduling, reserving slots, filling and copying the step's inputs, reading the tokens back,
+accepting them. When nothing can change the batch in between (no request waits, no row needs per-token
+host logic) the engine runs ``k`` steps back to back, each fed the previous step's tokens on the device:
+
+* plain-greedy batches on CUDA: one replay of ``DecodeGraphs.greedy_steps`` (the ``k`` steps and their
+  argmax inside one CUDA graph, as ``generate`` decodes);
+* anything else (sampled rows, CPU, no graph bucket): ``k`` one-token forwards (graph replays where a
+  bucket holds the batch) and ``k`` device-side samplings, every row with its own processors and seeded
+  generator, and one device-to-host copy of the ``[B, k]`` tokens at the end.
+
+The tokens are then accepted one at a time per row, in order, so a row that finishes inside the block
+(EOS, a stop token id, ``max_tokens``) keeps exactly what a one-step engine would have emitted; its later
+tokens are discarded with its cache entry. Seeded and greedy rows produce the same tokens as with ``k = 1``:
+each row draws from its own generator in the same order, and ``min_tokens`` sees the count it would see.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from plyx.serve.engine._sampling import RowSampler, _needs_state, plain_greedy
+from plyx.serve.engine._sequence import SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from plyx.serve.engine._engine import Engine, EngineOutput
+
+__all__ = ["accept_ahead", "accept_block", "block_steps", "multi_step_row", "run_block"]
+
+
+def multi_step_row(seq: Sequence) -> bool:
+    """Whether a decoding row needs no host logic between two of its tokens: no grammar, stop strings,
+    log-probs, penalties (their counts live on the host), custom processors or samplers, adapter."""
+    p = seq.params
+    return (seq.matcher is None and not p.stop and p.logprobs is None and not p.processors and p.sampler is None
+            and not _needs_state(seq) and seq.request.adapter is None
+            and len(seq.tokens) > len(seq.request.prompt_ids))  # its first token forks followers (n > 1)
+
+
+def block_steps(engine: Engine, planned: list[tuple[Sequence, int]]) -> int:
+    """How many decode steps this schedule runs: ``EngineConfig.decode_steps`` rounded down to a power of two
+    (so a few graphs per bucket serve every block) when the step is decode-only, every running row is in it
+    and allows it, nothing waits (or the batch is full: then the block ends where the first row ends by
+    length), and the cache has room; else 1.
+
+    The block never runs past the longest remaining completion (a shorter row's extra tokens are discarded)
+    nor past the context of any row.
+    """
+    k = engine.decode_steps
+    if k <= 1 or len(planned) != len(engine.running) or not _may_wait(engine):
+        return 1
+    seqs = []
+    for seq, n in planned:
+        if n != 1 or seq.pending != 1 or not multi_step_row(seq):
+            return 1
+        seqs.append(seq)
+    left = [s.completion.limit - len(s.completion.token_ids) for s in seqs]
+    room = min(engine.max_model_len - len(s.tokens) + 1 for s in seqs)  # cache positions left to the fullest row
+    # waiting requests (a full batch): the block ends where the first row ends by length, so they are admitted
+    # then; otherwise it runs to the longest remaining completion
+    k = min(k, min(left) if engine.waiting else max(left), room)
+    if k <= 1:
+        return 1
+    k = 1 << (k.bit_length() - 1)
+    ids = [s.seq_id for s in seqs]
+    while k > 1 and engine.cache.blocks_needed(ids, [k] * len(ids)) > engine.cache.num_free_blocks():
+        k //= 2  # never evict or preempt for a block's speculative tail
+    return k
+
+
+def _may_wait(engine: Engine) -> bool:
+    """Whether waiting requests may wait for a block's end: none waits, or the batch is full (nothing could be
+    admitted before a running row ends anyway)."""
+    return not engine.waiting or len(engine.running) >= engine.config.max_batch_size
+
+
+def _one_step(engine: Engine, ids: list[int], tokens: torch.Tensor) -> torch.Tensor:
+    """Feed each row its token (``[B]`` on the device); the next logits ``[B, V]``. Reserves one slot per row."""
+    graphs = engine.graphs
+    if graphs is not None and graphs.bucket(len(ids)) is not None:
+        return graphs.step(ids, tokens)  # type: ignore[no-any-return]  # the graph's buffer: sampled before reuse
+    if engine.packed:
+        from plyx.attn import begin_packed_step
+
+        ids_t, positions, step = begin_packed_step(engine.cache, ids, [1] * len(ids), tokens, engine.device)
+        out = engine.model(ids_t, position_ids=positions, kv_step=step, return_hidden=engine._lm_head)  # [1, B, D|V]
+        return engine._logits(out[0])  # [B, V]
+    # one forward of [B, 1] through the cache's own writes (quantised caches, no packed step)
+    kw: dict[str, Any] = {"cache": engine.cache, "seq_ids": ids, "attention_mask": None}
+    out = engine.model(tokens[:, None], return_hidden=engine._lm_head, **kw) if engine._lm_head else \
+        engine.model(tokens[:, None], **kw)  # [B, 1, D|V]
+    return engine._logits(out[:, -1])  # [B, V]
+
+
+def _queue_block(engine: Engine, seqs: list[Sequence], first: list[int] | torch.Tensor, k: int) -> torch.Tensor:
+    """Queue ``k`` decode steps of ``seqs``, fed ``first`` (host ints or ``[B]`` on the device) first; the chosen
+    tokens ``[B, k]`` on the device, not read (a copy where a graph's output buffer held them)."""
+    ids = [s.seq_id for s in seqs]
+    graphs = engine.graphs
+    if (graphs is not None and graphs.bucket(len(ids)) is not None and k <= graphs.max_query
+            and all(plain_greedy(s) for s in seqs)):
+        # one replay; its output buffer is overwritten by the next: cloned (a device copy) for a queued block
+        return graphs.greedy_steps(ids, first, k).clone()  # type: ignore[no-any-return]
+    tokens = first if isinstance(first, torch.Tensor) else torch.tensor(first, dtype=torch.long, device=engine.device)
+    sample: RowSampler | None = None
+    chosen = []
+    for j in range(k):
+        logits = _one_step(engine, ids, tokens)  # [B, V]
+        if sample is None:  # built once per block (the logits' width may exceed the tokenizer's vocabulary)
+            sample = RowSampler(seqs, logits.shape[1], logits.device, engine.generator)
+        tokens = sample(logits, generated_offset=j)  # [B], no host sync
+        chosen.append(tokens)
+    return torch.stack(chosen, dim=1)  # [B, k]
+
+
+def run_block(engine: Engine, seqs: list[Sequence], k: int) -> list[EngineOutput]:
+    """Run ``k`` decode steps of ``seqs`` (each fed its one pending token first) and accept their tokens.
+
+    With the look-ahead on (CUDA), the next block is queued before this one's tokens are read (``_queue_next``):
+    the device computes block N + 1 while the host accepts, detokenises and streams block N.
+    """
+    out = _queue_block(engine, seqs, [s.tokens[s.num_computed] for s in seqs], k)
+    _queue_next(engine, seqs, out, k)
+    return accept_block(engine, seqs, _to_host(out))  # the block's one device-to-host copy
+
+
+def _to_host(tokens: torch.Tensor) -> list[list[int]]:
+    """``tokens.tolist()``, waiting for the device with the GIL released (a CUDA event's wait): the server's
+    event loop streams the previous block's tokens meanwhile instead of waiting for the engine thread."""
+    if tokens.device.type != "cuda":
+        return tokens.tolist()  # type: ignore[no-any-return]
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return host.tolist()  # type: ignore[no-any-return]
+
+
+def _queue_next(engine: Engine, seqs: list[Sequence], out: torch.Tensor, k: int) -> None:
+    """Queue the block after ``out`` (``[B, k]``, not read yet) when the next step would run exactly that block:
+    the look-ahead is on, nothing waits (or the batch is full), these rows are every running row and none ends
+    by length inside ``out``. A row that ends inside ``out`` by EOS or a stop id wastes its share (its cache entry is freed
+    when it finishes; the device writes into those blocks before anything later on its stream)."""
+    if not engine.look_ahead or not _may_wait(engine) or len(seqs) != len(engine.running):
+        return
+    left = [s.completion.limit - len(s.completion.token_ids) - k for s in seqs]  # after this block
+    if min(left) <= 0:
+        return  # a row ends by length inside this block: the batch changes, schedule it afresh
+    room = min(engine.max_model_len - len(s.tokens) - k + 1 for s in seqs)
+    k2 = min(engine.decode_steps, min(left) if engine.waiting else max(left), room)
+    if k2 <= 1:
+        return
+    k2 = 1 << (k2.bit_length() - 1)
+    ids = [s.seq_id for s in seqs]
+    if engine.cache.blocks_needed(ids, [k2] * len(ids)) > engine.cache.num_free_blocks():
+        return
+    engine._block_ahead = (seqs, _queue_block(engine, seqs, out[:, -1], k2))
+    engine.stats.looked_ahead += k2 * len(seqs)
+
+
+def accept_ahead(engine: Engine) -> list[EngineOutput]:
+    """The block the previous step queued: its rows still running take its tokens (finished or aborted rows'
+    are discarded), after the block after it is queued where the look-ahead allows."""
+    seqs, out = engine._block_ahead  # type: ignore[misc]
+    engine._block_ahead = None
+    alive = [i for i, s in enumerate(seqs) if s.status is SeqStatus.RUNNING and not s.finished]
+    if not alive:
+        return []
+    if len(alive) != len(seqs):
+        out = out.index_select(0, torch.tensor(alive, device=out.device))  # [B', k]
+        seqs = [seqs[i] for i in alive]
+    k = out.shape[1]
+    engine.stats.steps += k
+    engine.stats.multi_step_blocks += 1
+    _queue_next(engine, seqs, out, k)
+    return accept_block(engine, seqs, _to_host(out))
+
+
+def accept_block(engine: Engine, seqs: list[Sequence], rows: list[list[int]]) -> list[EngineOutput]:
+    """Accept each row's tokens in order, one event per token, up to the token that finishes it (its cache
+    entry, holding the block's later tokens too, is freed then)."""
+    outputs: list[EngineOutput] = []
+    for seq, row in zip(seqs, rows):
+        for token in row:
+            seq.num_computed += 1  # the token fed before this one is in the cache
+            outputs.extend(engine._accept(seq, token, None))
+            if seq.finished:
+                break
+    return outputs

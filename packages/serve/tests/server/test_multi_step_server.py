@@ -1,0 +1,40 @@
+"""The server over a multi-step engine (``EngineConfig.decode_steps``): concurrent streams get every token as its
+own event, in order, and the same text and tokens as the requests run alone one step at a time."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+
+def test_concurrent_streams_over_blocks_equal_alone(serving, server_lm, bpe, greedy_reference):
+    import httpx
+
+    app = serving.make_app(server_lm, bpe, engine_kw={"decode_steps": 4, "max_batch_size": 4, "look_ahead": True})
+    prompts = ["hello world", "the quick brown fox", "You are a helpful", "count 3", "yes ok", "answer"]
+    lengths = [13, 22, 9, 17, 30, 5]
+    with serving.serve(app) as s:
+
+        def stream(i: int) -> tuple[list[str], dict]:
+            body = {"model": "tiny", "prompt": prompts[i], "max_tokens": lengths[i], "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            chunks, usage = [], {}
+            with httpx.Client(timeout=60) as c, c.stream("POST", s.base_url + "/v1/completions", json=body,
+                                                         headers=s.headers) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        obj = json.loads(line[6:])
+                        if obj["choices"]:
+                            chunks.append(obj["choices"][0]["text"])
+                        if obj.get("usage"):
+                            usage = obj["usage"]
+            return chunks, usage
+
+        with ThreadPoolExecutor(len(prompts)) as pool:  # more requests than the batch: some wait for blocks
+            results = list(pool.map(stream, range(len(prompts))))
+        assert s.engine.stats.multi_step_blocks > 0
+    for i, (chunks, usage) in enumerate(results):
+        want = greedy_reference(server_lm, bpe, bpe.encode(prompts[i]).ids, lengths[i])
+        assert len(chunks) == usage["completion_tokens"] == lengths[i]  # one event per token, as without blocks
+        assert "".join(chunks) == want.text
