@@ -557,3 +557,21 @@ def test_greedy_tokens_from_the_graph_change_no_output(make_model, monkeypatch):
     sampled = [SamplingParams(temperature=0, max_new_tokens=4, repetition_penalty=1.3)]  # a processor: not plain
     generate(model, [[3, 4]], sampled, cache="paged")
     assert not calls
+
+
+def test_warm_up_runs_every_bucket_and_block_length_and_leaves_the_cache_as_it_was(make_model):
+    """``warm_up`` runs one-step and multi-step graphs for every bucket on a scratch sequence that it frees: the
+    cache keeps only the real sequences, and decoding them afterwards gives what it gives without a warm-up."""
+    model = make_model(vocab=96, seed=5)
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    caches = [make_cache("paged", model.config, batch_size=4, max_seq_len=48, dtype=torch.float32) for _ in range(2)]
+    with torch.inference_mode():
+        seq_ids, tokens = _prefill(model, caches[0], prompts)
+        _prefill(model, caches[1], prompts)
+        graphs = DecodeGraphs(model, caches[1], max_batch=3, capture=False, buckets=[1, 3], max_query=4)
+        free = caches[1].num_free_blocks()
+        assert graphs.warm_up([2, 4, 8]) >= 0  # 8 > max_query: skipped
+        assert graphs.steps == 0  # warm-up steps are not counted as served steps
+        assert sorted(caches[1].sequences()) == sorted(seq_ids) and caches[1].num_free_blocks() == free
+        _decode_both(model, caches[0], graphs, seq_ids, tokens, 3)
+    _assert_same_cache(model, caches, seq_ids)

@@ -175,7 +175,7 @@ def test_cuda_mixed_graph_outputs_equal_the_eager_static_step_and_the_packed_ste
     from plyx.specs import ModelConfig
 
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=8, n_kv_heads=2, d_ff=512, max_seq_len=256)
+    config = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512, max_seq_len=256)
     model = TransformerLM(config).to("cuda", torch.bfloat16).eval()
     outs = {}
     for mode in ("graph", "static", "packed"):

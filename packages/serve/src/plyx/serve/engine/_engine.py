@@ -226,8 +226,11 @@ class Engine:
         # the engine's prefill chunks run as ordinary forwards (ragged, mixed with decodes), so the step buffers
         # (copied to the device every step) are one token wide, or decode_steps wide: a multi-step block of k
         # greedy steps (``greedy_steps``) takes k columns
-        return DecodeGraphs(self.model, self.cache, max_batch=self.config.max_batch_size,
-                            max_query=max(1, self.decode_steps))
+        graphs = DecodeGraphs(self.model, self.cache, max_batch=self.config.max_batch_size,
+                              max_query=max(1, self.decode_steps))
+        if self.decode_steps > 1:  # multi-step blocks: every (bucket, block length) captured now, not mid-serving
+            graphs.warm_up([1 << i for i in range(1, self.decode_steps.bit_length())])
+        return graphs
 
     # -- requests --------------------------------------------------------------------------
     def compile_grammar(self, params: SamplingParams) -> Any:
