@@ -94,3 +94,15 @@ def test_half_tables_cache_never_serves_changed_or_other_tables():
     other_cos, other_sin = cos.clone(), sin.clone() * 3  # equal-looking but other objects
     torch.testing.assert_close(rope_module.half_tables(other_cos, other_sin, torch.float32)[1][0, :, 0, 4:], sin * 3)
     assert rope_module.half_tables(cos, sin, torch.float64)[0].dtype == torch.float64  # per dtype
+
+
+def test_half_tables_cache_drops_entries_with_their_tables():
+    cos, sin = rope_tables(torch.arange(3), 8, 100.0)
+    rope_module.half_tables(cos, sin, torch.float32)
+    key = (id(cos), id(sin), torch.float32)
+    assert key in rope_module._HALF_CACHE
+    del cos  # the cos tensor dies: its derived tables are not kept
+    assert key not in rope_module._HALF_CACHE
+    big_cos, big_sin = rope_tables(torch.arange(rope_module._HALF_CACHE_NUMEL // 4 + 1), 8, 100.0)
+    rope_module.half_tables(big_cos, big_sin, torch.float32)
+    assert (id(big_cos), id(big_sin), torch.float32) not in rope_module._HALF_CACHE  # too large to keep

@@ -53,6 +53,8 @@ def check_rope(kernel: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 #: tables every step (``TransformerLM`` for default positions) builds the layout once, not twice per layer
 _HALF_CACHE: dict[tuple[int, int, torch.dtype], tuple[Any, Any, int, int, tuple[torch.Tensor, torch.Tensor]]] = {}
 _HALF_CACHE_SIZE = 8
+#: tables larger than this (elements of cos) are not kept: per-batch inference tables, long prefills
+_HALF_CACHE_NUMEL = 1 << 16
 
 
 def half_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +65,7 @@ def half_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tup
     tracing and for tables that do not require grad; any other call computes them.
     """
     cacheable = not (cos.requires_grad or sin.requires_grad or cos.is_inference() or sin.is_inference()
-                     or torch.compiler.is_compiling())
+                     or cos.numel() > _HALF_CACHE_NUMEL or torch.compiler.is_compiling())
     if cacheable:
         key = (id(cos), id(sin), dtype)
         hit = _HALF_CACHE.get(key)
@@ -76,7 +78,9 @@ def half_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tup
     if cacheable:
         if len(_HALF_CACHE) >= _HALF_CACHE_SIZE:
             del _HALF_CACHE[next(iter(_HALF_CACHE))]  # the oldest entry
-        _HALF_CACHE[key] = (weakref.ref(cos), weakref.ref(sin), cos._version, sin._version, tables)
+        # the entry goes with the tables it was derived from: no derived tables outlive their cos
+        _HALF_CACHE[key] = (weakref.ref(cos, lambda _ref, key=key: _HALF_CACHE.pop(key, None)), weakref.ref(sin),
+                            cos._version, sin._version, tables)
     return tables
 
 
