@@ -114,3 +114,22 @@ def test_meta_device_builds_no_storage() -> None:
     model = TransformerLM(ModelConfig(d_model=4096, n_layers=32, n_heads=32, d_ff=14336, vocab_size=128256), device="meta")
     assert model.num_params() > 7e9
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_default_position_tables_are_computed_once_and_equal_explicit_positions(tiny, random_model) -> None:
+    """Training batches without positions reuse one (cos, sin) pair per length: the same logits and gradients,
+    bit for bit, as passing ``position_ids=arange(T)``, which computes the tables each call."""
+    config = tiny()
+    model = random_model(config)
+    ids = torch.randint(0, config.vocab_size, (2, 7))
+    cached = model(ids)
+    tables = model._arange_tables(7, ids.device, torch.float32)
+    assert model._arange_tables(7, ids.device, torch.float32) is tables  # the same tensors every step
+    explicit = model(ids, position_ids=torch.arange(7))
+    assert torch.equal(cached, explicit)
+    g1 = torch.autograd.grad(model(ids).square().mean(), list(model.parameters()))
+    g2 = torch.autograd.grad(model(ids, position_ids=torch.arange(7)).square().mean(), list(model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    with torch.inference_mode():  # tables made here could not serve a training step: not kept
+        model(torch.randint(0, config.vocab_size, (1, 5)))
+    assert (ids.device, torch.float32, 5) not in model._arange_rope

@@ -16,6 +16,12 @@ The machine is shared and loaded: the two steps alternate in chunks of ``--chunk
 is also taken per round (median of the rounds' ratios). CPU time (``process_time``) is reported beside wall.
 
     python packages/train/bench/step_vs_nanogpt.py [--rounds 15 --chunk 20 --threads 2] [--out DIR]
+    python packages/train/bench/step_vs_nanogpt.py --baseline 659e47f     # + plyx with that commit's references
+
+``--baseline REF`` adds a third side, ``plyx@REF``: the same model with the reference kernels of git commit
+REF (``swiglu``, ``rmsnorm``, ``rope``, ``rope_qk``, ``linear_cross_entropy``, read with ``git show`` and
+registered above the installed ones only while that side runs) and RoPE tables computed each step (explicit
+positions, as before the model cached them): before and after measured in one process under the same load.
 
 Appends a JSON line to ``<out>/step-vs-nanogpt-cpu-<date>.jsonl`` (default: bench/results).
 """
@@ -125,6 +131,61 @@ def _sides(config: Any) -> dict[str, tuple[Any, Any, list[torch.Tensor]]]:
             "nanogpt": (gpt, gpt_opt, list(gpt.parameters()))}
 
 
+#: the reference kernels a ``--baseline`` side takes from its commit (rope before rope_qk, which imports it)
+BASELINE_KERNELS = ("swiglu", "rmsnorm", "rope", "rope_qk", "linear_cross_entropy")
+
+
+class Baseline:
+    """``plyx@REF``: the model with commit REF's reference kernels, switched in around that side's chunks."""
+
+    def __init__(self, ref: str, config: Any) -> None:
+        import subprocess
+        import sys
+        import types
+
+        from plyx.kernel import registry
+        from plyx.model import TransformerLM
+        from plyx.specs.kernels import KernelImpl
+        from plyx.train import build_optimizer
+
+        self.registry, self.impls = registry(), []
+        alias = f"_plyx_baseline_rope_{abs(hash(ref))}"
+        for name in BASELINE_KERNELS:
+            path = f"packages/kernel/src/plyx/kernel/reference/{name}.py"
+            try:
+                src = subprocess.run(["git", "show", f"{ref}:{path}"], check=True, capture_output=True, text=True,
+                                     cwd=HERE).stdout
+            except subprocess.CalledProcessError as e:
+                raise SystemExit(f"--baseline {ref}: cannot read {path} there ({e.stderr.strip()}); "
+                                 "pass a commit of this repository that has the reference kernels") from None
+            src = src.replace("from plyx.kernel.reference.rope import", f"from {alias} import")
+            module = types.ModuleType(f"{alias}_{name}")
+            if name == "rope":
+                sys.modules[alias] = module
+            exec(compile(src, f"{ref}:{path}", "exec"), module.__dict__)
+            self.impls.append(KernelImpl(name, "baseline", getattr(module, name), priority=100))
+        m = config.model
+        torch.manual_seed(1337)
+        self.model = TransformerLM(m)
+        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.positions = torch.arange(m.max_seq_len)
+
+    def enter(self) -> None:
+        for impl in self.impls:
+            self.registry.register(impl)
+
+    def exit(self) -> None:
+        for impl in self.impls:
+            self.registry.unregister(impl.name, impl.impl)
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        hidden = self.model(ids, position_ids=self.positions[: ids.shape[1]], return_hidden=True)  # (B, T, D)
+        flat = hidden.reshape(-1, hidden.shape[-1])  # (B T, D)
+        weight = self.model.lm_head_weight
+        lce = self.registry.get("linear_cross_entropy", flat, weight, targets)
+        return lce(flat, weight, targets.reshape(-1), ignore_index=-100, reduction="mean")
+
+
 def _step(loss_fn: Any, opt: torch.optim.Optimizer, params: list[torch.Tensor], ids: torch.Tensor,
           targets: torch.Tensor, clip: float) -> None:
     loss = loss_fn(ids, targets)
@@ -142,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--label", default="", help="recorded with the result (e.g. the commit)")
+    p.add_argument("--baseline", default="", metavar="REF",
+                   help="also time plyx with the reference kernels of git commit REF (before/after in one run)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from plyx.specs import TrainConfig, load_config
@@ -150,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(TrainConfig, shipped_configs()["shakespeare-char"])
     B, T = config.batch_size, config.model.max_seq_len
     sides = _sides(config)
+    baseline = Baseline(args.baseline, config) if args.baseline else None
+    switch: dict[str, Any] = {}
+    if baseline is not None:
+        sides[f"plyx@{args.baseline}"] = (baseline.loss, baseline.optimizer, list(baseline.model.parameters()))
+        switch[f"plyx@{args.baseline}"] = baseline
     gen = torch.Generator().manual_seed(0)
     # the same batches for both sides: random character ids (the step's cost does not depend on the text)
     windows = [torch.randint(0, 65, (B, T + 1), generator=gen) for _ in range(args.chunk)]
@@ -158,31 +226,41 @@ def main(argv: list[str] | None = None) -> int:
     wall: dict[str, list[float]] = {s: [] for s in sides}
     cpu: dict[str, list[float]] = {s: [] for s in sides}
     per_round: list[float] = []
-    for fn, opt, params in sides.values():
+    per_round_baseline: list[float] = []
+    for name, (fn, opt, params) in sides.items():
+        if name in switch:
+            switch[name].enter()
         for i in range(args.warmup):
             ids, targets = batches[i % len(batches)]
             _step(fn, opt, params, ids, targets, clip)
+        if name in switch:
+            switch[name].exit()
     for r in range(args.rounds):
         order = list(sides) if r % 2 == 0 else list(sides)[::-1]  # alternate who goes first
         medians = {}
         for name in order:
             fn, opt, params = sides[name]
+            if name in switch:
+                switch[name].enter()
             times = []
             for ids, targets in batches:
                 t0, c0 = time.perf_counter(), time.process_time()
                 _step(fn, opt, params, ids, targets, clip)
                 times.append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
+            if name in switch:
+                switch[name].exit()
             wall[name] += times
             medians[name] = statistics.median(times)
         per_round.append(medians["plyx"] / medians["nanogpt"])
+        for name in switch:
+            per_round_baseline.append(medians[name] / medians["nanogpt"])
     date = datetime.date.today().isoformat()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     row = {
         "date": date, "device": "cpu", "machine": platform.machine(), "torch": torch.__version__,
         "threads": args.threads, "load_average": load, "label": args.label, "batch": B, "seq_len": T,
-        "params": {"plyx": sum(p.numel() for p in sides["plyx"][2]),
-                   "nanogpt": sum(p.numel() for p in sides["nanogpt"][2])},
+        "params": {s: sum(p.numel() for p in v[2]) for s, v in sides.items()},
         "ms_per_iter_median": {s: 1e3 * statistics.median(v) for s, v in wall.items()},
         "cpu_ms_per_iter_median": {s: 1e3 * statistics.median(v) for s, v in cpu.items()},
         "ratio_wall_median": statistics.median(wall["plyx"]) / statistics.median(wall["nanogpt"]),
@@ -190,12 +268,22 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_per_round_median": statistics.median(per_round),
         "rounds": args.rounds, "chunk": args.chunk,
     }
+    if baseline is not None:
+        b = f"plyx@{args.baseline}"
+        row["baseline"] = {"ref": args.baseline, "kernels": list(BASELINE_KERNELS),
+                           "ratio_wall_median": statistics.median(wall[b]) / statistics.median(wall["nanogpt"]),
+                           "ratio_cpu_median": statistics.median(cpu[b]) / statistics.median(cpu["nanogpt"]),
+                           "ratio_per_round_median": statistics.median(per_round_baseline)}
     print(f"cpu ({platform.machine()}), torch {torch.__version__}, {args.threads} threads, {date}, load {load}")
     for s in sides:
-        print(f"{s:>8}: {row['ms_per_iter_median'][s]:7.2f} ms/iter wall, {row['cpu_ms_per_iter_median'][s]:7.2f} "
+        print(f"{s:>16}: {row['ms_per_iter_median'][s]:7.2f} ms/iter wall, {row['cpu_ms_per_iter_median'][s]:7.2f} "
               f"CPU ms/iter, {row['params'][s]:,} params")
     print(f"plyx / nanoGPT: {row['ratio_wall_median']:.3f} wall, {row['ratio_cpu_median']:.3f} CPU, "
           f"{row['ratio_per_round_median']:.3f} median of {args.rounds} paired rounds")
+    if baseline is not None:
+        b = row["baseline"]
+        print(f"plyx@{args.baseline} / nanoGPT: {b['ratio_wall_median']:.3f} wall, {b['ratio_cpu_median']:.3f} CPU, "
+              f"{b['ratio_per_round_median']:.3f} median of {args.rounds} paired rounds")
     args.out.mkdir(parents=True, exist_ok=True)
     with (args.out / f"step-vs-nanogpt-cpu-{date}.jsonl").open("a") as f:
         f.write(json.dumps(row) + "\n")

@@ -16,10 +16,13 @@ The backward is the rotation by ``-theta``: ``da = ga*cos + gb*sin``, ``db = gb*
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 from plyx.kernel._errors import KernelInputError, check_float, check_same_device, shape_str
 
-__all__ = ["rope", "check_rope", "half_tables", "rotate"]
+__all__ = ["rope", "check_rope", "half_tables", "rotate", "rotate_pair"]
 
 
 def check_rope(kernel: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
@@ -46,12 +49,39 @@ def check_rope(kernel: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return rotary
 
 
+#: ``half_tables``' results for the last few (cos, sin) tensor objects: a model that passes the same cached
+#: tables every step (``TransformerLM`` for default positions) builds the layout once, not twice per layer
+_HALF_CACHE: dict[tuple[int, int, torch.dtype], tuple[Any, Any, int, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+_HALF_CACHE_SIZE = 8
+#: tables larger than this (elements of cos) are not kept: per-batch inference tables, long prefills
+_HALF_CACHE_NUMEL = 1 << 16
+
+
 def half_tables(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotate-half layout's tables over all R dims, ``(B|1, T, 1, R)``: ``[cos, cos]`` and ``[-sin, sin]``,
-    so that ``rope(x) = x * C + swap(x) * S`` (``swap`` exchanges the halves: ``[b, a]``)."""
+    so that ``rope(x) = x * C + swap(x) * S`` (``swap`` exchanges the halves: ``[b, a]``).
+
+    Remembered per (cos, sin) tensor objects while they live unmodified (their version counters), outside
+    tracing and for tables that do not require grad; any other call computes them.
+    """
+    cacheable = not (cos.requires_grad or sin.requires_grad or cos.is_inference() or sin.is_inference()
+                     or cos.numel() > _HALF_CACHE_NUMEL or torch.compiler.is_compiling())
+    if cacheable:
+        key = (id(cos), id(sin), dtype)
+        hit = _HALF_CACHE.get(key)
+        if (hit is not None and hit[0]() is cos and hit[1]() is sin and hit[2] == cos._version
+                and hit[3] == sin._version):
+            return hit[4]
     c = (cos if cos.dim() == 3 else cos[None]).to(dtype)  # (B|1, T, R/2)
     s = (sin if sin.dim() == 3 else sin[None]).to(dtype)
-    return torch.cat((c, c), dim=-1)[:, :, None, :], torch.cat((-s, s), dim=-1)[:, :, None, :]
+    tables = torch.cat((c, c), dim=-1)[:, :, None, :], torch.cat((-s, s), dim=-1)[:, :, None, :]
+    if cacheable:
+        if len(_HALF_CACHE) >= _HALF_CACHE_SIZE:
+            del _HALF_CACHE[next(iter(_HALF_CACHE))]  # the oldest entry
+        # the entry goes with the tables it was derived from: no derived tables outlive their cos
+        _HALF_CACHE[key] = (weakref.ref(cos, lambda _ref, key=key: _HALF_CACHE.pop(key, None)), weakref.ref(sin),
+                            cos._version, sin._version, tables)
+    return tables
 
 
 def rotate(x: torch.Tensor, rotary: int, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -70,6 +100,53 @@ def rotate(x: torch.Tensor, rotary: int, tables: tuple[torch.Tensor, torch.Tenso
     swapped = torch.cat((xr[..., half:], xr[..., :half]), dim=-1)
     out = torch.addcmul(xr * C, swapped, S).to(x.dtype)
     return out if full else torch.cat((out, x[..., rotary:]), dim=-1)  # partial rotary: the rest unchanged
+
+
+def _turn(x: torch.Tensor, C: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
+    """``x * C + swap(x) * S`` over all of x's last dim in one new tensor: a product, then the halves' two
+    multiply-adds in place (``swap`` read as slices of x, never copied)."""
+    half = x.shape[-1] // 2
+    out = x * C  # (B, T, H, R)
+    out[..., :half].addcmul_(x[..., half:], S[..., :half])
+    out[..., half:].addcmul_(x[..., :half], S[..., half:])
+    return out
+
+
+class _Rotate(torch.autograd.Function):
+    """Rotate-half RoPE of q and k (all their dims, in the tables' dtype) and its backward, the rotation by
+    ``-theta``: ``dx = g * C + swap(g * S)``, i.e. ``_turn(g, C, swap(S))``.
+
+    Autograd through ``x * C + cat(b, a) * S`` allocated seven tensors per rotated input in the backward
+    (the concatenation's slices come back as zero-filled copies); this takes one per input each way
+    (nanoGPT's CPU recipe, issue 20). Once differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, C: torch.Tensor, S: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(C, S)
+        return _turn(q, C, S), _turn(k, C, S)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None) -> tuple[Any, ...]:
+        C, S = ctx.saved_tensors
+        half = S.shape[-1] // 2
+        back = torch.cat((S[..., half:], S[..., :half]), dim=-1)  # swap(S) = [s, -s]: the inverse rotation
+        gq = _turn(dq, C, back) if dq is not None and ctx.needs_input_grad[0] else None
+        gk = _turn(dk, C, back) if dk is not None and ctx.needs_input_grad[1] else None
+        return gq, gk, None, None
+
+
+def rotate_pair(q: torch.Tensor, k: torch.Tensor, rotary: int, tables: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rotate(q, ...), rotate(k, ...))``: when both are rotated over all their dims in the tables' dtype and a
+    gradient is wanted, through ``_Rotate`` (one allocation per tensor each way); otherwise ``rotate`` on each."""
+    C, S = tables
+    if (rotary == q.shape[-1] and q.dtype == k.dtype == C.dtype and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad) and not torch.compiler.is_compiling()):
+        return _Rotate.apply(q, k, C, S)
+    return rotate(q, rotary, tables), rotate(k, rotary, tables)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool = False) -> torch.Tensor:

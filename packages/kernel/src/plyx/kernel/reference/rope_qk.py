@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 from plyx.kernel._errors import KernelInputError, shape_str
-from plyx.kernel.reference.rope import check_rope, half_tables, rope, rotate
+from plyx.kernel.reference.rope import check_rope, half_tables, rope, rotate_pair
 
 __all__ = ["rope_qk", "check_rope_qk"]
 
@@ -35,4 +35,4 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if interleaved:
         return rope(q, cos, sin, interleaved=True), rope(k, cos, sin, interleaved=True)
     tables = half_tables(cos, sin, torch.promote_types(q.dtype, torch.float32))  # built once for q and k
-    return rotate(q, rotary, tables), rotate(k, rotary, tables)
+    return rotate_pair(q, k, rotary, tables)
