@@ -165,7 +165,7 @@ def test_blocks_through_the_static_graph_step(lm, look_ahead):
 def test_blocks_replay_captured_graphs_on_cuda():
     """On a GPU (decode_steps defaults to 8): greedy blocks replay one captured k-step graph, sampled blocks
     one-step graphs; same tokens as one step per schedule."""
-    from conftest import small_lm
+    from .conftest import small_lm
 
     model = small_lm().to("cuda")
     prompts = _prompts(6, seed=25)
