@@ -44,7 +44,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import MODELS, Request, Timing, _one, _recv, build_models  # the sibling bench: its client and models
+# the sibling bench: its client and models
+from serving import MODELS, Request, Timing, _one, build_models, spawn_client
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -87,27 +88,9 @@ def _client_main(url: str, warm: list[tuple[Any, ...]], reqs: list[tuple[Any, ..
 
 
 def run_client(url: str, warm: list[Request], reqs: list[Request], on_warm: Any) -> tuple[list[Timing], float]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    pack = [(r.prompt, r.output_len, r.arrival) for r in reqs]
-    proc = ctx.Process(target=_client_main, daemon=True, name="plyx-bench-client",
-                       args=(url, [(r.prompt, r.output_len, r.arrival) for r in warm], pack, child))
-    proc.start()
-    child.close()
-    try:
-        if _recv(parent, proc, "the end of the warm-up") != "warm":
-            raise RuntimeError("the benchmark client broke the handshake (expected 'warm')")
-        on_warm()
-        parent.send("go")
-        raw, duration = _recv(parent, proc, "its timings")
-    finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
-        parent.close()
-    return [Timing(**t) for t in raw], duration
+    """Run the load from a spawned process (``serving.spawn_client``'s handshake): warm-up, then the requests."""
+    return spawn_client(_client_main, (url, [(r.prompt, r.output_len, r.arrival) for r in warm],
+                                       [(r.prompt, r.output_len, r.arrival) for r in reqs]), on_warm)
 
 
 def _ms(xs: list[float], q: float | None = None) -> float:

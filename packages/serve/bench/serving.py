@@ -204,12 +204,18 @@ def _recv(conn: Any, proc: Any, what: str) -> Any:
 
 def run_client(url: str, reqs: list[Request], max_concurrency: int, on_warm: Any) -> tuple[list[Timing], float]:
     """Run the load from a spawned process: warm-up, ``on_warm()`` here, then the measured requests."""
+    return spawn_client(_client_main, (url, [(r.prompt, r.output_len, r.arrival) for r in reqs], max_concurrency),
+                        on_warm)
+
+
+def spawn_client(target: Any, args: tuple[Any, ...], on_warm: Any) -> tuple[list[Timing], float]:
+    """Run ``target(*args, conn)`` in a spawned process through the client handshake: it sends ``"warm"`` after
+    its warm-up, ``on_warm()`` runs here, ``"go"`` starts the measured load, and it sends back its timings."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of the server's threads, model or torch state
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_client_main, name="plyx-bench-client", daemon=True,
-                       args=(url, [(r.prompt, r.output_len, r.arrival) for r in reqs], max_concurrency, child))
+    proc = ctx.Process(target=target, name="plyx-bench-client", daemon=True, args=(*args, child))
     proc.start()
     child.close()
     try:

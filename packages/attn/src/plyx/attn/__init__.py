@@ -20,6 +20,7 @@ __all__ = [
     "VarlenGroup",
     "begin_packed_step",
     "begin_step",
+    "reserve_tokens",
     "cache_kinds",
     "cache_layout",
     "check_kv_cache_dtype",

@@ -10,5 +10,5 @@ from plyx.attn._norm import RMSNorm
 from plyx.attn._packing import pack_linears_, packed_for_inference, packed_linear, weight_reads_exact
 from plyx.attn._paged import PagedKVCache
 from plyx.attn._paged_quant import KV_CACHE_DTYPES, QuantizedPagedKVCache, check_kv_cache_dtype
-from plyx.attn._step import PAGED_MAX_QUERY, KVStep, begin_step
+from plyx.attn._step import PAGED_MAX_QUERY, KVStep, begin_step, reserve_tokens
 from plyx.attn._varlen import VarlenGroup, begin_packed_step, varlen_groups

@@ -25,7 +25,7 @@ import attrs
 import torch
 from plyx.specs.kvcache import KVCache
 
-__all__ = ["PAGED_MAX_QUERY", "KVStep", "begin_step"]
+__all__ = ["PAGED_MAX_QUERY", "KVStep", "begin_step", "reserve_tokens"]
 
 #: decode-like steps (at most this many query tokens) use ``paged_attention``
 #: on a paged cache; longer ones (prefill chunks) gather keys and use ``attention``
@@ -119,6 +119,22 @@ class KVStep:
         return k, v
 
 
+def reserve_tokens(cache: Any, seq_ids: Sequence[int], counts: Sequence[int]) -> None:
+    """Allocate the sequences of ``seq_ids`` the cache does not hold yet and reserve ``counts[i]`` new tokens for
+    each, all or nothing: if the reserve fails (``CacheFullError``), the sequences it allocated are evicted and the
+    cache is left exactly as it was."""
+    live = set(cache.sequences())
+    new = [s for s in seq_ids if s not in live]
+    for s in new:
+        cache.allocate(s)
+    try:
+        cache.reserve(seq_ids, counts)
+    except BaseException:
+        for s in new:
+            cache.evict(s)
+        raise
+
+
 def begin_step(
     cache: KVCache,
     seq_ids: Sequence[int] | None,
@@ -151,16 +167,8 @@ def begin_step(
         mask = None
         counts = [steps] * batch
     live = set(cache.sequences())
-    new = [s for s in ids if s not in live]
-    for s in new:
-        cache.allocate(s)
-    before = [cache.length(s) for s in ids]
-    try:
-        cache.reserve(ids, counts)
-    except BaseException:
-        for s in new:  # leave the cache exactly as it was
-            cache.evict(s)
-        raise
+    before = [cache.length(s) if s in live else 0 for s in ids]
+    reserve_tokens(cache, ids, counts)
     after = tuple(b + n for b, n in zip(before, counts))
     token_index = None
     if mask is not None and not bool(mask.all()):

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 from plyx.attn._decode import supports_static_decode
-from plyx.attn._step import KVStep
+from plyx.attn._step import KVStep, reserve_tokens
 from plyx.specs.kvcache import KVCache
 
 __all__ = ["VarlenGroup", "begin_packed_step", "varlen_groups"]
@@ -99,16 +99,7 @@ def begin_packed_step(cache: KVCache, seq_ids: Sequence[int], counts: Sequence[i
     total = sum(counts)
     if len(tokens) != total:
         raise ValueError(f"got {len(tokens)} tokens for counts summing to {total}; pass every row's new tokens")
-    live = set(cache.sequences())
-    new = [s for s in ids if s not in live]
-    for s in new:
-        cache.allocate(s)
-    try:
-        cache.reserve(ids, counts)
-    except BaseException:
-        for s in new:  # leave the cache exactly as it was
-            cache.evict(s)
-        raise
+    reserve_tokens(cache, ids, counts)
     bs = int(cache.block_size)  # type: ignore[attr-defined]
     positions: list[int] = []
     slots: list[int] = []

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecodeGraphs", "chunk_limit", "default_buckets"]
+__all__ = ["DecodeGraphs", "capture_step", "chunk_limit", "default_buckets"]
 
 #: the scratch sequence id ``warm_up`` captures on (engine ids count up from 0; MixedGraphs uses -(1 << 40))
 _SCRATCH_ID = -(1 << 40) - 1
@@ -50,6 +50,30 @@ def default_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 64, then every 32 (vLLM's spacing), ending at ``max_batch``."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(96, max_batch + 1, 32))
     return sorted({s for s in sizes if s < max_batch} | {max_batch})
+
+
+def capture_step(run: Any, pool: Any, failure: str) -> tuple[Any, tuple[Any, Any] | None]:
+    """``(result, (graph, out))``: ``run()`` once eagerly on a side stream (torch's rule for capture; its real
+    result, kernels compiled), then captured into a graph in ``pool``. Capturing records the kernels without
+    running them, so a step that writes the cache does not write it twice. If the capture fails (a kernel that
+    syncs with the host, such as a reference fallback), warns ``failure: <the error>`` and returns
+    ``(result, None)``: the caller runs that step eagerly from then on."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        result = run()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in result if isinstance(result, tuple) else (result,):
+        t.record_stream(torch.cuda.current_stream())  # allocated on the side stream, read on this one
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = run()
+    except RuntimeError as exc:
+        torch.cuda.synchronize()
+        warnings.warn(f"{failure}: {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=4)
+        return result, None
+    return result, (graph, out)
 
 
 class DecodeGraphs:
@@ -218,31 +242,16 @@ class DecodeGraphs:
         return torch.stack(chosen, dim=1)
 
     def _capture(self, key: tuple[int, int, bool, int]) -> Any:
-        greedy = key[2] and key[3] == 1  # a multi-step graph returns one tensor (its tokens)
-        # warm-up on a side stream (torch's rule for capture): this step's real result, kernels compiled
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            result = self._forward(*key)
-        torch.cuda.current_stream().wait_stream(side)
-        for t in result if greedy else (result,):
-            t.record_stream(torch.cuda.current_stream())  # allocated on the side stream, read on this one
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # capturing records the kernels without running them: the cache is not written twice
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(*key)
-        except RuntimeError as exc:  # a kernel that syncs with the host (a reference fallback) cannot be captured
-            torch.cuda.synchronize()
-            warnings.warn(
-                f"CUDA graph capture of the decode step failed, so decode steps run eagerly from now on "
-                f"(a kernel the registry chose syncs with the host; `plyx kernels explain paged_attention` "
-                f"shows which): {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=3)
+        result, entry = capture_step(
+            lambda: self._forward(*key), self._pool,
+            "CUDA graph capture of the decode step failed, so decode steps run eagerly from now on (a kernel the "
+            "registry chose syncs with the host; `plyx kernels explain paged_attention` shows which)")
+        if entry is None:
             self.capture = False
-            return result
-        self._graphs[key] = (graph, out)
+        else:
+            self._graphs[key] = entry
         return result
 
     @torch.inference_mode()

@@ -78,11 +78,24 @@ def _stream_row(zrow, lo, hi, V, BLOCK: tl.constexpr, HAS_ARGMAX: tl.constexpr):
 
 
 @triton.jit
+def _store_row_grad(zrow, dzrow, V, lse, safe, scale, eps, z_loss, BLOCK: tl.constexpr):
+    """One pass over a row: ``dz = scale * dL/dz`` of the smoothed, z-regularised loss, from the row's lse
+    (``safe``: the target column; ``scale`` 0 on an ignored row)."""
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        mask = idx < V
+        z = tl.load(zrow + idx, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp(z - lse)
+        dz = p * (1.0 + 2.0 * z_loss * lse) - eps / V - tl.where(idx == safe, 1.0 - eps, 0.0)
+        tl.store(dzrow + idx, (dz * scale).to(dzrow.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _ce_kernel(Z, stride_z, T, SCALE, LOSS, LSE, ARGMAX, DZ, stride_dz, V, ignore_index, eps, z_loss,
                HAS_GRAD: tl.constexpr, HAS_ARGMAX: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     zrow = Z + row * stride_z
-    cols = tl.arange(0, BLOCK)
     m, s, zsum, best_idx = _stream_row(zrow, 0, V, V, BLOCK, HAS_ARGMAX)
     lse = m + tl.log(s)
     target = tl.load(T + row)
@@ -98,13 +111,7 @@ def _ce_kernel(Z, stride_z, T, SCALE, LOSS, LSE, ARGMAX, DZ, stride_dz, V, ignor
         scale = tl.load(SCALE).to(tl.float32)
         scale = tl.where(valid, scale, 0.0)
         dzrow = DZ + row * stride_dz
-        for start in range(0, V, BLOCK):
-            idx = start + cols
-            mask = idx < V
-            z = tl.load(zrow + idx, mask=mask, other=0.0).to(tl.float32)
-            p = tl.exp(z - lse)
-            dz = p * (1.0 + 2.0 * z_loss * lse) - eps / V - tl.where(idx == safe, 1.0 - eps, 0.0)
-            tl.store(dzrow + idx, (dz * scale).to(DZ.dtype.element_ty), mask=mask)
+        _store_row_grad(zrow, dzrow, V, lse, safe, scale, eps, z_loss, BLOCK)
 
 
 @triton.jit
@@ -115,20 +122,13 @@ def _ce_grad_kernel(Z, stride_z, T, LSE, G, stride_g, SCALE, DZ, stride_dz, V, i
     row = tl.program_id(0).to(tl.int64)
     zrow = Z + row * stride_z
     dzrow = DZ + row * stride_dz
-    cols = tl.arange(0, BLOCK)
     target = tl.load(T + row)
     valid = target != ignore_index
     safe = tl.where(valid, target, 0)
     lse = tl.load(LSE + row)
     scale = tl.load(SCALE).to(tl.float32) * tl.load(G + row * stride_g).to(tl.float32)
     scale = tl.where(valid, scale, 0.0)
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        mask = idx < V
-        z = tl.load(zrow + idx, mask=mask, other=0.0).to(tl.float32)
-        p = tl.exp(z - lse)
-        dz = p * (1.0 + 2.0 * z_loss * lse) - eps / V - tl.where(idx == safe, 1.0 - eps, 0.0)
-        tl.store(dzrow + idx, (dz * scale).to(DZ.dtype.element_ty), mask=mask)
+    _store_row_grad(zrow, dzrow, V, lse, safe, scale, eps, z_loss, BLOCK)
 
 
 def ce_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor, *,

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import bisect
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -145,17 +144,10 @@ class MixedGraphs:
                              f"count >= 1 and one id per token")
         if self._copied is not None:
             self._copied.synchronize()  # the pinned buffers may still be in flight to the device
+        from plyx.attn import reserve_tokens
+
         cache = self.cache
-        live = set(cache.sequences())
-        new = [s for s in seq_ids if s not in live]
-        for s in new:
-            cache.allocate(s)
-        try:
-            cache.reserve(seq_ids, counts)
-        except BaseException:
-            for s in new:  # leave the cache exactly as it was
-                cache.evict(s)
-            raise
+        reserve_tokens(cache, seq_ids, counts)
         bs = self.block_size
         pos, slots, rows, tables = self._pos, self._slots, self._rows, self._tables
         self._ids[:N] = tokens
@@ -227,28 +219,19 @@ class MixedGraphs:
         return out
 
     def _capture(self, bucket: int) -> torch.Tensor:
-        """Run ``bucket``'s step eagerly on a side stream (its real result; kernels compiled), then capture it."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            result = self._forward(bucket)
-        torch.cuda.current_stream().wait_stream(side)
-        result.record_stream(torch.cuda.current_stream())
+        """Run ``bucket``'s step eagerly (its real result; kernels compiled), then capture it."""
+        from plyx.serve._graphs import capture_step
+
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # capturing records the kernels without running them: the cache is not written twice
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(bucket)
-        except RuntimeError as exc:  # a kernel that syncs with the host (a reference fallback) cannot be captured
-            torch.cuda.synchronize()
-            warnings.warn(f"CUDA graph capture of a mixed step failed, so mixed steps run their static step eagerly "
-                          f"from now on: {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=3)
+        result, entry = capture_step(lambda: self._forward(bucket), self._pool,
+                                     "CUDA graph capture of a mixed step failed, so mixed steps run their static "
+                                     "step eagerly from now on")
+        if entry is None:
             self.capture = False
-            return result
-        self._graphs[bucket] = (graph, out)
-        return result
+        else:
+            self._graphs[bucket] = entry
+        return result  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def warm_up(self) -> float:
