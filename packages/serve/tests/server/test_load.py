@@ -102,7 +102,13 @@ def test_64_concurrent_streaming_clients(serving, server_lm, bpe, greedy_referen
             time.sleep(0.01)
         assert not engine.has_unfinished()
         held = len(engine.prefix)
-        assert engine.cache.usage().blocks_free == start_free - held  # only prefix-cache entries remain
+        # only prefix-cache entries remain. A node's holder shares its ancestors' blocks when its request attached
+        # them, but two requests computing the same prefix at once each keep their own copy of the shared blocks
+        # (the second one's deeper nodes hang under the first one's): so count the holders' distinct blocks, not
+        # one block per node (that equality failed about once in eight runs, on timing alone)
+        pinned = {b for node in engine.prefix._nodes.values() for b in engine.cache.blocks(node.holder)}
+        assert len(pinned) >= held
+        assert engine.cache.usage().blocks_free == start_free - len(pinned)
         assert engine.cache.usage().num_sequences == held
         stats = engine.stats
     assert health and all(code == 200 for code, _ in health)
