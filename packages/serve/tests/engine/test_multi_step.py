@@ -164,10 +164,18 @@ def test_blocks_through_the_static_graph_step(lm, look_ahead):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_blocks_replay_captured_graphs_on_cuda():
     """On a GPU (decode_steps defaults to 8): greedy blocks replay one captured k-step graph, sampled blocks
-    one-step graphs; same tokens as one step per schedule."""
-    from .conftest import small_lm
+    one-step graphs; same tokens as one step per schedule.
 
-    model = small_lm().to("cuda")
+    The model is one the Triton paged kernel takes (bf16, head_dim 64): the tiny fp32 head_dim-16 model of the
+    CPU tests gets the plain-torch paged reference, which syncs with the host, so its steps cannot be captured
+    (the engine then warns and runs them eagerly)."""
+    from plyx.model import TransformerLM
+    from plyx.specs import ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512, max_seq_len=160,
+                      init_std=0.5)
+    model = TransformerLM(cfg).eval().to("cuda", torch.bfloat16)
     prompts = _prompts(6, seed=25)
     for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
                    [SamplingParams(temperature=0.8, seed=i, max_new_tokens=30, ignore_eos=True) for i in range(6)]):
