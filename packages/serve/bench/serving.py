@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import os
 import platform
 import random
 import statistics
@@ -123,7 +124,9 @@ def summarize(name: str, reqs: list[Request], timings: list[Timing], duration: f
 
 
 # -- plyx: the server on loopback, the client in its own process ---------------------------
-# The client (up to --num-prompts httpx streams parsing JSON lines) runs in a spawned process, as vLLM's
+# The client (up to --num-prompts aiohttp streams parsing JSON lines; httpx where aiohttp is missing or
+# PLYX_BENCH_CLIENT=httpx: its pure-Python parser admitted about 30 requests/s at 128 concurrent streams, so the
+# client, not the server, set TTFT there) runs in a spawned process, as vLLM's
 # benchmark_serving runs apart from the server: in the server's process it would take the GIL from the
 # event loop and the engine thread at every token and add its own parsing to the measured latencies.
 async def _one(client: Any, url: str, req: Request, start: float, sem: asyncio.Semaphore | None) -> Timing:
@@ -160,25 +163,77 @@ async def _one(client: Any, url: str, req: Request, start: float, sem: asyncio.S
     return timing
 
 
+async def _one_aiohttp(session: Any, url: str, req: Request, start: float, sem: asyncio.Semaphore | None) -> Timing:
+    """``_one`` through aiohttp (as vLLM's benchmark_serving): its C-accelerated HTTP parser keeps up with 128+
+    concurrent streams, where httpx's pure-Python one made the client, not the server, the bottleneck."""
+    await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
+    timing = Timing()
+    body = {"model": "bench", "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if sem is not None:
+        await sem.acquire()
+    try:
+        sent = last = time.perf_counter()
+        async with session.post(url, json=body) as r:
+            if r.status != 200:
+                print("request failed:", r.status, (await r.read())[:200], file=sys.stderr)
+                return timing
+            async for raw in r.content:  # one line per iteration (SSE events end with a blank line)
+                line = raw.decode().rstrip("\r\n")
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    timing.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"]:
+                    if timing.ttft == 0.0:
+                        timing.ttft = now - sent
+                    else:
+                        timing.itl.append(now - last)
+                    last = now
+        timing.e2e = time.perf_counter() - sent
+        timing.ok = timing.output_tokens == req.output_len
+    finally:
+        if sem is not None:
+            sem.release()
+    return timing
+
+
 async def _client(url: str, reqs: list[Request], max_concurrency: int, conn: Any) -> None:
     """Warm-up, then the handshake (``"warm"`` out, ``"go"`` in), then the measured load; sends the timings."""
+    try:
+        import aiohttp
+    except ImportError:
+        aiohttp = None
+    if aiohttp is not None and os.environ.get("PLYX_BENCH_CLIENT", "aiohttp") == "aiohttp":
+        connector = aiohttp.TCPConnector(limit=len(reqs) + 8)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                         read_bufsize=1 << 20) as session:
+            await _load(session, _one_aiohttp, url, reqs, max_concurrency, conn)
+        return
     import httpx
 
     limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        # warm-up, not counted: a few short requests at once compile the kernels of every shape class
-        # (prefill chunks, mixed and decode steps) and fill the allocator
-        # (as many as run at once, long enough for multi-step decode blocks: every graph of the measured
-        # batch size is captured here, not in the measured run)
-        warm = [Request(r.prompt, 24, 0.0) for r in reqs[:max(16, min(len(reqs), max_concurrency or 16))]]
-        await asyncio.gather(*(_one(client, url, r, time.perf_counter(), None) for r in warm))
-        conn.send("warm")
-        if conn.recv() != "go":  # the server side resets its prefix cache and counters meanwhile
-            return
-        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        start = time.perf_counter()
-        timings = await asyncio.gather(*(_one(client, url, r, start, sem) for r in reqs))
-        conn.send(([vars(t) for t in timings], time.perf_counter() - start))
+        await _load(client, _one, url, reqs, max_concurrency, conn)
+
+
+async def _load(client: Any, one: Any, url: str, reqs: list[Request], max_concurrency: int, conn: Any) -> None:
+    """The warm-up, the handshake and the measured requests, each sent by ``one(client, ...)``."""
+    # warm-up, not counted: a few short requests at once compile the kernels of every shape class
+    # (prefill chunks, mixed and decode steps) and fill the allocator
+    # (as many as run at once, long enough for multi-step decode blocks: every graph of the measured
+    # batch size is captured here, not in the measured run)
+    warm = [Request(r.prompt, 24, 0.0) for r in reqs[:max(16, min(len(reqs), max_concurrency or 16))]]
+    await asyncio.gather(*(one(client, url, r, time.perf_counter(), None) for r in warm))
+    conn.send("warm")
+    if conn.recv() != "go":  # the server side resets its prefix cache and counters meanwhile
+        return
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    start = time.perf_counter()
+    timings = await asyncio.gather(*(one(client, url, r, start, sem) for r in reqs))
+    conn.send(([vars(t) for t in timings], time.perf_counter() - start))
 
 
 def _client_main(url: str, reqs: list[tuple[list[int], int, float]], max_concurrency: int, conn: Any) -> None:
