@@ -67,13 +67,17 @@ class TrainingKernels:
     compiled_norms: str
     reason: str
 
-    def describe(self) -> str:
-        """``kernels: attention ..., norms under compile ...`` with the reason."""
+    def describe(self, compiled: bool = True) -> str:
+        """``kernels: attention = ...`` (and, ``compiled``, what the compiled graph traces) with the reason."""
         eager = {"hybrid": "torch SDPA for unpacked batches, Triton flash for packed documents/windows/masks",
                  "triton": "Triton flash for every call", "sdpa": "torch SDPA for every call",
                  None: "the kernel registry's choice"}[self.attention]
-        return (f"kernels: attention = {eager}; under torch.compile attention = {self.compiled_attention}, "
-                f"RMSNorm = {self.compiled_norms} ({self.reason})")
+        if not compiled:
+            return f"kernels: attention = {eager} ({self.reason})"
+        traced = {"sdpa": "SDPA traced for unpacked batches, the plyx::attention op for the rest",
+                  "sdpa-all": "SDPA traced for every call", "op": "the plyx::attention op"}[self.compiled_attention]
+        norms = {"inductor": "torch ops fused by Inductor", "kernel": "the plyx::rmsnorm op"}[self.compiled_norms]
+        return f"kernels: attention = {eager}; compiled: attention = {traced}, RMSNorm = {norms} ({self.reason})"
 
 
 def resolve_training_kernels(attention: str = "auto", norms: str = "auto", *,
