@@ -9,8 +9,8 @@ import importlib
 import pytest
 import torch
 from plyx.kernel import _custom_ops, registry, resolve_training_kernels, training_kernels
-from plyx.kernel.attention import attention_hybrid, attention_reference
 from plyx.kernel.attention import _hybrid as hybrid_mod
+from plyx.kernel.attention import attention_hybrid, attention_reference
 
 from .conftest import HAVE_TRITON, TRITON_DEVICE
 
@@ -105,7 +105,7 @@ def test_training_kernels_scopes_the_override_and_the_compile_choice() -> None:
 
 # -- the compile path -------------------------------------------------------------------------------------------
 
-def _targets(fn, *args):  # noqa: ANN001, ANN202
+def _targets(fn, *args):
     """``fn(*args)`` compiled (aot_eager: the ATen graphs, forward and backward, are recorded) and its call targets."""
     from torch._dynamo.backends.common import aot_autograd
 

@@ -28,12 +28,12 @@ import types
 from typing import Any
 
 from plyx.kernel._registry import _tracing
+from plyx.kernel.attention._hybrid import attention_hybrid
 from plyx.kernel.attention._reference import (
     attention_reference,
     paged_attention_quant_reference,
     paged_attention_reference,
 )
-from plyx.kernel.attention._hybrid import attention_hybrid
 from plyx.kernel.attention._sdpa import attention_sdpa
 
 __all__ = [
