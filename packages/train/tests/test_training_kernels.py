@@ -93,3 +93,45 @@ def test_the_run_logs_its_kernel_choice(tiny_config, prepared: Path, tmp_path: P
     Trainer(cfg, options=TrainOptions(progress=False, tensorboard=False, print_fn=lines.append)).fit()
     assert lines[0] == "kernels: attention = torch SDPA for every call (sdpa: cpu has no Triton kernel)", lines[:2]
     assert "compiled:" not in lines[0]  # compile is off: nothing about the compiled graph
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the hybrid attention's Triton side needs CUDA")
+@pytest.mark.parametrize("docs", [False, True])
+def test_compiled_step_on_cuda_sdpa_unpacked_triton_packed(docs: bool) -> None:
+    """On a GPU under bf16 autocast with ``attention = "sdpa"``: unpacked batches trace aten SDPA, packed documents
+    the ``plyx::attention`` op (the Triton kernel, its saved lse: one forward per forward+backward); eager's loss and
+    gradients within bf16 tolerance."""
+    from plyx.kernel._saving import FORWARD_RUNS
+    from plyx.model import TransformerLM
+    from plyx.specs.config.model import ModelConfig
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=64, d_model=128, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=96, max_seq_len=32)
+    module = TransformerLM(config, device="cuda")
+    ids = torch.randint(0, 64, (2, 32), device="cuda")
+    document_ids = torch.tensor([[0] * 12 + [1] * 20, [0] * 32], device="cuda") if docs else None
+    batch = Batch(input_ids=ids, targets=torch.roll(ids, -1, 1), document_ids=document_ids)
+    seen: list[str] = []
+
+    def record(gm: torch.fx.GraphModule, example: object) -> object:
+        from functorch.compile import make_boxed_func
+
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    with training_kernels("sdpa", "auto", device="cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            want, want_grads = _step(module, module, batch)
+        torch._dynamo.reset()
+        runs = FORWARD_RUNS["attention"]
+        compiled = torch.compile(module, backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got, got_grads = _step(compiled, module, batch)
+    has_op = "plyx.attention.default" in seen
+    assert has_op == docs, sorted(set(seen))
+    assert any("scaled_dot_product" in t for t in seen) != docs
+    assert FORWARD_RUNS["attention"] - runs == (1 if docs else 0)  # one layer: no recompute in the backward
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for name, g in want_grads.items():
+        assert (got_grads[name] - g).abs().max() / g.abs().max().clamp(min=1e-6) < 5e-2, name
