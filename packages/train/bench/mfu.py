@@ -15,10 +15,6 @@ optimizer, frees them, and resets the peak-memory counter):
 - ``plyx-compiled-kernel-norms``: ``compiled_norms = "kernel"`` (RMSNorm as the ``plyx::rmsnorm`` custom op);
 - ``plyx-compiled-triton-kernel-norms``: both custom ops, as ``compile = true`` ran before plyx-train 1.7
   (the H100 run of 2026-11-24: 42.9% MFU);
-- ``plyx-compiled-saved-casts``: ``plyx-compiled`` compiled with AOTAutograd's
-  ``treat_parameters_as_free_to_save = False``, so the partitioner saves each weight's bf16 autocast copy
-  for the backward instead of casting the float32 weight again there (the ``triton_poi_fused__to_copy``
-  kernels of the H100 profile; costs the bf16 copies' memory);
 - ``torch-eager``: a plain HF-style Llama written here (``nn.Linear``, RMSNorm in torch ops, RoPE,
   ``F.scaled_dot_product_attention`` with GQA, full ``[B T, V]`` logits + ``F.cross_entropy``), same
   autocast, clipping and fused ``torch.optim.AdamW``;
@@ -68,16 +64,15 @@ SHAPES = {
     "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 160, "vocab_size": 256,
              "seq_len": 64, "batch": 2},
 }
-#: plyx variant -> (compiled, TrainConfig.attention, TrainConfig.compiled_norms, save the weights' bf16 casts)
+#: plyx variant -> (compiled, TrainConfig.attention, TrainConfig.compiled_norms)
 PLYX_VARIANTS = {
-    "plyx-eager": (False, "auto", "auto", False),
-    "plyx-eager-triton": (False, "triton", "auto", False),
-    "plyx-compiled": (True, "auto", "auto", False),
-    "plyx-compiled-sdpa": (True, "sdpa", "auto", False),
-    "plyx-compiled-triton": (True, "triton", "auto", False),
-    "plyx-compiled-kernel-norms": (True, "auto", "kernel", False),
-    "plyx-compiled-triton-kernel-norms": (True, "triton", "kernel", False),
-    "plyx-compiled-saved-casts": (True, "auto", "auto", True),
+    "plyx-eager": (False, "auto", "auto"),
+    "plyx-eager-triton": (False, "triton", "auto"),
+    "plyx-compiled": (True, "auto", "auto"),
+    "plyx-compiled-sdpa": (True, "sdpa", "auto"),
+    "plyx-compiled-triton": (True, "triton", "auto"),
+    "plyx-compiled-kernel-norms": (True, "auto", "kernel"),
+    "plyx-compiled-triton-kernel-norms": (True, "triton", "kernel"),
 }
 VARIANTS = (*PLYX_VARIANTS, "torch-eager", "torch-compiled")
 #: what runs without --variants: everything but torch-eager (the compiled plain loop is the bar)
@@ -192,7 +187,7 @@ def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: i
     """
     torch.manual_seed(0)
     plyx = name in PLYX_VARIANTS
-    compiled, attention, norms, saved_casts = PLYX_VARIANTS[name] if plyx else (name.endswith("compiled"), "", "", False)
+    compiled, attention, norms = PLYX_VARIANTS[name] if plyx else (name.endswith("compiled"), "", "")
     gc.collect()  # the previous variant's model and optimizer
     torch._dynamo.reset()  # each compiled variant traces afresh under its own choices
     if device.type == "cuda":
@@ -205,13 +200,11 @@ def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: i
 
             kernels = scope.enter_context(training_kernels(attention, norms, device=device, dtype=torch.bfloat16))
             print(f"{name:>{_W}}: {kernels.describe(compiled=compiled)}", flush=True)
-        if saved_casts:  # read when the graph is partitioned: the first (warm-up) step, inside this block
-            scope.enter_context(torch._functorch.config.patch(treat_parameters_as_free_to_save=False))
         out = _measure(name, shape, device, steps, warmup, profile, plyx, compiled)
     if kernels is not None:
         out["kernels"] = {"attention": attention, "compiled_norms": norms, "registry_attention": kernels.attention,
                           "compiled_attention": kernels.compiled_attention,
-                          "compiled_norms_resolved": kernels.compiled_norms, "saved_casts": saved_casts}
+                          "compiled_norms_resolved": kernels.compiled_norms}
     return out
 
 
