@@ -21,6 +21,11 @@ Each op ``plyx::<name>`` has:
 
 Model code reaches these through ``traceable(name)`` when ``torch.compiler.is_compiling()``; eager
 calls keep using ``registry().get(...)`` directly (no recompute).
+
+Two calls need not be custom ops at all (``COMPILE_CHOICES``, set by ``plyx.kernel.training_kernels``):
+attention that torch SDPA runs is traced as aten SDPA, whose autograd saves its own log-sum-exp (the
+custom op would recompute SDPA in its backward: no saved statistics), and RMSNorm can be traced as plain
+torch ops (``rmsnorm_torch``) that Inductor fuses with the residual adds and casts around it.
 """
 
 from __future__ import annotations
