@@ -1,28 +1,38 @@
 """Tokens/s and MFU of plyx-train's step against a plain PyTorch loop, eager and compiled, in one run.
 
-Four variants on the same shape, data and device, one after the other (each builds its own model and
+The variants, on the same shape, data and device, one after the other (each builds its own model and
 optimizer, frees them, and resets the peak-memory counter):
 
 - ``plyx-eager``: plyx-train's step: ``TransformerLM`` + ``lm_loss`` (the registry's kernels: Triton
-  RMSNorm, SwiGLU, RoPE, flash attention, fused linear cross-entropy) under bf16 autocast, gradient
-  clipping, ``build_optimizer`` (fused AdamW), as ``Trainer.fit`` runs it, without the data loader;
-- ``plyx-compiled``: the same with ``torch.compile(model)`` (``compile = true``): the kernels are
-  ``plyx::`` custom ops (plyx-kernel >= 1.3), Inductor compiles the rest;
+  RMSNorm, SwiGLU, RoPE, fused linear cross-entropy; attention by ``TrainConfig.attention = "auto"``:
+  torch SDPA on sm90+, the Triton flash kernel below) under bf16 autocast, gradient clipping,
+  ``build_optimizer`` (fused AdamW), as ``Trainer.fit`` runs it, without the data loader;
+- ``plyx-eager-triton``: the same with ``attention = "triton"`` (the Triton flash kernel for every call);
+- ``plyx-compiled``: ``torch.compile(model)`` (``compile = true``) with the defaults ``attention = "auto"``,
+  ``compiled_norms = "auto"``: SDPA traced by Dynamo where chosen, RMSNorm as torch ops Inductor fuses
+  with the residual adds, the other kernels ``plyx::`` custom ops;
+- ``plyx-compiled-sdpa`` / ``plyx-compiled-triton``: the same with ``attention = "sdpa"`` / ``"triton"``;
+- ``plyx-compiled-kernel-norms``: ``compiled_norms = "kernel"`` (RMSNorm as the ``plyx::rmsnorm`` custom op);
+- ``plyx-compiled-triton-kernel-norms``: both custom ops, as ``compile = true`` ran before plyx-train 1.7
+  (the H100 run of 2026-11-24: 42.9% MFU);
 - ``torch-eager``: a plain HF-style Llama written here (``nn.Linear``, RMSNorm in torch ops, RoPE,
   ``F.scaled_dot_product_attention`` with GQA, full ``[B T, V]`` logits + ``F.cross_entropy``), same
   autocast, clipping and fused ``torch.optim.AdamW``;
 - ``torch-compiled``: that loop with ``torch.compile(model)``.
+
+Each plyx variant prints the kernel choice in force (``plyx.kernel.training_kernels``) and, eager, how many
+attention calls took SDPA and the Triton kernel.
 
 MFU = tokens/s x FLOPs per token / peak, FLOPs per token by ``TransformerLM.flops_per_token`` (6 N + 12 L H
 Dh T, PaLM appendix B) for every variant; the peak from the device name (H100 and H200: 989 TFLOP/s bf16
 dense; ``--peak-flops`` overrides). Each variant also records its measured peak memory beside
 plyx-train's pre-flight plan (``plan_memory``) for the same run.
 
-Run on one GPU (about 5 minutes, most of it the two compilations)::
+Run on one GPU (about 5 minutes for the default variants, most of it the compilations, ~35 s each)::
 
-    python packages/train/bench/mfu.py --out packages/train/bench/results
+    python packages/train/bench/mfu.py --steps 20 --warmup 3 --out packages/train/bench/results
 
-CPU proof of the script (seconds, a tiny shape, no MFU): ``python packages/train/bench/mfu.py --tiny``.
+CPU proof of the script (a tiny shape, no MFU): ``python packages/train/bench/mfu.py --tiny``.
 ``--profile`` also writes each variant's kernel table (3 profiled steps) to ``<out>/profile-<variant>.txt``.
 Results are appended as JSON lines to ``<out>/mfu-<device>-<date>.jsonl`` and printed as a table.
 """
@@ -30,6 +40,7 @@ Results are appended as JSON lines to ``<out>/mfu-<device>-<date>.jsonl`` and pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -53,7 +64,20 @@ SHAPES = {
     "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "d_ff": 160, "vocab_size": 256,
              "seq_len": 64, "batch": 2},
 }
-VARIANTS = ("plyx-eager", "plyx-compiled", "torch-eager", "torch-compiled")
+#: plyx variant -> (compiled, TrainConfig.attention, TrainConfig.compiled_norms)
+PLYX_VARIANTS = {
+    "plyx-eager": (False, "auto", "auto"),
+    "plyx-eager-triton": (False, "triton", "auto"),
+    "plyx-compiled": (True, "auto", "auto"),
+    "plyx-compiled-sdpa": (True, "sdpa", "auto"),
+    "plyx-compiled-triton": (True, "triton", "auto"),
+    "plyx-compiled-kernel-norms": (True, "auto", "kernel"),
+    "plyx-compiled-triton-kernel-norms": (True, "triton", "kernel"),
+}
+VARIANTS = (*PLYX_VARIANTS, "torch-eager", "torch-compiled")
+#: what runs without --variants: everything but torch-eager (the compiled plain loop is the bar)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "torch-eager")
+_W = max(map(len, VARIANTS))  # the printed table's name column
 PEAKS = {"H100": 989e12, "H200": 989e12}  # bf16 dense tensor-core peak (SXM)
 
 
@@ -126,6 +150,7 @@ class PlainLlama(nn.Module):
 # -- the variants ----------------------------------------------------------------------------------
 
 def _plyx(shape: dict[str, int], device: torch.device, compiled: bool) -> tuple[Any, Any, nn.Module]:
+    """The plyx step's model, optimizer and loss (the kernel choice is the caller's ``training_kernels`` block)."""
     from plyx.model import TransformerLM
     from plyx.specs import Batch, OptimizerConfig
     from plyx.train import lm_loss
@@ -161,13 +186,36 @@ def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: i
     (self device time, top 40) is written to ``profile/profile-<variant>.txt``: where the step's time goes.
     """
     torch.manual_seed(0)
-    compiled = name.endswith("compiled")
-    build = _plyx if name.startswith("plyx") else _torch
+    plyx = name in PLYX_VARIANTS
+    compiled, attention, norms = PLYX_VARIANTS[name] if plyx else (name.endswith("compiled"), "", "")
     gc.collect()  # the previous variant's model and optimizer
+    torch._dynamo.reset()  # each compiled variant traces afresh under its own choices
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    with contextlib.ExitStack() as scope:
+        kernels = None
+        if plyx:
+            from plyx.kernel import training_kernels
+
+            kernels = scope.enter_context(training_kernels(attention, norms, device=device, dtype=torch.bfloat16))
+            print(f"{name:>{_W}}: {kernels.describe(compiled=compiled)}", flush=True)
+        out = _measure(name, shape, device, steps, warmup, profile, plyx, compiled)
+    if kernels is not None:
+        out["kernels"] = {"attention": attention, "compiled_norms": norms, "registry_attention": kernels.attention,
+                          "compiled_attention": kernels.compiled_attention,
+                          "compiled_norms_resolved": kernels.compiled_norms}
+    return out
+
+
+def _measure(name: str, shape: dict[str, int], device: torch.device, steps: int, warmup: int, profile: Path | None,
+             plyx: bool, compiled: bool) -> dict[str, Any]:
+    """Build the variant's model and optimizer, time its steps, profile them (``profile``); the measurements."""
+    from plyx.kernel.attention._hybrid import ROUTES
+
+    build = _plyx if plyx else _torch
     loss_fn, optimizer, module = build(shape, device, compiled)
+    routes = dict(ROUTES)
     params = [p for p in module.parameters() if p.requires_grad]
     B, T, V = shape["batch"], shape["seq_len"], shape["vocab_size"]
     ids = torch.randint(0, V, (B, T), device=device)
@@ -197,6 +245,8 @@ def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: i
     dt = (time.perf_counter() - t0) / steps
     # plyx:: custom ops (compiled variants): implementation forwards per step, recomputes in backwards included
     op_runs = {k: (v - runs.get(k, 0)) / steps for k, v in _op_forward_runs().items() if v != runs.get(k, 0)}
+    # the hybrid attention's eager calls per step, each side (compiled graphs apply the rule once, when traced)
+    routed = {k: (v - routes.get(k, 0)) / (steps + warmup) for k, v in ROUTES.items() if v != routes.get(k, 0)}
     if profile is not None:
         _profile(step, name, device, profile)
     flops = _flops_per_token(shape)
@@ -204,9 +254,9 @@ def run_variant(name: str, shape: dict[str, int], device: torch.device, steps: i
         "variant": name, "ms_per_step": dt * 1e3, "tokens_per_s": B * T / dt, "flops_per_token": flops,
         "warmup_s": warm_s, "final_loss": float(losses[-1]), "params": sum(p.numel() for p in params),
         "peak_mem_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "op_forward_runs_per_step": op_runs,
+        "op_forward_runs_per_step": op_runs, "attention_calls_per_step": routed,
     }
-    if name.startswith("plyx"):
+    if plyx:
         out["planned_gib"] = _planned(shape, out["params"], device) / 2**30
     return out  # the model, optimizer and step closure are freed with this frame (collected by the next variant)
 
@@ -235,7 +285,7 @@ def _profile(step: Any, name: str, device: torch.device, out: Path) -> None:
     tmp.write_text(f"{name}: 3 steps, sorted by {key}\n" + prof.key_averages().table(sort_by=key, row_limit=40,
                                                                                    max_name_column_width=90))
     tmp.replace(path)
-    print(f"{name:>15}: profile written to {path}", flush=True)
+    print(f"{name:>{_W}}: profile written to {path}", flush=True)
 
 
 def _model_config(shape: dict[str, int]) -> Any:
@@ -269,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, help="micro-batch (default: the shape's)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens here)")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated subset of {','.join(VARIANTS)} (default: all but torch-eager)")
     p.add_argument("--peak-flops", type=float, help="override the device's peak FLOP/s")
     p.add_argument("--out", type=Path, help="append results to OUT/mfu-<device>-<date>.jsonl")
     p.add_argument("--profile", action="store_true",
@@ -293,13 +344,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     failed = []
     for v in variants:
+        if device.type != "cuda" and v in PLYX_VARIANTS and PLYX_VARIANTS[v][1] == "triton":
+            print(f"{v:>{_W}}: skipped (the Triton flash kernel runs on CUDA only)", flush=True)
+            continue
         try:
             r = run_variant(v, shape, device, args.steps, args.warmup, args.out if args.profile else None)
         except Exception as exc:  # one variant's failure (a compile crash) is reported whole; the others still run
             # the full traceback, chained causes included, on stdout (the log) and stderr: the H100 log of
             # 2026-11-24 kept only the last lines of Dynamo's warnings, not the exception that stopped the run
             text = "".join(traceback.format_exception(exc))
-            print(f"{v:>15}: FAILED ({type(exc).__name__})\n{text}", flush=True)
+            print(f"{v:>{_W}}: FAILED ({type(exc).__name__})\n{text}", flush=True)
             print(f"{v}: FAILED\n{text}", file=sys.stderr, flush=True)
             failed.append(v)
             rows.append({"variant": v, "error": f"{type(exc).__name__}: {exc}"[:2000], "device": name, "date": date,
@@ -313,10 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         mem = f"{r['peak_mem_gib']:.1f} GiB" if r["peak_mem_gib"] is not None else "-"
         plan = f" (plan {r['planned_gib']:.1f})" if "planned_gib" in r else ""
-        print(f"{v:>15}: {r['ms_per_step']:9.2f} ms/step {r['tokens_per_s']:12,.0f} tok/s  MFU {mfu:>6}  "
+        print(f"{v:>{_W}}: {r['ms_per_step']:9.2f} ms/step {r['tokens_per_s']:12,.0f} tok/s  MFU {mfu:>6}  "
               f"peak {mem}{plan}  warmup {r['warmup_s']:.1f} s  loss {r['final_loss']:.4f}", flush=True)
         if r["op_forward_runs_per_step"]:
-            print(f"{'':>15}  plyx:: op forwards per step: {r['op_forward_runs_per_step']}", flush=True)
+            print(f"{'':>{_W}}  plyx:: op forwards per step: {r['op_forward_runs_per_step']}", flush=True)
+        if r["attention_calls_per_step"]:
+            print(f"{'':>{_W}}  eager attention calls per step: {r['attention_calls_per_step']}", flush=True)
         if not math.isfinite(r["final_loss"]):
             print(f"{v}: non-finite loss", file=sys.stderr)
     if args.out:

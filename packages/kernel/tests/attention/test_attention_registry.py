@@ -25,7 +25,7 @@ def _q(device="cuda", dtype="bfloat16", cc=(9, 0), head_dim=128, grad=False):
 
 
 def test_every_implementation_is_registered(reg):
-    assert {i.impl for i in reg.implementations("attention")} == {"reference", "sdpa", "triton"}
+    assert {i.impl for i in reg.implementations("attention")} == {"reference", "sdpa", "triton", "hybrid"}
     assert {i.impl for i in reg.implementations("paged_attention")} == {"reference", "triton"}
 
 
@@ -49,6 +49,16 @@ def test_explain_says_why_triton_is_refused(reg):
     lines = {c.impl.impl: c for c in reg.explain("attention", _q(head_dim=96))}
     assert not lines["triton"].taken and "head_dim=96" in lines["triton"].reason
     assert lines["sdpa"].taken
+
+
+def test_hybrid_is_chosen_by_name_only(reg):
+    """``hybrid`` (SDPA for plain causal calls, Triton for the rest) never wins by priority; an override takes it
+    where the Triton kernel runs, and falls back to the priorities where it does not."""
+    assert reg.select("attention", _q(grad=True)).impl == "triton"
+    with reg.override(attention="hybrid"):
+        assert reg.select("attention", _q(grad=True)).impl == "hybrid"
+        with pytest.warns(Warning, match="hybrid"):
+            assert reg.select("attention", _q(device="cpu", cc=None)).impl == "sdpa"
 
 
 def test_override_forces_the_reference(reg):

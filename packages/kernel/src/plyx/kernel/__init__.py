@@ -10,6 +10,8 @@ Public surface:
   is the callable subpackage ``plyx.kernel.attention``) and ``rope_tables``.
 - ``traceable(name)``: the kernel as a ``torch.library`` custom op (``plyx::<name>``), for code under
   ``torch.compile``.
+- ``training_kernels(attention, norms, device=...)``: the training step's attention (torch SDPA / the
+  Triton flash kernel) and, under ``torch.compile``, RMSNorm (custom op / Inductor-fused torch ops) choice.
 - ``plyx.kernel.reference``: the pure-PyTorch definitions.
 """
 
@@ -20,6 +22,7 @@ __all__ = [
     "KernelFallbackWarning",
     "KernelInputError",
     "Registry",
+    "TrainingKernels",
     "attention",
     "configure",
     "cross_entropy",
@@ -34,6 +37,7 @@ __all__ = [
     "query_for",
     "registry",
     "reset_registry",
+    "resolve_training_kernels",
     "rmsnorm",
     "rmsnorm_linear",
     "rope",
@@ -43,6 +47,7 @@ __all__ = [
     "swiglu",
     "swiglu_linear",
     "traceable",
+    "training_kernels",
 ]
 
 

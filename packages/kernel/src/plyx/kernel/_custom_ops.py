@@ -21,6 +21,11 @@ Each op ``plyx::<name>`` has:
 
 Model code reaches these through ``traceable(name)`` when ``torch.compiler.is_compiling()``; eager
 calls keep using ``registry().get(...)`` directly (no recompute).
+
+Two calls need not be custom ops at all (``COMPILE_CHOICES``, set by ``plyx.kernel.training_kernels``):
+attention that torch SDPA runs is traced as aten SDPA, whose autograd saves its own log-sum-exp (the
+custom op would recompute SDPA in its backward: no saved statistics), and RMSNorm can be traced as plain
+torch ops (``rmsnorm_torch``) that Inductor fuses with the residual adds and casts around it.
 """
 
 from __future__ import annotations
@@ -30,10 +35,18 @@ from typing import Any
 
 import torch
 from plyx.kernel import _saving
+from plyx.kernel.attention._hybrid import sdpa_suits
+from plyx.kernel.attention._sdpa import attention_sdpa
 
-__all__ = ["OPS", "reached_under_compile", "traceable"]
+__all__ = ["COMPILE_CHOICES", "OPS", "reached_under_compile", "rmsnorm_torch", "traceable"]
 
 _LIB = "plyx"
+
+#: what the compile path traces (set by ``plyx.kernel.training_kernels``; read while Dynamo traces, which guards
+#: on it): ``attention``: ``op`` (the ``plyx::attention`` custom op), ``sdpa`` (torch SDPA traced for plain causal
+#: calls, the custom op for the rest), ``sdpa-all`` (SDPA traced for every call); ``rmsnorm``: ``kernel`` (the
+#: ``plyx::rmsnorm`` custom ops) or ``inductor`` (``rmsnorm_torch``'s plain ops, fused by Inductor)
+COMPILE_CHOICES: dict[str, str] = {"attention": "op", "rmsnorm": "kernel"}
 
 
 def _select(name: str, *tensors: torch.Tensor, **shape: int) -> Callable[..., Any]:
@@ -296,8 +309,24 @@ def _op(name: str) -> Any:
 
 # -- the wrappers model code calls: the kernel name's documented signature ---------------------------
 
+def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
+                  residual: torch.Tensor | None = None) -> Any:
+    """The ``rmsnorm`` contract in plain differentiable torch ops, for Inductor to fuse (``compiled_norms``).
+
+    The reference's numerics: ``h = x + residual`` rounded to x's dtype, statistics and the weight product in
+    float32 (float64 for float64), ``y`` in x's dtype. Returns ``y``, or ``(y, h)`` with ``residual``.
+    """
+    c = torch.promote_types(x.dtype, torch.float32)
+    h = x if residual is None else (x.to(c) + residual.to(c)).to(x.dtype)
+    hc = h.to(c)
+    y = (hc * torch.rsqrt(hc.square().mean(-1, keepdim=True) + eps) * weight.to(c)).to(x.dtype)  # [..., D]
+    return y if residual is None else (y, h)
+
+
 def _rmsnorm_call(x: torch.Tensor, weight: torch.Tensor, *, eps: float = 1e-6,
                   residual: torch.Tensor | None = None) -> Any:
+    if COMPILE_CHOICES.get("rmsnorm") == "inductor":
+        return rmsnorm_torch(x, weight, eps=eps, residual=residual)
     if residual is None:
         return _op("rmsnorm")(x, weight, float(eps))[0]  # (y, rstd)
     y, h, _ = _op("rmsnorm_residual")(x, weight, residual, float(eps))
@@ -324,6 +353,12 @@ def _attention_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if return_lse:
         raise NotImplementedError("plyx::attention (torch.compile path) returns no lse; call the kernel eagerly "
                                   "(outside torch.compile) when return_lse=True is needed")
+    choice = COMPILE_CHOICES.get("attention", "op")
+    if choice == "sdpa-all" or (choice == "sdpa" and sdpa_suits(q, k, causal=causal, mask=mask,
+                                                                 document_ids=document_ids, window=window)):
+        # traced: aten SDPA with its own autograd (the saved lse of cuDNN/flash), no recompute in the backward
+        return attention_sdpa(q, k, v, causal=causal, scale=scale, mask=mask, document_ids=document_ids,
+                              window=window)
     return _op("attention")(q, k, v, mask, document_ids, bool(causal), None if scale is None else float(scale),
                             window)[0]  # (o, lse)
 

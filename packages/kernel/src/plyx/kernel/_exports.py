@@ -25,3 +25,4 @@ from plyx.kernel._dispatch import (
 from plyx.kernel._errors import KernelInputError
 from plyx.kernel._registry import KernelConformanceWarning, KernelFallbackWarning, Registry, query_for
 from plyx.kernel._rope_tables import inv_frequencies, rope_tables
+from plyx.kernel._training import TrainingKernels, resolve_training_kernels, training_kernels

@@ -247,7 +247,9 @@ def _rope_split(fn: Callable[..., Any], name: str) -> Split:
 def _attention_split(fn: Callable[..., Any]) -> Split | None:
     from plyx.kernel import attention as attn
 
-    if fn is attn.attention_triton:
+    # hybrid: the custom op only sees its non-SDPA calls under compile (plain causal ones trace SDPA instead);
+    # any call it gets runs the Triton kernel, the same contract, with its saved lse
+    if fn is attn.attention_triton or fn is attn.attention_hybrid:
         from plyx.kernel.attention._flash import flash_attention_backward as bwd
         from plyx.kernel.attention._flash import flash_attention_saving as fwd
     elif fn is attn.attention_reference:

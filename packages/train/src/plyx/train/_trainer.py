@@ -338,6 +338,7 @@ class Trainer:
         self._restored_rng: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
         if resume_from is not None:
             self._load(resume_from)
+        self.kernels = _training_kernels(config, self.device)
         self.model: nn.Module = self.module
         if config.compile:
             self.model = torch.compile(self.model)  # type: ignore[assignment]
@@ -487,7 +488,21 @@ class Trainer:
 
     # -- the loop -------------------------------------------------------------------------
     def fit(self) -> TrainResult:
-        """Run until ``config.steps`` (or a signal); returns a ``TrainResult``."""
+        """Run until ``config.steps`` (or a signal); returns a ``TrainResult``.
+
+        The step's attention and compiled-norm implementations are ``config.attention`` and
+        ``config.compiled_norms`` (``plyx.kernel.training_kernels``), in force for the whole run; the choice is
+        the run's first log line.
+        """
+        from plyx.kernel import training_kernels
+
+        c = self.config
+        dtype = torch.bfloat16 if c.precision == "bf16-autocast" else torch.float32
+        with training_kernels(c.attention, c.compiled_norms, device=self.device, dtype=dtype) as chosen:
+            self._say(None, chosen.describe(compiled=c.compile))
+            return self._fit()
+
+    def _fit(self) -> TrainResult:
         c, opts = self.config, self.options
         if self._restored_rng is not None:
             restore_rng(*self._restored_rng)
@@ -893,3 +908,16 @@ class Trainer:
         finally:
             for sig, old in previous.items():
                 signal.signal(sig, old)
+
+
+def _training_kernels(config: TrainConfig, device: torch.device) -> Any:
+    """``config.attention`` / ``config.compiled_norms`` resolved for ``device`` (``plyx.kernel``'s rule); a choice
+    the device cannot run is a ``ConfigError`` before any step (the config's own check knows no device for "auto")."""
+    from plyx.kernel import resolve_training_kernels
+
+    dtype = torch.bfloat16 if config.precision == "bf16-autocast" else torch.float32
+    try:
+        return resolve_training_kernels(config.attention, config.compiled_norms, device=device, dtype=dtype)
+    except ValueError as exc:
+        raise ConfigError("$.attention", str(exc), value=config.attention,
+                          fix='attention = "auto" picks what the device runs') from None

@@ -7,7 +7,9 @@ attention over an int8 / float8_e4m3fn cache with per-token, per-head scales):
 - ``reference``: plain torch, any device and dtype, float64 gradcheck-able (priority 0);
 - ``sdpa``: torch's scaled_dot_product_attention (priority 10);
 - ``triton``: FlashAttention-2 style forward and backward and a paged
-  split-K decode kernel, CUDA only (priority 20), imported on first call.
+  split-K decode kernel, CUDA only (priority 20), imported on first call;
+- ``hybrid``: ``sdpa`` for plain causal calls, ``triton`` for packed documents,
+  windows, masks and lse (CUDA, priority 5: chosen by name, by the training step).
 
 ``register(registry)`` adds them to a ``KernelRegistry``; the kernel plugin
 calls it from its ``plyx_register_attention_backends`` hook. Selection query
@@ -26,6 +28,7 @@ import types
 from typing import Any
 
 from plyx.kernel._registry import _tracing
+from plyx.kernel.attention._hybrid import attention_hybrid
 from plyx.kernel.attention._reference import (
     attention_reference,
     paged_attention_quant_reference,
@@ -34,6 +37,7 @@ from plyx.kernel.attention._reference import (
 from plyx.kernel.attention._sdpa import attention_sdpa
 
 __all__ = [
+    "attention_hybrid",
     "attention_reference",
     "attention_sdpa",
     "attention_triton",

@@ -69,6 +69,25 @@ def register_all(registry: Any) -> None:
     )
     registry.register(
         KernelImpl(
+            name="attention",
+            impl="hybrid",
+            fn=attn.attention_hybrid,
+            capability=Capability(
+                devices={"cuda"},
+                dtypes=TRITON_DTYPES,
+                min_compute_capability=TRITON_MIN_CC,
+                shape_in={"head_dim": TRITON_HEAD_DIMS},
+                requires=("triton",),
+                backward=True,
+            ),
+            # never chosen by priority: the training step names it (plyx.kernel.training_kernels)
+            priority=5,
+            description="torch SDPA (cuDNN/flash) for plain causal calls, the Triton flash kernel for packed "
+                        "documents, windows, masks and lse",
+        )
+    )
+    registry.register(
+        KernelImpl(
             name="paged_attention",
             impl="triton",
             fn=attn.paged_attention_triton,

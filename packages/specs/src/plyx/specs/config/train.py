@@ -124,6 +124,13 @@ class TrainConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
     """Recompute each decoder layer in the backward pass."""
     compile: bool = False
     """Wrap the model in torch.compile."""
+    attention: Literal["auto", "sdpa", "triton"] = "auto"
+    """The training step's attention: auto (torch SDPA for unpacked batches on sm90+ GPUs and on CPU, the
+    kernel registry's choice elsewhere) | sdpa (torch SDPA for unpacked batches; packed documents keep the
+    Triton flash kernel on CUDA) | triton (plyx's Triton flash kernel for every call; CUDA, bf16)."""
+    compiled_norms: Literal["auto", "kernel", "inductor"] = "auto"
+    """RMSNorm under ``compile = true``: auto (= inductor) | inductor (plain torch ops that Inductor fuses with
+    the residual adds) | kernel (the registry's RMSNorm kernel as an opaque custom op)."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:N."""
     out_dir: str = "runs/default"
@@ -162,6 +169,14 @@ class TrainConfig(ConfigBase, kw_only=True, frozen=True, forbid_unknown_fields=T
                 value=self.data.seq_len,
                 fix="lower data.seq_len or raise model.max_seq_len",
             )
+        if self.compiled_norms != "auto" and not self.compile:
+            raise ConfigError("compiled_norms", "chooses RMSNorm's implementation under torch.compile, and compile "
+                              "is off", value=self.compiled_norms,
+                              fix="set compile = true, or leave compiled_norms = \"auto\"")
+        if self.attention == "triton" and (self.device == "cpu" or self.precision == "float32"):
+            raise ConfigError("attention", "the Triton flash kernel runs on CUDA in bf16 only, and this run is "
+                              + ("on the CPU" if self.device == "cpu" else "float32"), value=self.attention,
+                              fix='use attention = "auto" (or "sdpa"), or train on CUDA with precision = "bf16-autocast"')
         if self.schedule.warmup_steps >= self.steps and self.steps > 1:
             raise ConfigError(
                 "schedule.warmup_steps",
