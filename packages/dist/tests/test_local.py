@@ -252,3 +252,38 @@ def test_reloaded_state_is_the_state_the_next_local_step_uses():
             runs.append([p.full_tensor() for p in model.parameters()])
         for want, got in zip(*runs, strict=True):
             assert torch.equal(want, got)
+
+
+def test_one_rank_reduce_dtype_float32_gives_the_bf16_reduction_bit_for_bit():
+    """At one rank nothing is summed: reducing bf16 gradients in float32 (the cast inside FSDP2's copy-in, one
+    kernel fewer per block) gives the float32 gradients that reducing in bf16 and casting after gives; and
+    ``apply_fsdp`` (``reshard_after_forward=False``, as ``DistStrategy`` asks at one rank) keeps the unsharded
+    bf16 parameters from the forward to the backward (no second copy-in)."""
+    from plyx.dist._parallelize import apply_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    class Blocks(torch.nn.Module):  # apply_fsdp shards model.layers one by one, then the root
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers[1](torch.nn.functional.gelu(self.layers[0](x)))
+
+    grads, unsharded_after_forward = {}, {}
+    with one_rank():
+        mesh = init_device_mesh("cpu", (1,))
+        for reduce_dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            model = Blocks()
+            apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
+                       reshard_after_forward=False, shard_head=False)
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+            out = model(x)
+            groups = [m._get_fsdp_state()._fsdp_param_group for m in (*model.layers, model)]
+            unsharded_after_forward[reduce_dtype] = [g.is_unsharded for g in groups if g is not None]
+            out.float().square().mean().backward()
+            grads[reduce_dtype] = [p.grad.to_local().clone() for p in model.parameters()]
+    assert all(g.dtype == torch.float32 for g in grads[torch.float32])
+    assert all(torch.equal(a, b) for a, b in zip(grads[torch.float32], grads[torch.bfloat16], strict=True))
+    assert all(unsharded_after_forward[torch.float32])

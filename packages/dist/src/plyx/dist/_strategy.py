@@ -125,13 +125,13 @@ class DistStrategy:
         reshard, reduce_dtype = d.reshard_after_forward, _DTYPES[d.reduce_dtype]
         if dp_mesh.size() == 1:
             # one rank holds every parameter whole: resharding after the forward frees only the param_dtype
-            # copies and costs a second copy-in/copy-out per block in the backward; and the "reduction" sums
-            # one gradient, so reducing in param_dtype gives the same float32 gradient bit for bit (a bf16 value
-            # cast up is exact) without the cast pass, unless micro-batches accumulate (FSDP2 accumulates
-            # unsynchronised gradients in reduce_dtype)
+            # copies and costs a second copy-in/copy-out per block in the backward. The gradients keep
+            # reduce_dtype: at one rank FSDP2 (torch 2.13, foreach_reduce) copies them into its reduce-scatter
+            # buffer in reduce_dtype (chunk_cat, which casts on the way), copies that buffer into its output
+            # and casts the output to the parameter's dtype when the two differ; reducing in float32 puts the
+            # cast inside the chunk_cat (the same bytes moved, one kernel fewer per block than reducing in
+            # bf16 and casting after), and the gradient is the same bit for bit (nothing is summed)
             reshard = False
-            if self.config.grad_accum == 1:
-                reduce_dtype = _DTYPES[d.param_dtype]
         apply_fsdp(module, dp_mesh, param_dtype=_DTYPES[d.param_dtype], reduce_dtype=reduce_dtype,
                    reshard_after_forward=reshard, shard_head=self.plan.tp > 1)
         if meta:
