@@ -287,3 +287,57 @@ def test_one_rank_reduce_dtype_float32_gives_the_bf16_reduction_bit_for_bit():
     assert all(g.dtype == torch.float32 for g in grads[torch.float32])
     assert all(torch.equal(a, b) for a, b in zip(grads[torch.float32], grads[torch.bfloat16], strict=True))
     assert all(unsharded_after_forward[torch.float32])
+
+
+def test_gradient_sync_flag_is_set_only_when_it_changes(prepared, tmp_path, monkeypatch):
+    """``micro_batch`` tells FSDP2 whether to reduce only when the answer changes (setting it walks every
+    module): once for a run without accumulation, at every micro-batch with it, again for another model."""
+    from plyx.dist import DistStrategy
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[bool] = []
+
+        def set_requires_gradient_sync(self, flag: bool) -> None:
+            self.calls.append(flag)
+
+    _one_rank_env(monkeypatch)
+    strategy = DistStrategy(T.tiny_config(prepared, tmp_path, batch_size=2, dist={"strategy": "fsdp"}),
+                            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    try:
+        model, other = Recorder(), Recorder()
+        for last in (True, True, True):  # three steps, one micro-batch each
+            with strategy.micro_batch(model, last=last):
+                pass
+        assert model.calls == [True]
+        for last in (False, True, False, True):  # two steps of two micro-batches
+            with strategy.micro_batch(model, last=last):
+                pass
+        assert model.calls == [True, False, True, False, True]
+        with strategy.micro_batch(other, last=True):
+            pass
+        assert other.calls == [True]
+    finally:
+        strategy.close()
+
+
+def test_fsdp_one_rank_accumulation_matches_the_plain_trainer(prepared, tmp_path, monkeypatch):
+    """FSDP2 at one rank with 2 micro-batches a step (the first without gradient sync, the second with it)
+    against the plain single-device Trainer on the same config: the same losses (float32; 1e-5 for the
+    order of FSDP's accumulation in its reduce dtype against autograd's)."""
+    from plyx.train import Trainer, TrainOptions
+
+    losses = {}
+    for name in ("plain", "fsdp"):
+        if name == "fsdp":
+            _one_rank_env(monkeypatch)
+        config = T.tiny_config(prepared, tmp_path / name, batch_size=2, grad_accum=2, steps=3, checkpoint_every=0,
+                               dist={"strategy": "fsdp"} if name == "fsdp" else None)
+        trainer = Trainer(config, options=TrainOptions(progress=False, tensorboard=False, handle_signals=False))
+        try:
+            losses[name] = trainer.fit().losses
+        finally:
+            if trainer.strategy is not None and hasattr(trainer.strategy, "close"):
+                trainer.strategy.close()
+    assert len(losses["fsdp"]) == 3
+    assert losses["fsdp"] == pytest.approx(losses["plain"], rel=1e-5)
