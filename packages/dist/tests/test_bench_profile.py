@@ -105,3 +105,20 @@ def test_device_side_record_function_spans_are_not_kernels():
     # on CPU the kernels are ops (aten::mm in both tables): nothing is dropped there
     cpu = {**plain, "cuda": False, "kernels": {"aten::mm": [1, 10.0]}, "ops": {"aten::mm": [1, 10.0]}}
     assert sp.device_kernels(cpu) == {"aten::mm": [1, 10.0]}
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA (NCCL, bf16 autocast)")
+def test_fsdp_autocast_runs_the_plain_paths_kernels_on_cuda(prepared, tmp_path):
+    """On CUDA: ``fsdp-autocast`` (float32 parameters under autocast) serves every kernel in the plain path's
+    implementation and dtype; ``fsdp`` (bf16 ``param_dtype``) runs RMSNorm in bf16, which the row names."""
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "fsdp_ws1_vs_plain.py"), "--preset", "tiny", "--warmup", "2", "--steps", "3",
+         "--paths", "plain,fsdp,fsdp-autocast", "--data", str(prepared), "--out", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["path"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert all(r["precision"] == "bf16-autocast" and r["tokens_per_s"] > 0 for r in rows.values())
+    assert "rmsnorm[float32]" in rows["plain"]["kernels"]
+    assert rows["fsdp-autocast"]["kernels"] == rows["plain"]["kernels"] and rows["fsdp-autocast"]["kernels_differ"] == ""
+    assert "rmsnorm[bfloat16]" in rows["fsdp"]["kernels"] and "rmsnorm" in rows["fsdp"]["kernels_differ"]
