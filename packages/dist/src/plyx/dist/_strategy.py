@@ -173,7 +173,7 @@ class DistStrategy:
                 stack.enter_context(model.no_sync())  # type: ignore[operator]
             elif self.name != "ddp" and self._gradient_sync != (id(model), last):
                 # FSDP2 keeps the flag until it is set again, and setting it walks every module of the model
-                # (~0.7 ms for the 22 blocks of a 1B Llama on a slow host core): only when it changes, which
+                # (0.5-0.7 ms for the 22 blocks of a 1B Llama on a slow host core): only when it changes, which
                 # without accumulation is never after the first step
                 model.set_requires_gradient_sync(last)  # type: ignore[operator]
                 self._gradient_sync = (id(model), last)
