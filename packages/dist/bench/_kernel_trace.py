@@ -1,10 +1,10 @@
 """Run ``plyx train`` in this process and record which kernel implementation served each kernel name.
 
-``python _kernel_trace.py OUT.json [--async-stats] [--clock CLOCK.json START] [--profile PROFILE.json START STEPS]
+``python _kernel_trace.py OUT.json [--async-stats] [--clock CLOCK.json START STOP] [--profile PROFILE.json START STEPS]
 train CONFIG [...]``:
 the arguments after OUT (and this script's own options) are ``plyx``'s. ``--profile`` runs ``torch.profiler``
-over the ``STEPS`` steps reported after step ``START`` and ``--clock`` stamps host times from step ``START``
-on (``_step_profile.py``); ``--async-stats`` gives the
+over the ``STEPS`` steps reported after step ``START`` and ``--clock`` stamps wall and CPU times from step
+``START`` to ``STOP``, the device synchronised at both (``_step_profile.py``); ``--async-stats`` gives the
 Trainer ``TrainOptions(async_stats=True)`` (the CUDA step, loss and gradient norm read a step late and
 the norm clipped on the device, which a CPU run otherwise replaces with its synchronising step), so a CPU
 run takes the code path a GPU run takes. Every ``registry().get`` call of the run (plyx-model's rmsnorm, swiglu, rope,
@@ -80,8 +80,8 @@ def main() -> int:
     if argv[:1] == ["--clock"]:
         import _step_profile
 
-        _step_profile.install_clock(Path(argv[1]), int(argv[2]))
-        argv = argv[3:]
+        _step_profile.install_clock(Path(argv[1]), int(argv[2]), int(argv[3]))
+        argv = argv[4:]
     if argv[:1] == ["--profile"]:
         import _step_profile
 

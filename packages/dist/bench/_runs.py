@@ -45,7 +45,7 @@ def free_port() -> int:
 def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: float | None,
           timeout: float = 3600, one_rank: bool = False, kernels: Path | None = None,
           profile: tuple[Path, int, int] | None = None, async_stats: bool = False,
-          clock: tuple[Path, int] | None = None, extra_env: dict[str, str] | None = None) -> dict[str, float]:
+          clock: tuple[Path, int, int] | None = None, extra_env: dict[str, str] | None = None) -> dict[str, float]:
     """Run ``plyx train`` on ``config`` and return its last logged metrics row.
 
     Args:
@@ -56,7 +56,8 @@ def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: 
         profile: ``(out, start, steps)``: ``torch.profiler`` over the ``steps`` steps after step ``start``,
             summarised into ``out`` (``_step_profile.py``; needs ``kernels``).
         async_stats: the Trainer's CUDA step on any device (``TrainOptions.async_stats``; needs ``kernels``).
-        clock: ``(out, start)``: host wall and CPU time stamped at each step from ``start`` (needs ``kernels``).
+        clock: ``(out, start, stop)``: wall and CPU time stamped at each step from ``start`` to ``stop``, the device
+            synchronised at both ends (``_step_profile.install_clock``; needs ``kernels``).
         extra_env: more environment variables for the run.
     """
     work.mkdir(parents=True, exist_ok=True)
@@ -67,7 +68,7 @@ def train(config: dict[str, Any], work: Path, *, nproc: int | None, peak_flops: 
         if async_stats:
             cmd += ["--async-stats"]
         if clock is not None:
-            cmd += ["--clock", str(clock[0]), str(clock[1])]
+            cmd += ["--clock", str(clock[0]), str(clock[1]), str(clock[2])]
         if profile is not None:
             cmd += ["--profile", str(profile[0]), str(profile[1]), str(profile[2])]
     else:

@@ -13,10 +13,18 @@ Two halves:
 On CUDA a "kernel" is a device activity (a CUDA kernel, memcpy or memset: CUPTI's records); on CPU, where
 no device records exist, it is an ``aten::``/``plyx::``/``c10d::`` op with its self CPU time (the time
 outside the ops it calls, so nothing is counted twice), which is what runs the arithmetic there.
+The device-side spans of ``record_function`` ranges (``FSDP::pre_forward (layers.3)``, the optimizer's
+``Optimizer.step#AdamW.step``) are kept apart (``annotations``): they cover kernels already counted, and
+counting them as kernels put +15.5 ms per step of phantom "elementwise/copy" time on the FSDP side of the
+H100 profile of 2026-11-24 (``device_kernels`` drops them from profiles written before).
 
-``install_clock(out, start)`` is the cheap half: the host's wall and process CPU time at every reported
-step from ``start`` on, written at exit, for a CPU time per step that other processes on a shared
-machine do not inflate (wall time does).
+``python _step_profile.py PROFILE.json [OUT.txt]`` prints (and writes) a stored profile's comparisons again
+with the current accounting.
+
+``install_clock(out, start, stop)`` is the cheap half: wall and process CPU time at every reported step
+from ``start`` to ``stop``, the device synchronised at both ends, written at exit: the timed window of the
+benchmark (warm-up and autotuning before ``start``) and a CPU time per step that other processes on a
+shared machine do not inflate (wall time does).
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from typing import Any
 
 from plyx.specs import hookimpl
 
-__all__ = ["KINDS", "install", "install_clock", "clock_per_step", "classify", "compare", "format_compare"]
+__all__ = ["KINDS", "install", "install_clock", "clock_per_step", "classify", "compare", "device_kernels",
+           "format_compare"]
 
 # the order of the rules matters: the first that matches names the kind
 _RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
@@ -63,10 +72,14 @@ def _summarise(prof: Any, steps: int, wall_s: float, cpu_s: float, cuda: bool) -
 
     kernels: dict[str, list[float]] = {}  # name -> [launches, device us]
     ops: dict[str, list[float]] = {}  # name -> [calls, self cpu us]
+    annotations: dict[str, list[float]] = {}  # name -> [ranges, device us]: spans over kernels, not kernels
     host_us = 0.0
     for e in prof.events():
         if e.device_type == DeviceType.CUDA:
-            k = kernels.setdefault(e.name, [0, 0.0])
+            # a record_function range (FSDP::pre_forward (layers.3), Optimizer.step#AdamW.step) also appears on
+            # the device timeline, spanning the kernels it launched: counted as a kernel it counts them twice
+            table = annotations if getattr(e, "is_user_annotation", False) else kernels
+            k = table.setdefault(e.name, [0, 0.0])
             k[0] += 1
             k[1] += e.time_range.elapsed_us()
             continue
@@ -81,7 +94,7 @@ def _summarise(prof: Any, steps: int, wall_s: float, cpu_s: float, cuda: bool) -
             host_us += e.self_cpu_time_total
     return {"steps": steps, "cuda": cuda, "wall_ms_per_step": 1e3 * wall_s / steps,
             "process_cpu_ms_per_step": 1e3 * cpu_s / steps, "op_cpu_ms_per_step": host_us / 1e3 / steps,
-            "kernels": kernels, "ops": ops}
+            "kernels": kernels, "ops": ops, "annotations": annotations}
 
 
 class _Profiler:
@@ -131,17 +144,30 @@ def install(out: Path, start: int, steps: int) -> None:
 
 
 class _Clock:
-    """The ``plyx_on_train_step_end`` plugin that stamps wall and process CPU time at each reported step."""
+    """The ``plyx_on_train_step_end`` plugin that stamps wall and process CPU time at the steps ``start..stop``.
+
+    At ``start`` and ``stop`` it waits for the device first (``torch.cuda.synchronize``), so the wall time
+    between them is the device's time for those steps, not the host's time to queue them; in between it
+    only stamps (a sync per step would stop the host from running ahead, which is part of what is measured).
+    Both ends are reported at the same point of a step (``stop`` is not the run's last step, which the
+    Trainer reports after its loop when it reads stats a step late), so exactly ``stop - start`` steps lie
+    between them.
+    """
 
     plyx_contracts = {"hooks": "1.0"}
 
-    def __init__(self, out: Path, start: int) -> None:
-        self.out, self.start = out, start
+    def __init__(self, out: Path, start: int, stop: int) -> None:
+        self.out, self.start, self.stop = out, start, stop
         self.stamps: list[tuple[int, float, float]] = []
 
     @hookimpl
     def plyx_on_train_step_end(self, step: int, metrics: dict[str, float]) -> None:
-        if step >= self.start:
+        if self.start <= step <= self.stop:
+            if step in (self.start, self.stop):
+                import torch
+
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
             self.stamps.append((step, time.perf_counter(), time.process_time()))
 
     def write(self) -> None:
@@ -150,13 +176,14 @@ class _Clock:
         os.replace(tmp, self.out)
 
 
-def install_clock(out: Path, start: int) -> None:
-    """Stamp every step reported from ``start`` on into ``out`` (JSON ``[[step, wall_s, cpu_s], ...]``) at exit."""
+def install_clock(out: Path, start: int, stop: int) -> None:
+    """Stamp the steps ``start..stop`` into ``out`` (JSON ``[[step, wall_s, cpu_s], ...]``) at exit, the device
+    synchronised at both ends (``_Clock``)."""
     import atexit
 
     from plyx.specs.plugins import register_plugin
 
-    clock = _Clock(out, start)
+    clock = _Clock(out, start, stop)
     register_plugin(clock, "bench-step-clock", distribution="plyx-dist bench")
     atexit.register(clock.write)
 
@@ -172,6 +199,19 @@ def clock_per_step(stamps: list[list[float]]) -> dict[str, float]:
 
 
 # -- in the benchmark -------------------------------------------------------------------------------------
+def device_kernels(profile: dict[str, Any]) -> dict[str, list[float]]:
+    """A profile's kernels without the device-side spans of ``record_function`` ranges.
+
+    Profiles written before the annotations were kept apart (plyx-dist < 1.4, e.g. the H100 profile of
+    2026-11-24) list ``FSDP::pre_forward (layers.3)`` or ``Optimizer.step#AdamW.step`` among the kernels:
+    on CUDA such a name is also a host op (the range itself), which no kernel name is, so it is dropped.
+    """
+    kernels = profile["kernels"]
+    if not profile.get("cuda"):
+        return kernels
+    return {name: v for name, v in kernels.items() if name not in profile["ops"]}
+
+
 def _by_kind(kernels: dict[str, list[float]], steps: int) -> dict[str, list[float]]:
     out = {k: [0.0, 0.0] for k in (*KINDS, "total")}
     for name, (count, us) in kernels.items():
@@ -203,12 +243,13 @@ def compare(a: dict[str, Any], b: dict[str, Any], *, top: int = 15) -> dict[str,
         ``{"kinds": {kind: {"a_ms", "b_ms", "a_launches", "b_launches"}}, "host": {...}, "top_kernels": [...],
         "top_ops": [...]}``, every figure per step.
     """
-    ka, kb = _by_kind(a["kernels"], a["steps"]), _by_kind(b["kernels"], b["steps"])
+    kern_a, kern_b = device_kernels(a), device_kernels(b)
+    ka, kb = _by_kind(kern_a, a["steps"]), _by_kind(kern_b, b["steps"])
     kinds = {k: {"a_ms": ka[k][1], "b_ms": kb[k][1], "a_launches": ka[k][0], "b_launches": kb[k][0]} for k in ka}
     host = {key: {"a": a[key], "b": b[key]}
             for key in ("wall_ms_per_step", "process_cpu_ms_per_step", "op_cpu_ms_per_step")}
     return {"kinds": kinds, "host": host,
-            "top_kernels": _diff(a["kernels"], b["kernels"], a["steps"], b["steps"], 1, top),
+            "top_kernels": _diff(kern_a, kern_b, a["steps"], b["steps"], 1, top),
             "top_ops": _diff(a["ops"], b["ops"], a["steps"], b["steps"], 1, top)}
 
 
@@ -238,3 +279,33 @@ def format_compare(cmp: dict[str, Any], names: Iterable[str] = ("plain", "fsdp")
             lines.append(f"  {_short(r['name'], 52):<54}{r['a_ms']:>9.3f}{r['b_ms']:>9.3f}{r['diff_ms']:>+9.3f}"
                          f"  n {r['a_calls']:.0f}/{r['b_calls']:.0f}  [{r['kind']}]")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Re-print a stored ``fsdp_ws1_profile-*.json``'s comparisons with this module's accounting."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        print("usage: python _step_profile.py PROFILE.json [OUT.txt]", file=sys.stderr)
+        return 2
+    doc = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    profiles, texts = doc["profiles"], []
+    for pair in doc["comparisons"]:
+        a, b = pair.split(":")
+        cmp = compare(profiles[a], profiles[b])
+        texts.append(f"== {b} against {a}: {doc['steps']} steps after {doc['warmup']} (preset {doc['preset']}, batch "
+                     f"{doc.get('batch', '?')}, {doc['device']}, {doc['date']}), device-side record_function spans "
+                     f"excluded\n" + format_compare(cmp, (a, b), cuda=bool(profiles[a].get("cuda"))))
+    text = "\n".join(texts)
+    print(text)
+    if len(args) > 1:
+        out = Path(args[1])
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(text + "\n", encoding="utf-8")
+        os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -252,3 +252,92 @@ def test_reloaded_state_is_the_state_the_next_local_step_uses():
             runs.append([p.full_tensor() for p in model.parameters()])
         for want, got in zip(*runs, strict=True):
             assert torch.equal(want, got)
+
+
+def test_one_rank_reduce_dtype_float32_gives_the_bf16_reduction_bit_for_bit():
+    """At one rank nothing is summed: reducing bf16 gradients in float32 (the cast inside FSDP2's copy-in, one
+    kernel fewer per block) gives the float32 gradients that reducing in bf16 and casting after gives; and
+    ``apply_fsdp`` (``reshard_after_forward=False``, as ``DistStrategy`` asks at one rank) keeps the unsharded
+    bf16 parameters from the forward to the backward (no second copy-in)."""
+    from plyx.dist._parallelize import apply_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    class Blocks(torch.nn.Module):  # apply_fsdp shards model.layers one by one, then the root
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers[1](torch.nn.functional.gelu(self.layers[0](x)))
+
+    grads, unsharded_after_forward = {}, {}
+    with one_rank():
+        mesh = init_device_mesh("cpu", (1,))
+        for reduce_dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            model = Blocks()
+            apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
+                       reshard_after_forward=False, shard_head=False)
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+            out = model(x)
+            groups = [m._get_fsdp_state()._fsdp_param_group for m in (*model.layers, model)]
+            unsharded_after_forward[reduce_dtype] = [g.is_unsharded for g in groups if g is not None]
+            out.float().square().mean().backward()
+            grads[reduce_dtype] = [p.grad.to_local().clone() for p in model.parameters()]
+    assert all(g.dtype == torch.float32 for g in grads[torch.float32])
+    assert all(torch.equal(a, b) for a, b in zip(grads[torch.float32], grads[torch.bfloat16], strict=True))
+    assert all(unsharded_after_forward[torch.float32])
+
+
+def test_gradient_sync_flag_is_set_only_when_it_changes(prepared, tmp_path, monkeypatch):
+    """``micro_batch`` tells FSDP2 whether to reduce only when the answer changes (setting it walks every
+    module): once for a run without accumulation, at every micro-batch with it, again for another model."""
+    from plyx.dist import DistStrategy
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.calls: list[bool] = []
+
+        def set_requires_gradient_sync(self, flag: bool) -> None:
+            self.calls.append(flag)
+
+    _one_rank_env(monkeypatch)
+    strategy = DistStrategy(T.tiny_config(prepared, tmp_path, batch_size=2, dist={"strategy": "fsdp"}),
+                            {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    try:
+        model, other = Recorder(), Recorder()
+        for last in (True, True, True):  # three steps, one micro-batch each
+            with strategy.micro_batch(model, last=last):
+                pass
+        assert model.calls == [True]
+        for last in (False, True, False, True):  # two steps of two micro-batches
+            with strategy.micro_batch(model, last=last):
+                pass
+        assert model.calls == [True, False, True, False, True]
+        with strategy.micro_batch(other, last=True):
+            pass
+        assert other.calls == [True]
+    finally:
+        strategy.close()
+
+
+def test_fsdp_one_rank_accumulation_matches_the_plain_trainer(prepared, tmp_path, monkeypatch):
+    """FSDP2 at one rank with 2 micro-batches a step (the first without gradient sync, the second with it)
+    against the plain single-device Trainer on the same config: the same losses (float32; 1e-5 for the
+    order of FSDP's accumulation in its reduce dtype against autograd's)."""
+    from plyx.train import Trainer, TrainOptions
+
+    losses = {}
+    for name in ("plain", "fsdp"):
+        if name == "fsdp":
+            _one_rank_env(monkeypatch)
+        config = T.tiny_config(prepared, tmp_path / name, batch_size=2, grad_accum=2, steps=3, checkpoint_every=0,
+                               dist={"strategy": "fsdp"} if name == "fsdp" else None)
+        trainer = Trainer(config, options=TrainOptions(progress=False, tensorboard=False, handle_signals=False))
+        try:
+            losses[name] = trainer.fit().losses
+        finally:
+            if trainer.strategy is not None and hasattr(trainer.strategy, "close"):
+                trainer.strategy.close()
+    assert len(losses["fsdp"]) == 3
+    assert losses["fsdp"] == pytest.approx(losses["plain"], rel=1e-5)
