@@ -85,9 +85,10 @@ def resolve_heads(draft: Any, model: Any, where: str = "draft_model") -> Any:
                                                                 "head_dim", "d_ff", "arch", "rope_theta")},
                    model.config, source=f"the {draft.kind} draft heads")
     except DraftHeadsError as exc:
+        fix = "draft heads trained on this base (plyx train with a [draft] table)"
         raise ConfigError(where, str(exc), value=str(draft) if isinstance(draft, (str, os.PathLike))
-                          else draft.kind, fix="pass 'ngram', a draft model, or draft heads trained on this base "
-                          "(plyx train with a [draft] table)") from None
+                          else draft.kind, fix=f"pass 'ngram', a draft model, or {fix}" if where == "draft_model"
+                          else f"pass {fix}") from None
     if model_device(draft) != model_device(model):
         raise ConfigError(where, "the draft heads and the base must be on the same device",
                           value=str(model_device(draft)), fix=f"move the heads with .to({model_device(model)})")
