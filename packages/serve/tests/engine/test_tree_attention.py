@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from plyx.attn import begin_packed_step, cache_layout, move_tokens, tree_depths
-from plyx.attn import PagedKVCache
+from plyx.attn import PagedKVCache, begin_packed_step, cache_layout, move_tokens, tree_depths
 from plyx.model import TransformerLM
 from plyx.specs import ModelConfig
 
