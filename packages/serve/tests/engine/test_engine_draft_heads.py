@@ -67,8 +67,8 @@ PROMPTS = [_walk(1, n, seed=50 + n)[0].tolist() for n in (3, 9, 5, 14, 2)]
 
 
 def _run(base, heads, *, arrivals=True, params=None, **config):
-    engine = Engine(base, draft_heads=heads, config=EngineConfig(max_batch_size=8, max_batch_tokens=96, block_size=4,
-                                                                 num_blocks=200, **config))
+    config = {"max_batch_size": 8, "max_batch_tokens": 96, "block_size": 4, "num_blocks": 200, **config}
+    engine = Engine(base, draft_heads=heads, config=EngineConfig(**config))
     params = params or [SamplingParams(temperature=0, max_new_tokens=24 + 3 * i, ignore_eos=True)
                         for i in range(len(PROMPTS))]
     outs: dict[tuple[str, int], list[int]] = {}
@@ -126,6 +126,15 @@ def test_stops_sampling_rows_and_length_limits(trained):
     _, out = _run(base, heads, params=params, spec_tree=2)
     assert out == ref
     assert len(out[0][0]) <= 3 and len(out[2][0]) == 2 and len(out[4]) == 2
+
+
+def test_preemption_under_a_small_pool(trained):
+    """Blocks run out: rows are preempted and recomputed (their features and drafts start over), trees included."""
+    base, heads = trained
+    _, ref = _run(base, None)
+    engine, out = _run(base, heads, spec_tree=3, num_blocks=25, arrivals=False)
+    assert out == ref
+    assert engine.stats.preemptions > 0 and engine.stats.spec_accepted > 0
 
 
 def test_random_heads_change_nothing(trained):

@@ -117,6 +117,7 @@ class HeadsProposer:
         self._fresh: dict[int, tuple[Any, torch.Tensor]] = {}  # seq_id -> (seq, feature [D]) captured this step
         self._proposals: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (its length then, node tokens)
         self.verify_hidden: torch.Tensor | None = None  # [M, D] hidden states of the step's verified positions
+        self._index: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, source: Any, model: Any, *, k: int, topk: int) -> HeadsProposer:
@@ -160,8 +161,10 @@ class HeadsProposer:
         hs = torch.stack([f for _, f in rows])  # (B, D)
         logits = self.heads(hs.to(next(self.heads.parameters()).dtype))[:self.k]  # (k, B, V)
         top = logits.topk(self.topk, dim=-1).indices if self.is_tree else logits.argmax(-1, keepdim=True)  # (k, B, topk)
-        tree = self.tree
-        nodes = top[torch.tensor(tree.heads, device=top.device), :, torch.tensor(tree.ranks, device=top.device)]  # (n, B)
+        if self._index is None or self._index[0].device != top.device:  # the tree's (head, rank) per node, once
+            self._index = (torch.tensor(self.tree.heads, device=top.device),
+                           torch.tensor(self.tree.ranks, device=top.device))
+        nodes = top[self._index[0], :, self._index[1]]  # (n, B): node i is head heads[i]'s rank ranks[i] candidate
         for (seq, _), tokens in zip(rows, nodes.t().tolist()):
             self._proposals[seq.seq_id] = (len(seq.tokens), tokens)
 

@@ -574,7 +574,9 @@ class Engine:
                   for t in (s.tokens[s.num_computed:] + drafts[s.seq_id] if s.seq_id in drafts
                             else s.tokens[s.num_computed:s.num_computed + n])]
         seq_ids = [s.seq_id for s, _ in group]
-        trees = {i: self._draft_parents[s.seq_id] for i, (s, _) in enumerate(group) if s.seq_id in self._draft_parents}
+        # tree rows: those whose drafts the schedule kept (a proposal without room was dropped, parents and all)
+        trees = {i: self._draft_parents[s.seq_id] for i, (s, _) in enumerate(group)
+                 if s.seq_id in drafts and s.seq_id in self._draft_parents}
         mixed = self.mixed_graphs
         if mixed is not None and not trees and mixed.fits(len(group), len(tokens)):  # a replayed graph of the bucket
             out = mixed.step(seq_ids, counts, tokens)  # [N, D|V], a view of the graph's buffer
@@ -773,6 +775,7 @@ class Engine:
                 victim = max(victims, key=self._key)
                 if victim in planned:
                     self._drafts.pop(victim.seq_id, None)
+                    self._draft_parents.pop(victim.seq_id, None)
                     n, blocks = planned.pop(victim)
                     budget += n
                     taken -= blocks
