@@ -177,3 +177,19 @@ def test_bad_configurations_are_named(trained, tmp_path):
         Engine(base, draft_heads=other)
     with pytest.raises(ConfigError, match=r"spec_tree must be in \[0, 8\]"):
         EngineConfig(spec_tree=9)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (decode and mixed-step graphs)")
+def test_on_cuda_with_graphs(trained):
+    """On CUDA the engine keeps its graphs: chain steps replay the mixed-step graphs, tree steps run eagerly
+    (the Triton attention kernel with the tree mask); both give the graph-decoded plain greedy tokens."""
+    import copy
+
+    base, heads = trained
+    base, heads = copy.deepcopy(base).cuda(), copy.deepcopy(heads).cuda()
+    _, ref = _run(base, None)
+    for tree in (0, 3):
+        engine, out = _run(base, heads, spec_tree=tree)
+        assert engine.mixed_graphs is not None
+        assert out == ref
+        assert engine.stats.spec_accepted > 0

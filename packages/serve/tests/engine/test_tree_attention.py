@@ -13,15 +13,19 @@ from plyx.specs import ModelConfig
 PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]
 
 
-def _model(dtype=torch.float32):
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton attention kernel's mask)")
+
+
+def _model(device="cpu"):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=128)
-    return TransformerLM(cfg).to(dtype).eval()
+    return TransformerLM(cfg).to(device).eval()
 
 
 def _cache(model, block_size=4):
-    layout = cache_layout(model.config, max_seq_len=128, block_size=block_size, num_blocks=96, device="cpu",
-                          dtype=next(model.parameters()).dtype)
+    param = next(model.parameters())
+    layout = cache_layout(model.config, max_seq_len=128, block_size=block_size, num_blocks=96,
+                          device=str(param.device), dtype=param.dtype)
     return PagedKVCache(layout)
 
 
@@ -41,20 +45,21 @@ def test_tree_depths_and_bad_trees():
         tree_depths([-1, 0, 3])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("prefix_len", [5, 13])
 @torch.inference_mode()
-def test_tree_logits_equal_each_path_decoded_alone(prefix_len):
-    model = _model()
+def test_tree_logits_equal_each_path_decoded_alone(prefix_len, device):
+    model = _model(device)
     g = torch.Generator().manual_seed(prefix_len)
     prefixes = [torch.randint(0, 64, (prefix_len + 3 * r,), generator=g).tolist() for r in range(2)]
     trees = [torch.randint(0, 64, (len(PARENTS),), generator=g).tolist() for _ in range(2)]
     cache = _cache(model)
     # prefill both sequences (one packed step), then a step with a decode row, a tree row and a second tree row
     ids, pos, step = begin_packed_step(cache, [0, 1, 2], [len(prefixes[0]), len(prefixes[1]), 3],
-                                       prefixes[0] + prefixes[1] + [1, 2, 3], "cpu")
+                                       prefixes[0] + prefixes[1] + [1, 2, 3], device)
     model(ids, position_ids=pos, kv_step=step)
     tokens = [9] + trees[0] + trees[1]
-    ids, pos, step = begin_packed_step(cache, [2, 0, 1], [1, len(PARENTS), len(PARENTS)], tokens, "cpu",
+    ids, pos, step = begin_packed_step(cache, [2, 0, 1], [1, len(PARENTS), len(PARENTS)], tokens, device,
                                        tree_parents={1: PARENTS, 2: PARENTS})
     depths = tree_depths(PARENTS)
     assert pos[0, 1:1 + len(PARENTS)].tolist() == [len(prefixes[0]) + d for d in depths]
@@ -63,7 +68,7 @@ def test_tree_logits_equal_each_path_decoded_alone(prefix_len):
     for r in range(2):
         for j in range(len(PARENTS)):
             chain = prefixes[r] + [trees[r][i] for i in [0] + _path(PARENTS, j)]
-            ref = model(torch.tensor([chain]))[0, -1]  # (V,) the path decoded as a plain sequence
+            ref = model(torch.tensor([chain], device=device))[0, -1]  # (V,) the path decoded as a plain sequence
             got = logits[1 + r * len(PARENTS) + j]
             torch.testing.assert_close(got, ref, atol=2e-4, rtol=2e-4)
 
