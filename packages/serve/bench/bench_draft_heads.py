@@ -150,17 +150,24 @@ def run_engine(engine, prompts, new_tokens: int) -> tuple[float, list, dict]:
 def engine_mode(args, model, heads, dtype, device_name: str, date: str, train_s: float) -> None:
     """No speculation vs Medusa chain vs Medusa tree in the engine, at each batch size (see the module doc)."""
     from plyx.serve.engine import Engine, EngineConfig
+    from plyx.serve.engine._draft_proposer import TokenTree
 
     batches = [int(b) for b in args.batch.split(",")]
-    kw = dict(max_batch_size=max(batches), max_batch_tokens=max(256, max(batches) * 64))
+    # the token budget (and so the mixed-step graph buckets captured at start-up) holds a full batch's trees
+    tree_nodes = len(TokenTree(min(args.k, heads.num_heads), args.tree))
+    budget = max(256, -(-max(batches) * (1 + tree_nodes) // 16) * 16)
+    kw = dict(max_batch_size=max(batches), max_batch_tokens=256)
     methods = {
         "engine": (None, EngineConfig(**kw)),
         "engine + medusa chain": (heads, EngineConfig(speculative_k=args.k, **kw)),
         f"engine + medusa tree (top-{args.tree})": (heads, EngineConfig(speculative_k=args.k, spec_tree=args.tree,
-                                                                        **kw)),
+                                                                        **{**kw, "max_batch_tokens": budget})),
     }
-    engines = {name: Engine(model, config=cfg, draft_heads=h) for name, (h, cfg) in methods.items()}
-    tree_nodes = len(engines[list(methods)[2]].proposer.tree)
+    engines = {}
+    for name, (h, cfg) in methods.items():
+        t0 = time.perf_counter()
+        engines[name] = Engine(model, config=cfg, draft_heads=h)  # CUDA: graphs captured here
+        print(f"{name}: engine built in {time.perf_counter() - t0:.1f} s")
     lines = [
         f"# engine: no speculation vs Medusa heads (chain, tree): base {args.size} ({model.num_params() / 1e6:.1f}M, "
         f"trained {args.base_steps if not args.base else '?'} steps on Tiny Shakespeare), heads {args.heads_steps} "
