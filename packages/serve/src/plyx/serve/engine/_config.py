@@ -61,7 +61,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     target's argmax (output identical to plain greedy). "": off. Needs packed steps; excludes
     ``speculative_ngram``; turns the look-ahead and multi-step decode off."""
     speculative_k: int = 0
-    """Draft tokens per row and step with ``draft_heads`` (the tree's depth); 0: the heads' count. At most 16."""
+    """Draft tokens per row and step with ``draft_heads`` (the tree's depth); 0, or more than the heads' count:
+    one per head (Medusa head j drafts depth j). At most 16."""
     spec_tree: int = 0
     """Tree verification with ``draft_heads``: each head's top ``spec_tree`` candidates form a token tree (the
     rank paths whose ranks sum to at most ``spec_tree - 1``; Medusa's tree attention) verified in one packed
