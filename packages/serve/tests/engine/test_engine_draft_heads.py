@@ -114,11 +114,11 @@ def test_tree_accepts_at_least_the_chain(trained):
 
 
 def test_stops_sampling_rows_and_length_limits(trained):
-    """Rows that stop inside accepted drafts, sampled rows (never speculate: same seeded output as without
-    heads) and rows whose length limit caps the tree's depth, in one batch."""
+    """Rows that stop inside accepted drafts, a sampled row with log-probs (it never speculates: the same seeded
+    output as without heads) and rows whose length limit caps the tree's depth, in one batch."""
     base, heads = trained
     params = [SamplingParams(temperature=0, max_new_tokens=20, stop_token_ids=[int(SUCC[SUCC[PROMPTS[0][-1]]])]),
-              SamplingParams(temperature=0.9, max_new_tokens=15, seed=3, ignore_eos=True),
+              SamplingParams(temperature=0.9, max_new_tokens=15, seed=3, ignore_eos=True, logprobs=1),
               SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True),
               SamplingParams(temperature=0, max_new_tokens=17, ignore_eos=True),
               SamplingParams(temperature=0, n=2, max_new_tokens=11, ignore_eos=True)]
@@ -135,6 +135,59 @@ def test_preemption_under_a_small_pool(trained):
     engine, out = _run(base, heads, spec_tree=3, num_blocks=25, arrivals=False)
     assert out == ref
     assert engine.stats.preemptions > 0 and engine.stats.spec_accepted > 0
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test over the cells the law can reach (a draw in an impossible cell fails outright)."""
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    counts, probs = counts[probs > 0], probs[probs > 0]
+    n = counts.sum()
+    stat = ((counts - probs * n) ** 2 / (probs * n)).sum()
+    return float(torch.special.gammaincc(torch.tensor((counts.numel() - 1) / 2, dtype=torch.float64), stat.double() / 2))
+
+
+def test_sampled_chain_keeps_the_models_law():
+    """Sampled rows speculate with chains under the rejection rule: the joint law of three tokens (two of them
+    through draft-and-verify) is p(x1) p(x2|x1) p(x3|x1 x2), chi-square tested, with top-k processing on."""
+    from plyx.model import TransformerLM
+
+    W = 4
+    torch.manual_seed(3)
+    config = ModelConfig(vocab_size=W, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=16,
+                         init_std=0.6)
+    base = TransformerLM(config).eval()
+    heads = build_draft_heads("medusa", config, num_heads=2).init_from_base(base).eval()
+    with torch.no_grad():  # heads near the base but not equal: both the accept and the residual paths run
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    prompt, temperature, top_k = [0, 1, 2], 1.3, 3
+
+    def law(logits):  # the processed distribution: temperature, then the top 3 tokens
+        z = logits.double() / temperature
+        return z.masked_fill(z < z.topk(top_k, dim=-1).values[..., -1:], float("-inf")).softmax(-1)
+
+    with torch.no_grad():
+        p1 = law(base(torch.tensor([prompt]))[0, -1])  # [W]
+        p2 = law(base(torch.tensor([prompt + [a] for a in range(W)]))[:, -1])  # [W, W]
+        p3 = law(base(torch.tensor([prompt + [a, b] for a in range(W) for b in range(W)]))[:, -1])
+    exact = ((p1[:, None] * p2).reshape(-1)[:, None] * p3).reshape(-1)  # [W^3]
+    n = 2400
+    engine = Engine(base, draft_heads=heads, seed=0,
+                    config=EngineConfig(max_batch_size=400, max_batch_tokens=1600, block_size=4, num_blocks=1700,
+                                        max_queue=n))
+    params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=3, ignore_eos=True)
+    outs = engine.generate([prompt] * n, params)
+    counts = torch.zeros(W ** 3, dtype=torch.float64)
+    for o in outs:
+        a, b, c = o.outputs[0].token_ids
+        counts[(a * W + b) * W + c] += 1
+    assert _chi_square_p(counts, exact) > 1e-3
+    s = engine.stats
+    assert s.spec_rows > n // 2 and 0 < s.spec_accepted < s.spec_drafted  # speculated; accepts and rejections
+    # the test has power: the same counts reject a law whose third token ignores the model
+    alt = ((p1[:, None] * p2).reshape(-1)[:, None] * p3.mean(0, keepdim=True)).reshape(-1)
+    assert _chi_square_p(counts, alt) < 1e-6
 
 
 def test_random_heads_change_nothing(trained):

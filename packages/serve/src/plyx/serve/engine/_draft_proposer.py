@@ -19,10 +19,14 @@ Per engine step, for every plain-greedy decoding row (``Engine._speculates``):
    parent is the accepted path; the row emits its tokens plus the argmax at its last node, which is the
    token plain greedy decoding would emit next. So greedy output is identical to no speculation.
 
-Exactness is stated for greedy rows only: rows that sample (temperature > 0), ask for log-probs, use
-processors or a grammar never speculate here and decode one token per step, so their distribution is the
-base's by construction. (Medusa's typical acceptance is not distribution-preserving; the standard
-rejection rule for a tree needs per-node residual distributions: out of scope for the engine's path.)
+Sampled rows (temperature > 0) speculate with chains only, under the standard rejection rule (Leviathan et al.
+2023, as ``plyx.serve._draft_heads.HeadsDecoder``): d_j is drawn from the head's processed distribution q_j,
+accepted with probability ``min(1, p_j(d_j) / q_j(d_j))`` against the target's processed p_j until the first
+rejection, where the token is drawn from ``norm(max(0, p_j - q_j))``; after k acceptances a bonus token comes from
+p_{k+1}. Every emitted token is then distributed as without speculation (chi-square tested). Rows whose
+processing depends on the generated tokens (penalties, min_tokens, grammar, plugin processors or samplers) or
+that ask for log-probs never speculate, and with ``spec_tree`` only greedy rows do (a tree's rejection rule
+needs per-node residual distributions).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
+from plyx.serve._pipeline import LogitsPipeline
+from plyx.serve._processors import SamplingState, exponential_noise, uniform_noise
 from plyx.specs.errors import ConfigError
 
 __all__ = ["HeadsProposer", "TokenTree", "accepted_path"]
@@ -115,9 +121,12 @@ class HeadsProposer:
         self.topk = max(1, topk)
         self.tree = TokenTree(k, self.topk)
         self._fresh: dict[int, tuple[Any, torch.Tensor]] = {}  # seq_id -> (seq, feature [D]) captured this step
-        self._proposals: dict[int, tuple[int, list[int]]] = {}  # seq_id -> (its length then, node tokens)
+        # seq_id -> (its length then, node tokens, a sampled row's q [k, V] or None)
+        self._proposals: dict[int, tuple[int, list[int], torch.Tensor | None]] = {}
         self.verify_hidden: torch.Tensor | None = None  # [M, D] hidden states of the step's verified positions
         self._index: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._q: dict[int, torch.Tensor] = {}  # seq_id -> q [n, V] of the drafts a sampled row feeds this step
+        self.verify_logits: torch.Tensor | None = None  # [M, V] the target's logits at those positions
 
     @classmethod
     def build(cls, source: Any, model: Any, *, k: int, topk: int) -> HeadsProposer:
@@ -143,19 +152,38 @@ class HeadsProposer:
     def is_tree(self) -> bool:
         return self.topk > 1
 
+    def samples(self, seq: Any) -> bool:
+        """A sampled row the chain speculates for under the rejection rule: temperature > 0, processing that
+        does not depend on the generated tokens, no grammar, no log-probs, the base model."""
+        from plyx.serve._draft_heads import _STATEFUL
+
+        p = seq.params
+        return (not self.is_tree and not p.greedy and seq.matcher is None and p.logprobs is None
+                and seq.request.adapter is None and all(getattr(p, n) == d for n, d in _STATEFUL.items()))
+
+    @staticmethod
+    def _pipeline(seqs: Seq[Any], vocab: int, device: torch.device, generator: torch.Generator | None
+                  ) -> tuple[LogitsPipeline, SamplingState]:
+        pipe = LogitsPipeline([s.params for s in seqs], [sorted(s.completion.stop_ids) for s in seqs])
+        state = SamplingState.for_prompts([[] for _ in seqs], vocab, device, [s.generator for s in seqs], generator)
+        return pipe, state
+
     def capture(self, seqs: Seq[Any], hidden: torch.Tensor) -> None:
         """Keep ``hidden[i]`` (``[R, D]``) as the feature of ``seqs[i]``: the state that produced its last token."""
         for seq, row in zip(seqs, hidden):
             self._fresh[seq.seq_id] = (seq, row)
 
     @torch.inference_mode()
-    def draft(self, running: Seq[Any]) -> None:
-        """Run the heads once over the rows captured this step that still run; keep each row's node tokens."""
+    def draft(self, running: Seq[Any], generator: torch.Generator | None = None) -> None:
+        """Run the heads once over the rows captured this step that still run; keep each row's node tokens
+        (a sampled row's drafts drawn from its processed head distributions q, with its generator or
+        ``generator``)."""
         live = {s.seq_id for s in running}
         self._proposals = {sid: p for sid, p in self._proposals.items() if sid in live}
         rows = [(s, f) for s, f in self._fresh.values() if s.seq_id in live and not s.finished]
         self._fresh = {}
-        self.verify_hidden = None
+        self.verify_hidden = self.verify_logits = None
+        self._q = {}
         if not rows:
             return
         hs = torch.stack([f for _, f in rows])  # (B, D)
@@ -165,8 +193,23 @@ class HeadsProposer:
             self._index = (torch.tensor(self.tree.heads, device=top.device),
                            torch.tensor(self.tree.ranks, device=top.device))
         nodes = top[self._index[0], :, self._index[1]]  # (n, B): node i is head heads[i]'s rank ranks[i] candidate
-        for (seq, _), tokens in zip(rows, nodes.t().tolist()):
-            self._proposals[seq.seq_id] = (len(seq.tokens), tokens)
+        drafts = nodes.t()  # (B, n)
+        sampled = [i for i, (s, _) in enumerate(rows) if not s.params.greedy]
+        q = None
+        if sampled:  # chains only (``samples``): d_j ~ q_j, the head's distribution through the row's processors
+            seqs = [rows[i][0] for i in sampled]
+            idx = torch.tensor(sampled, device=logits.device)
+            pipe, state = self._pipeline(seqs, logits.shape[-1], logits.device, generator)
+            q = torch.empty(len(sampled), self.k, logits.shape[-1], device=logits.device)  # (b, k, V)
+            drawn = torch.empty(len(sampled), self.k, dtype=torch.long, device=logits.device)
+            for j in range(self.k):
+                processed = pipe.process(logits[j].index_select(0, idx), state)  # (b, V)
+                q[:, j] = processed.softmax(dim=-1)
+                drawn[:, j] = pipe.sample(processed, state)
+            drafts = drafts.index_copy(0, idx, drawn)
+        qs = dict(zip(sampled, q.unbind(0))) if q is not None else {}
+        for i, ((seq, _), tokens) in enumerate(zip(rows, drafts.tolist())):
+            self._proposals[seq.seq_id] = (len(seq.tokens), tokens, qs.get(i))
 
     def propose(self, seq: Any, max_depth: int, max_nodes: int) -> tuple[list[int], list[int] | None]:
         """This step's drafts of ``seq`` and, for a tree, the fed row's parents; ``([], None)`` when its heads
@@ -177,4 +220,34 @@ class HeadsProposer:
         n = self.tree.size(max_depth, max_nodes)
         if n == 0:
             return [], None
+        if entry[2] is not None:  # kept for the rejection rule when the drafts come back verified
+            self._q[seq.seq_id] = entry[2][:n]
         return entry[1][:n], (self.tree.parents[:n + 1] if self.is_tree else None)
+
+    @torch.inference_mode()
+    def verify_sampled(self, seq: Any, drafts: Seq[int], logits: torch.Tensor, generator: torch.Generator | None
+                       ) -> tuple[int, int]:
+        """The rejection rule for a sampled row: how many of ``drafts`` it keeps and the token after them.
+
+        Args:
+            seq: the row. drafts: its n fed drafts. logits: ``[n + 1, V]`` the target's logits after its real
+                token and after each draft. generator: the engine's, for an unseeded row.
+
+        Returns:
+            ``(accepted, token)``: d_j kept with probability ``min(1, p_j(d_j) / q_j(d_j))`` until the first
+            rejection; ``token`` drawn from ``norm(max(0, p - q))`` there, or from p_{n+1} after all n.
+        """
+        n, V = len(drafts), logits.shape[-1]
+        q = self._q.pop(seq.seq_id)  # (n, V)
+        pipe, state = self._pipeline([seq], V, logits.device, generator)
+        p = pipe.process(logits, state.select([0] * (n + 1))).softmax(dim=-1)  # (n + 1, V)
+        d = torch.tensor(drafts, device=logits.device)
+        p_d, q_d = p[:n].gather(1, d[:, None])[:, 0], q.gather(1, d[:, None])[:, 0]  # (n,)
+        u = uniform_noise((1, n), logits.device, state)[0]
+        accepted = int((u * q_d < p_d).long().cumprod(dim=0).sum())  # u < p/q without dividing by a tiny q
+        residual = p[accepted] - (q[accepted] if accepted < n else 0)
+        residual = residual.clamp(min=0)
+        mass = residual.sum()
+        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p[accepted])  # p == q: draw from p
+        noise = exponential_noise((1, V), logits.device, state)[0]
+        return accepted, int((residual / noise).argmax())

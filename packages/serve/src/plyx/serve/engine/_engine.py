@@ -401,7 +401,7 @@ class Engine:
         if verify:
             outputs.extend(self._verify_drafts(verify, greedy.tolist()))  # type: ignore[union-attr]
         if self.proposer is not None:  # the heads over this step's captured features: the next step's drafts
-            self.proposer.draft(self.running)
+            self.proposer.draft(self.running, self.generator)
         return outputs
 
     def _draft_proposer(self, heads: Any) -> Any:
@@ -428,10 +428,12 @@ class Engine:
 
     def _speculates(self, seq: Sequence) -> bool:
         """Whether a decoding row may feed drafts: plain greedy (argmax verification is then exact), no
-        log-probs asked, base model."""
+        log-probs asked, base model; with draft-head chains also plain sampled rows (the rejection rule)."""
         from plyx.serve.engine._sampling import plain_greedy
 
-        return plain_greedy(seq) and seq.params.logprobs is None and seq.request.adapter is None
+        if plain_greedy(seq) and seq.params.logprobs is None and seq.request.adapter is None:
+            return True
+        return self.proposer is not None and self.proposer.samples(seq)
 
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """This step's drafts of a decoding row: at most what its length limit, the context and the step's
@@ -462,7 +464,12 @@ class Engine:
         for seq, drafts, offset in rows:
             choice = greedy[offset:offset + len(drafts) + 1]  # argmax after the real token and after each draft
             parents = self._draft_parents.get(seq.seq_id)
-            path = accepted_path(drafts, parents if parents is not None else range(-1, len(drafts)), choice)
+            if seq.params.greedy or self.proposer is None:
+                path = accepted_path(drafts, parents if parents is not None else range(-1, len(drafts)), choice)
+            else:  # a sampled chain: the rejection rule against the target's processed distributions
+                rows_logits = self.proposer.verify_logits[offset:offset + len(drafts) + 1]  # type: ignore[index]
+                accepted, token = self.proposer.verify_sampled(seq, drafts, rows_logits, self.generator)
+                path, choice = list(range(1, accepted + 1)), choice[:accepted] + [token]
             last = path[-1] if path else 0
             if path != list(range(1, len(path) + 1)):  # a tree branch: its nodes follow the root in the cache
                 root = seq.num_computed - 1
@@ -605,6 +612,7 @@ class Engine:
             if keep:
                 self.proposer.capture([rows_done[j] for j in keep], hidden[keep])
             self.proposer.verify_hidden = hidden[len(done):]
+            self.proposer.verify_logits = logits[len(done):]
         greedy = logits[len(done):].argmax(dim=-1) if verify else None  # [M]
         return list(logits[:len(done)].unbind(0)), verify, greedy
 
