@@ -1,5 +1,6 @@
 """Medusa draft heads in the engine: chain and tree verification in the packed step give plain greedy's tokens,
-a tree accepts at least what the chain does, and configurations that cannot run are named."""
+a tree accepts at least what the chain does, sampled chains keep the model's law, and configurations that cannot
+run are named."""
 
 from __future__ import annotations
 

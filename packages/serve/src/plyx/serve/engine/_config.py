@@ -58,7 +58,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     """Speculation with Medusa draft heads (a directory ``plyx train`` wrote with a ``[draft]`` table, or pass the
     loaded module as ``Engine(draft_heads=...)``): the heads read the target's hidden state of each plain-greedy
     decoding row's last position and their drafts ride in the next step's packed forward, verified by the
-    target's argmax (output identical to plain greedy). "": off. Needs packed steps; excludes
+    target's argmax (output identical to plain greedy); sampled rows speculate with chains under the rejection
+    rule (their law is the model's). "": off. Needs packed steps; excludes
     ``speculative_ngram``; turns the look-ahead and multi-step decode off."""
     speculative_k: int = 0
     """Draft tokens per row and step with ``draft_heads`` (the tree's depth); 0, or more than the heads' count:
