@@ -102,6 +102,17 @@ def test_greedy_output_is_plain_greedy(trained, tree, monkeypatch):
     assert bool(moved) == (tree > 1)
 
 
+@pytest.mark.parametrize("tree", [0, 2])
+def test_through_the_mixed_step_graphs(trained, tree):
+    """``mixed_graphs=True`` runs the bucketed static step (CUDA's captured graphs, eagerly on CPU): chain drafts
+    and prefill chunks go through it and the heads read its hidden states; tree steps take the eager path."""
+    base, heads = trained
+    _, ref = _run(base, None)
+    engine, out = _run(base, heads, spec_tree=tree, mixed_graphs=True)
+    assert engine.mixed_graphs is not None
+    assert out == ref and engine.stats.spec_accepted > 0
+
+
 def test_tree_accepts_at_least_the_chain(trained):
     base, heads = trained
     lengths = {}
