@@ -23,6 +23,22 @@ plain eager greedy time / method time. On CUDA the plain greedy path with CUDA g
 
 Results: a markdown table printed and written to ``bench/results/draft-heads-<device>-<size>.md``, rows
 appended as JSON lines to ``bench/results/draft-heads-<device>.jsonl``.
+
+``--mode engine`` measures the serving engine instead (``plyx.serve.engine.Engine``, what ``plyx serve``
+runs): no speculation vs Medusa heads as the engine's proposer with chain verification and with tree
+verification (``--tree`` candidates per head), each batch submitted at once and run to completion, same
+run, same prompts. The engine keeps its device defaults (on CUDA: decode graphs, multi-step decode and
+mixed-step graphs without speculation; with heads, chain steps replay the mixed-step graphs and tree steps
+run eagerly). Acceptance length = 1 + accepted drafts / row-steps that verified drafts. Only Medusa heads are
+trained in this mode (the engine does not run EAGLE drafts). Results: ``draft-heads-engine-<device>-<size>.md``
+and the same JSON lines file with ``"mode": "engine"``.
+
+    # CPU proof:
+    python packages/serve/bench/bench_draft_heads.py --mode engine --size tiny --base-steps 300 \
+        --heads-steps 300 --batch 1,8 --new-tokens 48 --work /tmp/draft-bench
+    # GPU (bf16, about 3 minutes on an H100 with training):
+    python packages/serve/bench/bench_draft_heads.py --mode engine --size small --base-steps 2000 \
+        --heads-steps 1000 --batch 1,8 --new-tokens 128 --k 4 --tree 3 --work /tmp/draft-bench --out $OUT
 """
 
 from __future__ import annotations
@@ -113,8 +129,103 @@ def run(model, prompts, new_tokens: int, cache: str, graphs: bool = False, **spe
     return time.perf_counter() - start, [o.outputs[0] for o in outs]
 
 
+def run_engine(engine, prompts, new_tokens: int) -> tuple[float, list, dict]:
+    """One batch through ``engine`` (all requests at once); seconds, completions, speculation counter deltas."""
+    from plyx.serve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    s = engine.stats
+    before = (s.steps, s.spec_drafted, s.spec_accepted, s.spec_rows)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync()
+    took = time.perf_counter() - start
+    after = (s.steps, s.spec_drafted, s.spec_accepted, s.spec_rows)
+    delta = dict(zip(("steps", "drafted", "accepted", "rows"), (a - b for a, b in zip(after, before))))
+    return took, [o.outputs[0] for o in outs], delta
+
+
+def engine_mode(args, model, heads, dtype, device_name: str, date: str, train_s: float) -> None:
+    """No speculation vs Medusa chain vs Medusa tree in the engine, at each batch size (see the module doc)."""
+    from plyx.serve.engine import Engine, EngineConfig
+    from plyx.serve.engine._draft_proposer import TokenTree
+
+    batches = [int(b) for b in args.batch.split(",")]
+    # the token budget (and so the mixed-step graph buckets captured at start-up) holds a full batch's trees
+    tree_nodes = len(TokenTree(min(args.k, heads.num_heads), args.tree))
+    budget = max(256, -(-max(batches) * (1 + tree_nodes) // 16) * 16)
+    kw = dict(max_batch_size=max(batches), max_batch_tokens=256)
+    methods = {
+        "engine": (None, EngineConfig(**kw)),
+        "engine + medusa chain": (heads, EngineConfig(speculative_k=args.k, **kw)),
+        f"engine + medusa tree (top-{args.tree})": (heads, EngineConfig(speculative_k=args.k, spec_tree=args.tree,
+                                                                        **{**kw, "max_batch_tokens": budget})),
+    }
+    engines = {}
+    for name, (h, cfg) in methods.items():
+        t0 = time.perf_counter()
+        engines[name] = Engine(model, config=cfg, draft_heads=h)  # CUDA: graphs captured here
+        print(f"{name}: engine built in {time.perf_counter() - t0:.1f} s")
+    lines = [
+        f"# engine: no speculation vs Medusa heads (chain, tree): base {args.size} ({model.num_params() / 1e6:.1f}M, "
+        f"trained {args.base_steps if not args.base else '?'} steps on Tiny Shakespeare), heads {args.heads_steps} "
+        f"steps; {args.device} ({device_name}), {dtype}, torch {torch.__version__}, {date}",
+        f"# k={args.k}, tree top-{args.tree} ({tree_nodes} nodes), prompt {PROMPT} held-out tokens, {args.new_tokens} "
+        f"new tokens, greedy, best of {args.repeats}; training took {train_s:.0f} s; engine defaults of the device "
+        f"(CUDA graphs: {engines['engine'].graphs is not None}, mixed-step graphs: "
+        f"{engines['engine'].mixed_graphs is not None}, decode_steps {engines['engine'].decode_steps})",
+        "",
+        "| method | batch | tok/s | speedup vs engine | acceptance length | drafted / row-step | steps | rows identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines))
+    rows = []
+    for batch in batches:
+        prompts = held_out_prompts(batch, work=Path(args.work), seed=batch)
+        for engine in engines.values():  # warm-up: kernels, allocator, the first graph replays
+            run_engine(engine, prompts, 8)
+        times = {name: float("inf") for name in engines}
+        outs: dict[str, list] = {}
+        deltas: dict[str, dict] = {}
+        for _ in range(args.repeats):  # alternate the methods so load drifts hit all
+            for name, engine in engines.items():
+                t, outs[name], deltas[name] = run_engine(engine, prompts, args.new_tokens)
+                times[name] = min(times[name], t)
+        ref = [o.token_ids for o in outs["engine"]]
+        for name in engines:
+            same = sum(o.token_ids == r for o, r in zip(outs[name], ref))
+            if same < batch and dtype == torch.float32:
+                raise SystemExit(f"{name} changed the greedy tokens of {batch - same} of {batch} float32 rows: a bug")
+            d = deltas[name]
+            tokens = batch * args.new_tokens
+            row = dict(mode="engine", method=name, batch=batch, tok_s=tokens / times[name],
+                       speedup=times["engine"] / times[name],
+                       acceptance_length=1 + d["accepted"] / d["rows"] if d["rows"] else 1.0,
+                       drafted_per_row=d["drafted"] / d["rows"] if d["rows"] else 0.0, steps=d["steps"],
+                       rows_identical=same, tree_nodes=tree_nodes if "tree" in name else None)
+            rows.append(row)
+            line = (f"| {name} | {batch} | {row['tok_s']:.1f} | {row['speedup']:.2f}x | {row['acceptance_length']:.2f} "
+                    f"| {row['drafted_per_row']:.1f} | {d['steps']} | {same}/{batch} |")
+            lines.append(line)
+            print(line)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if args.device.startswith("cuda") else "cpu"
+    (out / f"draft-heads-engine-{tag}-{args.size}.md").write_text("\n".join(lines) + "\n")
+    with open(out / f"draft-heads-{tag}.jsonl", "a") as f:
+        for row in rows:
+            f.write(json.dumps({"date": date, "device": device_name, "size": args.size, "dtype": str(dtype),
+                                "k": args.k, "tree": args.tree, "base_steps": args.base_steps,
+                                "heads_steps": args.heads_steps, "new_tokens": args.new_tokens, **row}) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--mode", default="generate", choices=["generate", "engine"],
+                    help="generate: plyx.serve.generate's decoders (Medusa, EAGLE, n-gram); engine: the serving engine")
+    ap.add_argument("--tree", type=int, default=3, help="engine mode: candidates per head of the tree (spec_tree)")
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
     ap.add_argument("--base", help="a base checkpoint to reuse (default: train one)")
     ap.add_argument("--medusa", help="Medusa heads to reuse (default: train them)")
@@ -146,15 +257,19 @@ def main() -> None:
     heads_paths = {
         "medusa": Path(args.medusa) if args.medusa else train_heads("medusa", base_path, args.heads_steps, work,
                                                                     args.device, args.num_heads, args.medusa_targets),
-        "eagle": Path(args.eagle) if args.eagle else train_heads("eagle", base_path, args.heads_steps, work,
-                                                                 args.device, args.num_heads),
     }
+    if args.mode == "generate":  # the engine runs Medusa heads only
+        heads_paths["eagle"] = Path(args.eagle) if args.eagle else train_heads("eagle", base_path, args.heads_steps,
+                                                                               work, args.device, args.num_heads)
     train_s = time.perf_counter() - t0
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"))
     model = load_checkpoint(base_path, device=args.device, dtype=dtype).eval()
     heads = {kind: load_draft_heads(p, model, device=args.device) for kind, p in heads_paths.items()}
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if args.mode == "engine":
+        engine_mode(args, model, heads["medusa"], dtype, device_name, date, train_s)
+        return
     lines = [
         f"# draft heads vs n-gram vs plain greedy: base {args.size} ({model.num_params() / 1e6:.1f}M, trained "
         f"{args.base_steps if not args.base else '?'} steps on Tiny Shakespeare), heads {args.heads_steps} steps "

@@ -25,10 +25,13 @@ __all__ = [
     "cache_layout",
     "check_kv_cache_dtype",
     "make_cache",
+    "move_tokens",
     "pack_linears_",
     "packed_for_inference",
     "packed_linear",
     "supports_static_decode",
+    "tree_attention",
+    "tree_depths",
     "varlen_groups",
     "weight_reads_exact",
 ]

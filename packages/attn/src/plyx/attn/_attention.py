@@ -221,6 +221,11 @@ class Attention(nn.Module):
         outs = []
         for g in step.varlen:  # type: ignore[union-attr]
             qg = flat[g.start:g.start + g.rows * g.query_len].view(g.rows, g.query_len, H, Dh)
+            if g.tree_mask is not None:  # a token tree: prefix + ancestors, not bottom-right causal
+                from plyx.attn._varlen import tree_attention
+
+                outs.append(tree_attention(qg, k_pool, v_pool, g, scale=self.scale).reshape(-1, H, Dh))
+                continue
             fn = step.kernel_for("paged_attention", (qg.shape, qg.dtype, k_pool.dtype), qg, k_pool, v_pool, head_dim=Dh)
             o = fn(qg, k_pool, v_pool, g.block_tables, g.context_lens, scale=self.scale, window=self.sliding_window)
             outs.append(o.reshape(-1, H, Dh))  # (rows * query_len, H, Dh)

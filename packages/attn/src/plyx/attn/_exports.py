@@ -11,4 +11,4 @@ from plyx.attn._packing import pack_linears_, packed_for_inference, packed_linea
 from plyx.attn._paged import PagedKVCache
 from plyx.attn._paged_quant import KV_CACHE_DTYPES, QuantizedPagedKVCache, check_kv_cache_dtype
 from plyx.attn._step import PAGED_MAX_QUERY, KVStep, begin_step, reserve_tokens
-from plyx.attn._varlen import VarlenGroup, begin_packed_step, varlen_groups
+from plyx.attn._varlen import VarlenGroup, begin_packed_step, move_tokens, tree_attention, tree_depths, varlen_groups

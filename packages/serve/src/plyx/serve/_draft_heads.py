@@ -57,8 +57,10 @@ def is_draft_heads(draft: Any) -> bool:
     return getattr(draft, "kind", None) in ("medusa", "eagle") and hasattr(draft, "base_config")
 
 
-def resolve_heads(draft: Any, model: Any) -> Any:
+def resolve_heads(draft: Any, model: Any, where: str = "draft_model") -> Any:
     """The heads module for ``model``: loaded from a path (onto the base's device and dtype) or checked.
+
+    ``where`` names the option in errors (``draft_model`` for ``generate``, ``EngineConfig.draft_heads``).
 
     Raises:
         ConfigError: ``draft_model`` names no draft-heads directory, or the heads were trained for a
@@ -68,7 +70,11 @@ def resolve_heads(draft: Any, model: Any) -> Any:
     from plyx.model._draft_heads import check_base
 
     if isinstance(draft, (str, os.PathLike)) and not Path(draft).exists():
-        raise ConfigError("draft_model", f"draft_model {str(draft)!r} is neither 'ngram' (prompt lookup) nor an "
+        if where != "draft_model":
+            raise ConfigError(where, f"{str(draft)!r} is not an existing draft-heads directory", value=str(draft),
+                              fix="pass the directory `plyx train` wrote with a [draft] table (it holds "
+                              "draft_heads.json)")
+        raise ConfigError(where, f"draft_model {str(draft)!r} is neither 'ngram' (prompt lookup) nor an "
                           "existing draft-heads directory", value=str(draft),
                           fix="pass 'ngram', a draft model with the target's vocabulary, or the directory `plyx train` "
                           "wrote with a [draft] table (it holds draft_heads.json)")
@@ -79,11 +85,12 @@ def resolve_heads(draft: Any, model: Any) -> Any:
                                                                 "head_dim", "d_ff", "arch", "rope_theta")},
                    model.config, source=f"the {draft.kind} draft heads")
     except DraftHeadsError as exc:
-        raise ConfigError("draft_model", str(exc), value=str(draft) if isinstance(draft, (str, os.PathLike))
-                          else draft.kind, fix="pass 'ngram', a draft model, or draft heads trained on this base "
-                          "(plyx train with a [draft] table)") from None
+        fix = "draft heads trained on this base (plyx train with a [draft] table)"
+        raise ConfigError(where, str(exc), value=str(draft) if isinstance(draft, (str, os.PathLike))
+                          else draft.kind, fix=f"pass 'ngram', a draft model, or {fix}" if where == "draft_model"
+                          else f"pass {fix}") from None
     if model_device(draft) != model_device(model):
-        raise ConfigError("draft_model", "the draft heads and the base must be on the same device",
+        raise ConfigError(where, "the draft heads and the base must be on the same device",
                           value=str(model_device(draft)), fix=f"move the heads with .to({model_device(model)})")
     return draft
 

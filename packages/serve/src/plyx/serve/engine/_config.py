@@ -54,6 +54,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     """Shortest n-gram looked up for a draft (``speculative_ngram``)."""
     prompt_lookup_max: int = 3
     """Longest n-gram looked up for a draft, tried first."""
+    draft_heads: str = ""
+    """Speculation with Medusa draft heads (a directory ``plyx train`` wrote with a ``[draft]`` table, or pass the
+    loaded module as ``Engine(draft_heads=...)``): the heads read the target's hidden state of each plain-greedy
+    decoding row's last position and their drafts ride in the next step's packed forward, verified by the
+    target's argmax (output identical to plain greedy); sampled rows speculate with chains under the rejection
+    rule (their law is the model's). "": off. Needs packed steps; excludes
+    ``speculative_ngram``; turns the look-ahead and multi-step decode off."""
+    speculative_k: int = 0
+    """Draft tokens per row and step with ``draft_heads`` (the tree's depth); 0, or more than the heads' count:
+    one per head (Medusa head j drafts depth j). At most 16."""
+    spec_tree: int = 0
+    """Tree verification with ``draft_heads``: each head's top ``spec_tree`` candidates form a token tree (the
+    rank paths whose ranks sum to at most ``spec_tree - 1``; Medusa's tree attention) verified in one packed
+    forward, the longest accepted path kept. 0 or 1: a chain (each head's argmax). At most 8."""
 
     look_ahead: bool | None = None
     """When every running sequence sampled this step and none waits, queue the next step's forward (each row fed
@@ -100,6 +114,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         if not 0 <= self.speculative_ngram <= 16:
             raise ConfigError("EngineConfig.speculative_ngram", "speculative_ngram must be in [0, 16]",
                               value=self.speculative_ngram, fix="use 0 (off) or a few draft tokens, e.g. 4")
+        if not 0 <= self.speculative_k <= 16:
+            raise ConfigError("EngineConfig.speculative_k", "speculative_k must be in [0, 16]", value=self.speculative_k,
+                              fix="use 0 (the heads' count) or a few draft tokens, e.g. 4")
+        if not 0 <= self.spec_tree <= 8:
+            raise ConfigError("EngineConfig.spec_tree", "spec_tree must be in [0, 8]", value=self.spec_tree,
+                              fix="use 0 (chain verification) or a few candidates per head, e.g. 2 or 3")
+        if self.draft_heads and self.speculative_ngram:
+            raise ConfigError("EngineConfig.draft_heads", "draft heads and prompt-lookup speculation both propose "
+                              "drafts; the engine runs one proposer", value=self.draft_heads,
+                              fix="set speculative_ngram=0 or leave draft_heads empty")
         if self.decode_steps is not None and not 1 <= self.decode_steps <= 32:
             raise ConfigError("EngineConfig.decode_steps", "decode_steps must be in [1, 32]", value=self.decode_steps,
                               fix="use 1 (one step per schedule), e.g. 8, or None for the device's default")

@@ -88,8 +88,9 @@ class EngineStats:
         self.requests_aborted = 0
         self.multi_step_blocks = 0  # schedules that ran several decode steps (``EngineConfig.decode_steps``)
         self.looked_ahead = 0  # tokens fed by a look-ahead forward that the next step sampled from
-        self.spec_drafted = 0  # draft tokens fed (speculative_ngram)
+        self.spec_drafted = 0  # draft tokens fed (speculative_ngram, draft_heads: every tree node)
         self.spec_accepted = 0  # draft tokens the target's argmax confirmed
+        self.spec_rows = 0  # row-steps that verified drafts: acceptance length = 1 + spec_accepted / spec_rows
         self.last_batch_tokens = 0
         self.last_batch_seqs = 0
 
@@ -112,6 +113,8 @@ class Engine:
         config: scheduler limits and cache geometry.
         eos_token_id: id (or ids) that end completions (default: the tokenizer's EOS).
         seed: seed of the generator of unseeded sampled requests.
+        draft_heads: loaded ``plyx.model.MedusaHeads`` (or their directory) to speculate with; overrides
+            ``config.draft_heads``.
 
     Example::
 
@@ -120,7 +123,8 @@ class Engine:
     """
 
     def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
-                 eos_token_id: int | Seq[int] | None = None, seed: int = 0, lora: Any = None) -> None:
+                 eos_token_id: int | Seq[int] | None = None, seed: int = 0, lora: Any = None,
+                 draft_heads: Any = None) -> None:
         from plyx.attn import cache_layout
 
         self.model = model.eval()
@@ -163,7 +167,8 @@ class Engine:
         self.lora = lora
         steps = c.decode_steps if c.decode_steps is not None else (8 if self.device.type == "cuda" else 1)
         # multi-step decode (``_multistep``): plain rows only; drafts and adapters keep one step per schedule
-        self.decode_steps = 1 if lora is not None or c.speculative_ngram else steps
+        heads = draft_heads if draft_heads is not None else (c.draft_heads or None)
+        self.decode_steps = 1 if lora is not None or c.speculative_ngram or heads is not None else steps
         self.graphs = self._decode_graphs() if lora is None else None  # graphs bake in one adapter map
         # one packed (varlen) forward per step: every scheduled token in one [1, N] row
         self.packed = self._can_pack()
@@ -173,8 +178,11 @@ class Engine:
         self._mixed = 0 if self.graphs is not None or self.packed else c.mixed_chunk
         # look-ahead: the next token's logits of sequences whose last sampled token was fed before the host read it
         # prompt-lookup speculation: drafts ride in the packed forward as the row's extra tokens
-        self.spec_k = c.speculative_ngram if self.packed else 0
+        # or Medusa draft heads (``_draft_proposer``): chain or token-tree drafts from the last hidden states
+        self.proposer = self._draft_proposer(heads)
+        self.spec_k = (self.proposer.k if self.proposer is not None else c.speculative_ngram) if self.packed else 0
         self._drafts: dict[int, list[int]] = {}  # seq_id -> this step's draft tokens
+        self._draft_parents: dict[int, list[int]] = {}  # seq_id -> a tree row's parents (fed indices; chains absent)
         ahead = self.device.type == "cuda" if c.look_ahead is None else c.look_ahead
         self.look_ahead = ahead and (self.packed or self.graphs is not None) and not self.spec_k
         self._ahead: dict[int, torch.Tensor] = {}  # seq_id -> logits [V] (that token counts as computed)
@@ -392,14 +400,40 @@ class Engine:
                 self._keep_ahead(*ahead)
         if verify:
             outputs.extend(self._verify_drafts(verify, greedy.tolist()))  # type: ignore[union-attr]
+        if self.proposer is not None:  # the heads over this step's captured features: the next step's drafts
+            self.proposer.draft(self.running, self.generator)
         return outputs
+
+    def _draft_proposer(self, heads: Any) -> Any:
+        """The ``HeadsProposer`` of ``draft_heads`` (None without heads); a ConfigError where they cannot run."""
+        c = self.config
+        if heads is None:
+            if c.speculative_k or c.spec_tree > 1:
+                name = "speculative_k" if c.speculative_k else "spec_tree"
+                raise ConfigError(f"EngineConfig.{name}", f"{name} applies to draft heads, and none are given",
+                                  value=getattr(c, name), fix="pass draft_heads (plyx serve: --draft-heads PATH)")
+            return None
+        if c.speculative_ngram:
+            raise ConfigError("EngineConfig.speculative_ngram", "draft heads and prompt-lookup speculation both "
+                              "propose drafts; the engine runs one proposer", value=c.speculative_ngram,
+                              fix="set speculative_ngram=0 or drop draft_heads")
+        if not self.packed:
+            raise ConfigError("EngineConfig.draft_heads", "draft heads ride in the packed step, which this engine "
+                              "does not run (packed_step off, resident adapters, or a quantised KV cache)",
+                              value=str(heads) if isinstance(heads, str) else type(heads).__name__,
+                              fix="leave packed_step on and serve without --lora and --kv-cache-dtype int8/fp8")
+        from plyx.serve.engine._draft_proposer import HeadsProposer
+
+        return HeadsProposer.build(heads, self.model, k=c.speculative_k, topk=c.spec_tree)
 
     def _speculates(self, seq: Sequence) -> bool:
         """Whether a decoding row may feed drafts: plain greedy (argmax verification is then exact), no
-        log-probs asked, base model."""
+        log-probs asked, base model; with draft-head chains also plain sampled rows (the rejection rule)."""
         from plyx.serve.engine._sampling import plain_greedy
 
-        return plain_greedy(seq) and seq.params.logprobs is None and seq.request.adapter is None
+        if plain_greedy(seq) and seq.params.logprobs is None and seq.request.adapter is None:
+            return True
+        return self.proposer is not None and self.proposer.samples(seq)
 
     def _propose(self, seq: Sequence, budget: int) -> list[int]:
         """This step's drafts of a decoding row: at most what its length limit, the context and the step's
@@ -407,26 +441,55 @@ class Engine:
         from plyx.serve._ngram import propose
 
         c = self.config
+        if self.proposer is not None:  # a tree's depth bounds what it emits; its size what it feeds
+            depth = min(self.spec_k, seq.completion.limit - len(seq.completion.token_ids) - 1)
+            drafts, parents = self.proposer.propose(seq, depth, min(self.max_model_len - len(seq.tokens), budget - 1))
+            if parents is not None:
+                self._draft_parents[seq.seq_id] = parents
+            return drafts
         room = min(self.spec_k, seq.completion.limit - len(seq.completion.token_ids) - 1,
                    self.max_model_len - len(seq.tokens), budget - 1)
         return propose(seq.tokens, room, c.prompt_lookup_min, c.prompt_lookup_max) if room > 0 else []
 
     def _verify_drafts(self, rows: list[tuple[Sequence, list[int], int]], greedy: list[int]) -> list[EngineOutput]:
-        """Greedy verification: a row keeps its drafts up to the first the target's argmax disagrees with, plus
-        the argmax there (the token plain greedy decoding would emit next); the rejected drafts' keys and values
-        are cropped from the cache."""
+        """Greedy verification: a row keeps its drafts up to the first the target's argmax disagrees with (a tree
+        row: its deepest path of agreeing nodes, ``accepted_path``), plus the argmax there (the token plain greedy
+        decoding would emit next). A tree's accepted nodes are moved to the slots after the root
+        (``plyx.attn.move_tokens``); the rejected drafts' keys and values are cropped from the cache."""
+        from plyx.serve.engine._draft_proposer import accepted_path
+
         outputs: list[EngineOutput] = []
+        kept: list[tuple[Sequence, list[int], list[int], int]] = []  # (seq, path, tokens, fed index of the last)
+        moves = []
         for seq, drafts, offset in rows:
             choice = greedy[offset:offset + len(drafts) + 1]  # argmax after the real token and after each draft
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == choice[accepted]:
-                accepted += 1
+            parents = self._draft_parents.get(seq.seq_id)
+            if seq.params.greedy or self.proposer is None:
+                path = accepted_path(drafts, parents if parents is not None else range(-1, len(drafts)), choice)
+            else:  # a sampled chain: the rejection rule against the target's processed distributions
+                rows_logits = self.proposer.verify_logits[offset:offset + len(drafts) + 1]  # type: ignore[index]
+                accepted, token = self.proposer.verify_sampled(seq, drafts, rows_logits, self.generator)
+                path, choice = list(range(1, accepted + 1)), choice[:accepted] + [token]
+            last = path[-1] if path else 0
+            if path != list(range(1, len(path) + 1)):  # a tree branch: its nodes follow the root in the cache
+                root = seq.num_computed - 1
+                moves.append((seq.seq_id, [root + j for j in path], [root + 1 + i for i in range(len(path))]))
+            kept.append((seq, path, [drafts[j - 1] for j in path] + [choice[last]], offset + last))
             self.stats.spec_drafted += len(drafts)
-            self.stats.spec_accepted += accepted
-            seq.num_computed += accepted  # the accepted drafts' keys and values stay
-            outputs.extend(self._accept_tokens(seq, drafts[:accepted] + [choice[accepted]]))
+            self.stats.spec_accepted += len(path)
+            self.stats.spec_rows += 1
+        if moves:
+            from plyx.attn import move_tokens
+
+            move_tokens(self.cache, moves)
+        hidden = self.proposer.verify_hidden if self.proposer is not None else None
+        for seq, path, tokens, at in kept:
+            seq.num_computed += len(path)  # the accepted drafts' keys and values stay
+            outputs.extend(self._accept_tokens(seq, tokens))
             if seq.status is not SeqStatus.FINISHED:
                 self.cache.crop(seq.seq_id, seq.num_computed)
+                if hidden is not None:  # the state whose argmax gave the row's new last token
+                    self.proposer.capture([seq], hidden[at:at + 1])  # type: ignore[union-attr]
         return outputs
 
     def _accept_tokens(self, seq: Sequence, tokens: list[int]) -> list[EngineOutput]:
@@ -492,9 +555,11 @@ class Engine:
                 self.stats.looked_ahead += 1
 
     def _graph_step(self, planned: list[tuple[Sequence, int]]) -> bool:
-        """A decode-only step that a captured graph bucket holds (replayed instead of a packed eager forward)."""
+        """A decode-only step that a captured graph bucket holds (replayed instead of a packed eager forward).
+        Not with rows the draft heads read: decode graphs return logits, the heads need hidden states."""
         return (self.graphs is not None and all(n == 1 for _, n in planned)
-                and self.graphs.bucket(len(planned)) is not None)
+                and self.graphs.bucket(len(planned)) is not None
+                and (self.proposer is None or not any(self._speculates(s) for s, _ in planned)))
 
     def _forward_packed(self, planned: list[tuple[Sequence, int]], finishing: list[Sequence]
                         ) -> tuple[list[torch.Tensor], list[tuple[Sequence, list[int], int]], torch.Tensor | None]:
@@ -516,11 +581,15 @@ class Engine:
                   for t in (s.tokens[s.num_computed:] + drafts[s.seq_id] if s.seq_id in drafts
                             else s.tokens[s.num_computed:s.num_computed + n])]
         seq_ids = [s.seq_id for s, _ in group]
+        # tree rows: those whose drafts the schedule kept (a proposal without room was dropped, parents and all)
+        trees = {i: self._draft_parents[s.seq_id] for i, (s, _) in enumerate(group)
+                 if s.seq_id in drafts and s.seq_id in self._draft_parents}
         mixed = self.mixed_graphs
-        if mixed is not None and mixed.fits(len(group), len(tokens)):  # a replayed graph of the token bucket
+        if mixed is not None and not trees and mixed.fits(len(group), len(tokens)):  # a replayed graph of the bucket
             out = mixed.step(seq_ids, counts, tokens)  # [N, D|V], a view of the graph's buffer
-        else:
-            ids, positions, step = begin_packed_step(self.cache, seq_ids, counts, tokens, self.device)
+        else:  # token trees (draft heads, spec_tree) run eagerly: their masks are not in the captured graphs
+            ids, positions, step = begin_packed_step(self.cache, seq_ids, counts, tokens, self.device,
+                                                     tree_parents=trees or None)
             out = self.model(ids, position_ids=positions, kv_step=step, return_hidden=self._lm_head)[0]  # [N, D|V]
         ends = list(itertools.accumulate(counts))  # row i's last token is ends[i] - 1
         plain = [i for i, (s, _) in enumerate(group) if s.seq_id not in drafts]
@@ -535,7 +604,15 @@ class Engine:
         if not picks:
             return [], [], None
         # the LM head only on rows that sample and on speculating rows' fed positions
-        logits = self._logits(out.index_select(0, torch.tensor(picks, device=self.device)))  # [R + M, V]
+        hidden = out.index_select(0, torch.tensor(picks, device=self.device))  # [R + M, D|V]
+        logits = self._logits(hidden)  # [R + M, V]
+        if self.proposer is not None:  # draft heads read these states: sampled greedy rows now, verified rows later
+            rows_done = [group[plain[j]][0] for j in done]
+            keep = [j for j, s in enumerate(rows_done) if self._speculates(s)]
+            if keep:
+                self.proposer.capture([rows_done[j] for j in keep], hidden[keep])
+            self.proposer.verify_hidden = hidden[len(done):]
+            self.proposer.verify_logits = logits[len(done):]
         greedy = logits[len(done):].argmax(dim=-1) if verify else None  # [M]
         return list(logits[:len(done)].unbind(0)), verify, greedy
 
@@ -686,6 +763,7 @@ class Engine:
             budget = min(budget, self.mixed_graphs.max_tokens)
         planned: dict[Sequence, tuple[int, int]] = {}  # seq -> (tokens, blocks)
         self._drafts = {}
+        self._draft_parents = {}
         preempted = False
 
         taken = 0  # blocks the planned rows will take: kept as a sum (summing planned per call is O(B^2))
@@ -705,6 +783,7 @@ class Engine:
                 victim = max(victims, key=self._key)
                 if victim in planned:
                     self._drafts.pop(victim.seq_id, None)
+                    self._draft_parents.pop(victim.seq_id, None)
                     n, blocks = planned.pop(victim)
                     budget += n
                     taken -= blocks

@@ -52,6 +52,15 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default="hermes",
                    help="parser of tool_choice=auto replies: hermes | llama3_json | mistral | a plugin's "
                         "(empty: none)")
+    g = p.add_argument_group("speculative decoding with Medusa draft heads (greedy requests)")
+    g.add_argument("--draft-heads", default="", metavar="PATH",
+                   help="Medusa heads trained on this model (plyx train with a [draft] table): plain-greedy requests "
+                   "feed their drafts in each step, verified by the model (same output, fewer steps)")
+    g.add_argument("--speculative-k", type=int, default=0, metavar="K",
+                   help="draft tokens per request and step (0: one per head)")
+    g.add_argument("--spec-tree", type=int, default=0, metavar="TOPK",
+                   help="tree verification: each head's top TOPK candidates form a token tree checked in one forward "
+                   "(0: a chain of each head's best)")
     g = p.add_argument_group("disaggregated prefill/decode (vLLM's P/D disaggregation)")
     g.add_argument("--disaggregate", action="store_true",
                    help="prefill prompts in a worker process (its own GPU when there are two) and hand their KV "
@@ -116,13 +125,15 @@ def lora_specs(values: list[str]) -> dict[str, str]:
 def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: int = 512,
                  drain_timeout: float = 30.0, mixed_chunk: int = -1, lora: dict[str, str] | None = None,
                  tool_parser: str = "hermes", kv_cache_dtype: str = "auto",
-                 disaggregate: dict[str, Any] | None = None) -> Any:
+                 disaggregate: dict[str, Any] | None = None, draft_heads: str = "", speculative_k: int = 0,
+                 spec_tree: int = 0) -> Any:
     """The FastAPI app of a ``ServeConfig`` (model loaded, engine built; its thread starts with the app).
 
     ``lora`` maps served names to PEFT adapter directories (``plyx.serve.MultiLora``); a name is then a model
     requests may name. ``tool_parser`` parses ``tool_choice=auto`` replies. ``disaggregate`` (keyword
     arguments of ``plyx.serve.disagg.start_prefill_worker``, ``{}`` for its defaults) starts a prefill worker
-    and serves through a ``DisaggAsyncEngine``: this process decodes, the worker prefills."""
+    and serves through a ``DisaggAsyncEngine``: this process decodes, the worker prefills. ``draft_heads``
+    (a Medusa heads directory), ``speculative_k`` and ``spec_tree`` are ``EngineConfig``'s speculation fields."""
     import torch
     from plyx.serve.engine import Engine, EngineConfig
     from plyx.serve.server._app import ServerSettings, create_app
@@ -145,7 +156,7 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
         config=EngineConfig(
             max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens, block_size=cfg.block_size,
             num_blocks=_num_blocks(cfg, model, torch.device(device), kv_cache_dtype), max_model_len=cfg.max_model_len,
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, draft_heads=draft_heads, speculative_k=speculative_k, spec_tree=spec_tree,
             prefix_caching=cfg.prefix_caching, max_queue=cfg.max_queue,
             mixed_chunk=(16 if torch.device(device).type == "cuda" else 0) if mixed_chunk < 0 else mixed_chunk,
         ),
@@ -187,7 +198,8 @@ def _run(args: argparse.Namespace) -> int:
         app = build_server(cfg, chat_template=args.chat_template, max_concurrent=args.max_concurrent,
                            drain_timeout=args.drain_timeout, mixed_chunk=args.mixed_chunk,
                            lora=lora_specs(args.lora), tool_parser=args.tool_call_parser,
-                           kv_cache_dtype=args.kv_cache_dtype, disaggregate=_disagg_options(args))
+                           kv_cache_dtype=args.kv_cache_dtype, disaggregate=_disagg_options(args),
+                           draft_heads=args.draft_heads, speculative_k=args.speculative_k, spec_tree=args.spec_tree)
     except (PathError, PlyxError, ValueError, WorkerUnavailableError, KVTransferError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

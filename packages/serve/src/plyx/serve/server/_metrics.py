@@ -68,6 +68,14 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("plyx_num_preemptions", "Sequences preempted (recomputed later).",
                                   value=s.preemptions)
         yield CounterMetricFamily("plyx_engine_steps", "Engine steps run.", value=s.steps)
+        # speculation (n-gram or draft heads), as vLLM's spec_decode counters: acceptance length is
+        # 1 + accepted / verified rows; a tree's every node counts as drafted
+        yield CounterMetricFamily("plyx_spec_decode_num_draft_tokens", "Draft tokens fed for verification.",
+                                  value=s.spec_drafted)
+        yield CounterMetricFamily("plyx_spec_decode_num_accepted_tokens", "Draft tokens the model confirmed.",
+                                  value=s.spec_accepted)
+        yield CounterMetricFamily("plyx_spec_decode_num_verified_rows", "Row-steps that verified drafts.",
+                                  value=s.spec_rows)
 
 
 class ServerMetrics:
