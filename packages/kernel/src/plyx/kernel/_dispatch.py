@@ -129,6 +129,9 @@ def moe_unpermute(ys: torch.Tensor, positions: torch.Tensor, weights: torch.Tens
     return registry().get("moe_unpermute", ys, hidden=int(ys.shape[-1]))(ys, positions, weights)  # type: ignore[no-any-return]
 
 
-def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``y[offsets[e]:offsets[e+1]] = x[offsets[e]:offsets[e+1]] @ weight[e].T`` for every expert e."""
-    return registry().get("grouped_gemm", x, weight)(x, weight, offsets)  # type: ignore[no-any-return]
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, gather: torch.Tensor | None = None,
+                 activation: str | None = None) -> torch.Tensor:
+    """``y[offsets[e]:offsets[e+1]] = x[offsets[e]:offsets[e+1]] @ weight[e].T`` for every expert e; ``gather``
+    (moe_permute's positions: x is the tokens) and ``activation="swiglu"`` fuse the MLP's neighbours in."""
+    fused = {k: v for k, v in (("gather", gather), ("activation", activation)) if v is not None}
+    return registry().get("grouped_gemm", x, weight)(x, weight, offsets, **fused)  # type: ignore[no-any-return]

@@ -34,17 +34,24 @@ import triton
 import triton.language as tl
 from plyx.kernel.reference.grouped_gemm import check_grouped_gemm
 from plyx.kernel.triton_ops._common import empty, interpreting, num_programs
+from plyx.kernel.triton_ops._moe_rows import gather_rows
 
-__all__ = ["PASSES", "SCHEDULES", "WgradTile", "grouped_gemm", "pick_blocks", "pick_weight_grad"]
+__all__ = ["PASSES", "SCHEDULES", "WgradTile", "grouped_gemm", "pick_blocks", "pick_weight_grad", "source_rows",
+           "swiglu_grad"]
 
 _NAME = "grouped_gemm:triton"
 
 
 @triton.jit
 def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
-                    sxm, sxk, swe, swn, swk, sym, syn,
+                    sxm, sxk, swe, swn, swk, sym, syn, ROWS, A, sam,
                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, TMA: tl.constexpr = 0):
+                    GROUP_M: tl.constexpr, TMA: tl.constexpr = 0, GATHER: tl.constexpr = 0,
+                    SWIGLU: tl.constexpr = 0):
+    # GATHER: row r of the A operand is X[ROWS[r]] (the tokens, read through the routing's sorted index:
+    # no permuted copy is written). SWIGLU: W is [E, 2N, K] (gate rows, then up rows); the program keeps a
+    # gate and an up accumulator for the same N columns and stores both halves into Y [M, 2N] (the
+    # backward's input) and silu(gate) * up into A [M, N]
     # GROUP_M row tiles sweep every N tile before the next group starts (the Triton tutorial's swizzle):
     # programs running together share x tiles and the expert's weight tiles in L2
     pid = tl.program_id(0)
@@ -62,8 +69,13 @@ def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # SWIGLU's up half (dead code otherwise)
         if TMA == 0:
-            x_ptr = X + rm[:, None].to(tl.int64) * sxm + rk[None, :] * sxk
+            if GATHER:  # rows past the expert's end read token 0 (masked out below)
+                src = tl.load(ROWS + rm, mask=rm < row_end, other=0).to(tl.int64)
+            else:
+                src = rm.to(tl.int64)
+            x_ptr = X + src[:, None] * sxm + rk[None, :] * sxk
             w_ptr = W + e.to(tl.int64) * swe + rk[:, None] * swk + rn[None, :].to(tl.int64) * swn  # (BK, BN): W_e^T
             for k in range(0, tl.cdiv(K, BLOCK_K)):
                 k_left = K - k * BLOCK_K
@@ -73,6 +85,11 @@ def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
                 acc = tl.dot(a, b, acc, input_precision="ieee" if a.dtype == tl.float32 else None)
+                if SWIGLU:  # the up rows of W_e: N rows below the gate rows
+                    bu = tl.load(w_ptr + N * swn, mask=(rk[:, None] < k_left) & (rn[None, :] < N), other=0.0)
+                    if UPCAST:
+                        bu = bu.to(tl.float32)
+                    acc_u = tl.dot(a, bu, acc_u, input_precision="ieee" if a.dtype == tl.float32 else None)
                 x_ptr += BLOCK_K * sxk
                 w_ptr += BLOCK_K * swk
         else:
@@ -100,14 +117,26 @@ def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
                     b = b.to(tl.float32)
                 acc = tl.dot(a, b, acc, input_precision="ieee" if a.dtype == tl.float32 else None)
         y_ptr = Y + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn
-        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=(rm[:, None] < row_end) & (rn[None, :] < N))
+        mask = (rm[:, None] < row_end) & (rn[None, :] < N)
+        if SWIGLU:
+            # the activation from the rounded halves the backward reads back, as the unfused layer computes it
+            g = acc.to(Y.dtype.element_ty)
+            u = acc_u.to(Y.dtype.element_ty)
+            tl.store(y_ptr, g, mask=mask)
+            tl.store(y_ptr + N * syn, u, mask=mask)
+            gf = g.to(tl.float32)
+            act = gf * tl.sigmoid(gf) * u.to(tl.float32)
+            tl.store(A + rm[:, None].to(tl.int64) * sam + rn[None, :], act.to(A.dtype.element_ty), mask=mask)
+        else:
+            tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _weight_grad_tile(DY, X, DW, OFFS, t, N, K, E,
+def _weight_grad_tile(DY, X, DW, OFFS, ROWS, t, N, K, E,
                       sdm, sdn, sxm, sxk, swe, swn, swk,
                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_N: tl.constexpr, EXPERT_MAJOR: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr):
+                      GROUP_N: tl.constexpr, EXPERT_MAJOR: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
+                      GATHER: tl.constexpr):
     # one work item t: an (expert, token split, N tile, K tile) of dW_e[n, k] = sum_r dy[r, n] * x[r, k]
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_k = tl.cdiv(K, BLOCK_K)
@@ -164,7 +193,11 @@ def _weight_grad_tile(DY, X, DW, OFFS, t, N, K, E,
             rm = r0 + tl.arange(0, BLOCK_M)
             dy = tl.load(DY + rm[None, :] * sdm + rn[:, None] * sdn,
                          mask=(rm[None, :] < hi) & (rn[:, None] < N), other=0.0)  # (BN, BM): dy_e^T
-            x = tl.load(X + rm[:, None] * sxm + rk[None, :] * sxk,
+            if GATHER:  # x rows through the routing's index (the tokens, never a permuted copy)
+                src = tl.load(ROWS + rm, mask=rm < hi, other=0).to(tl.int64)
+            else:
+                src = rm
+            x = tl.load(X + src[:, None] * sxm + rk[None, :] * sxk,
                         mask=(rm[:, None] < hi) & (rk[None, :] < K), other=0.0)  # (BM, BK)
             if UPCAST:
                 dy = dy.to(tl.float32)
@@ -180,21 +213,66 @@ def _weight_grad_tile(DY, X, DW, OFFS, t, N, K, E,
 
 
 @triton.jit
-def _weight_grad_kernel(DY, X, DW, OFFS, N, K, E, ITEMS,
+def _weight_grad_kernel(DY, X, DW, OFFS, ROWS, N, K, E, ITEMS,
                         sdm, sdn, sxm, sxk, swe, swn, swk,
                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_N: tl.constexpr, EXPERT_MAJOR: tl.constexpr, SPLIT: tl.constexpr,
-                        TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr):
+                        TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
+                        GATHER: tl.constexpr = 0):
     # ITEMS = E * SPLIT * tiles_n * tiles_k work items: the same for any routing, so the grid needs no host sync
     pid = tl.program_id(0)
     if PERSISTENT:  # a fixed number of programs walk the items, expert after expert
         # FLATTEN fuses this loop with the row loop, so one item's loads overlap the last one's store
         for t in tl.range(pid, ITEMS, tl.num_programs(0), flatten=FLATTEN):
-            _weight_grad_tile(DY, X, DW, OFFS, t, N, K, E, sdm, sdn, sxm, sxk, swe, swn, swk, UPCAST, BLOCK_M,
-                              BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA)
+            _weight_grad_tile(DY, X, DW, OFFS, ROWS, t, N, K, E, sdm, sdn, sxm, sxk, swe, swn, swk, UPCAST,
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA, GATHER)
     else:
-        _weight_grad_tile(DY, X, DW, OFFS, pid, N, K, E, sdm, sdn, sxm, sxk, swe, swn, swk, UPCAST, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA)
+        _weight_grad_tile(DY, X, DW, OFFS, ROWS, pid, N, K, E, sdm, sdn, sxm, sxk, swe, swn, swk, UPCAST,
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA, GATHER)
+
+
+@triton.jit
+def _tile_kernel(OFFS, TILE_E, TILE_ROW, E, GRID_M, BLOCK_M: tl.constexpr, EP: tl.constexpr, BLOCK: tl.constexpr):
+    # the row-tile table of _grouped_kernel in one launch: expert e owns ceil(rows_e / BLOCK_M) consecutive
+    # tiles; tile i belongs to the number of experts whose tiles end at or before i (E for the spare ones)
+    ids = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ex = tl.arange(0, EP)
+    lo = tl.load(OFFS + ex, mask=ex < E, other=0)
+    hi = tl.load(OFFS + ex + 1, mask=ex < E, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M  # (EP,) 0 for the padding
+    end = tl.cumsum(tiles, 0)  # (EP,) tiles of experts 0..e
+    e = tl.minimum(tl.sum((end[None, :] <= ids[:, None]).to(tl.int32), axis=1), E)  # (BLOCK,)
+    hit = ex[None, :] == e[:, None]  # (BLOCK, EP) one-hot of each tile's expert (none for spare tiles)
+    first = tl.sum(tl.where(hit, (end - tiles)[None, :], 0), axis=1)
+    row = tl.sum(tl.where(hit, lo[None, :], 0), axis=1) + (ids - first) * BLOCK_M
+    keep = ids < GRID_M
+    tl.store(TILE_E + ids, e.to(tl.int32), mask=keep)
+    tl.store(TILE_ROW + ids, row.to(tl.int64), mask=keep)
+
+
+@triton.jit
+def _source_rows_kernel(POS, ROWS, TK, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    # ROWS[positions[t, j]] = t: the token of every grouped row (positions is a permutation: plain stores)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = i < TK
+    pos = tl.load(POS + i, mask=keep, other=0)
+    tl.store(ROWS + pos, (i // TOPK).to(tl.int32), mask=keep)
+
+
+@triton.jit
+def _swiglu_grad_kernel(DA, H, DH, M, F, sda, sh, sdh, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    # dh = [da * u * s * (1 + g (1 - s)), da * g * s] with s = sigmoid(g), g|u = h's halves: one pass into a
+    # contiguous [M, 2F] (the unfused layer's slice backward zero-fills and adds two full-size halves)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (r[:, None] < M) & (c[None, :] < F)
+    r64 = r[:, None].to(tl.int64)
+    da = tl.load(DA + r64 * sda + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(H + r64 * sh + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(H + r64 * sh + F + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(g)
+    tl.store(DH + r64 * sdh + c[None, :], (da * u * s * (1.0 + g * (1.0 - s))).to(DH.dtype.element_ty), mask=mask)
+    tl.store(DH + r64 * sdh + F + c[None, :], (da * g * s).to(DH.dtype.element_ty), mask=mask)
 
 
 #: row tiles per swizzle group (see _grouped_kernel); 8 as in plyx's matmul
@@ -334,17 +412,36 @@ def _shared_memory(device: torch.device | None) -> int:
 
 
 def _tiles(offsets: torch.Tensor, block_m: int, m: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per row tile: its expert (E for spare tiles) and first row; all on the device, no host sync."""
+    """Per row tile: its expert (E for spare tiles) and first row; one launch on the device, no host sync."""
     e = offsets.shape[0] - 1
-    counts = offsets[1:] - offsets[:-1]  # (E,)
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = tiles.cumsum(0)  # (E,) tiles of experts 0..e
     grid_m = triton.cdiv(m, block_m) + e
-    ids = torch.arange(grid_m, device=offsets.device)
-    tile_e = torch.searchsorted(tile_end, ids, right=True)  # (grid_m,) in [0, E]
-    first_tile = torch.cat((tile_end.new_zeros(1), tile_end))[tile_e.clamp(max=e)]
-    tile_row = offsets[tile_e.clamp(max=e - 1)] + (ids - first_tile) * block_m
-    return tile_e.to(torch.int32), tile_row.to(torch.int64), grid_m
+    tile_e = torch.empty(grid_m, dtype=torch.int32, device=offsets.device)
+    tile_row = torch.empty(grid_m, dtype=torch.int64, device=offsets.device)
+    block = 16 if interpreting() else 128
+    _tile_kernel[(triton.cdiv(grid_m, block),)](offsets, tile_e, tile_row, e, grid_m, BLOCK_M=block_m,
+                                                EP=triton.next_power_of_2(max(e, 1)), BLOCK=block)
+    return tile_e, tile_row, grid_m
+
+
+def source_rows(positions: torch.Tensor) -> torch.Tensor:
+    """``rows [T*k] int32``: ``rows[positions[t, j]] = t``, the token each grouped row copies (one launch)."""
+    t, k = positions.shape
+    rows = empty((t * k,), dtype=torch.int32, device=positions.device)
+    if t * k:
+        block = 128 if interpreting() else 1024
+        _source_rows_kernel[(triton.cdiv(t * k, block),)](positions.contiguous(), rows, t * k, TOPK=k, BLOCK=block)
+    return rows
+
+
+def swiglu_grad(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``dh [M, 2F]`` (contiguous) of ``silu(h[:, :F]) * h[:, F:]`` for the incoming ``da [M, F]``."""
+    m, f = da.shape
+    dh = empty((m, 2 * f), dtype=h.dtype, device=h.device)
+    if m and f:
+        br, bf = (4, 32) if interpreting() else (16, 256)
+        _swiglu_grad_kernel[(triton.cdiv(m, br), triton.cdiv(f, bf))](da, h, dh, m, f, da.stride(0), h.stride(0),
+                                                                      dh.stride(0), BLOCK_R=br, BLOCK_F=bf)
+    return dh
 
 
 def _w_tma(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n: int, k: int) -> int:
@@ -362,29 +459,41 @@ def _w_tma(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n: int, offsets: torch.Tensor,
-            blocks: tuple[Any, ...] | None, pass_: str = "forward") -> torch.Tensor:
+            blocks: tuple[Any, ...] | None, pass_: str = "forward", rows: torch.Tensor | None = None,
+            swiglu: bool = False) -> Any:
     """``y [M, N]``, ``y_e = x_e @ W_e^T`` with W read through ``w_strides`` as [E, N, K].
 
     ``blocks``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, tma])``; ``tma`` reads x and W through
-    TMA descriptors where their strides allow it (else the pointer loads).
+    TMA descriptors where their strides allow it (else the pointer loads). ``rows [M]``: row r of the
+    product reads ``x[rows[r]]`` (M = len(rows)). ``swiglu``: W is [E, 2N, K] and the result is
+    ``(h [M, 2N], silu(h[:, :N]) * h[:, N:] [M, N])``.
     """
-    m, k = x.shape
+    m = rows.shape[0] if rows is not None else x.shape[0]
+    k = x.shape[1]
     e = offsets.shape[0] - 1
-    y = empty((m, n), dtype=x.dtype, device=x.device)
+    y = empty((m, 2 * n if swiglu else n), dtype=x.dtype, device=x.device)
+    act = empty((m, n), dtype=x.dtype, device=x.device) if swiglu else y
+    out = (y, act) if swiglu else y
     if m == 0 or n == 0:
-        return y
+        return out
     if k == 0:
-        return y.zero_()
+        y.zero_()
+        return (y, act.zero_()) if swiglu else y  # silu(0) * 0
     bm, bn, bk, warps, stages, *rest = blocks or pick_blocks(m, e, x.device, x.element_size(), pass_)
-    tma = _w_tma(x, w, w_strides, n, k) if rest and rest[0] else 0
+    if swiglu and not blocks and bn >= 256:
+        # two accumulators of (BM, BN / 2): the registers and shared memory of the tuned (BM, BN) tile
+        bn //= 2
+    fused = rows is not None or swiglu
+    tma = _w_tma(x, w, w_strides, n, k) if rest and rest[0] and not fused else 0
     if tma:
         triton.set_allocator(_tma_scratch)
     tile_e, tile_row, grid_m = _tiles(offsets, bm, m)
     grid = (grid_m * triton.cdiv(n, bn),)
     _grouped_kernel[grid](x, w, y, offsets, tile_e, tile_row, n, k, e, grid_m, x.stride(0), x.stride(1), *w_strides,
-                          y.stride(0), y.stride(1), UPCAST=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                          GROUP_M=GROUP_M, TMA=tma, num_warps=warps, num_stages=stages)
-    return y
+                          y.stride(0), y.stride(1), rows if rows is not None else tile_e, act, act.stride(0),
+                          UPCAST=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, TMA=tma,
+                          GATHER=rows is not None, SWIGLU=swiglu, num_warps=warps, num_stages=stages)
+    return out
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -411,10 +520,11 @@ def _programs(device: torch.device, tile: WgradTile, itemsize: int) -> int:
 
 
 def _weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
-                 tile: WgradTile | None) -> torch.Tensor:
-    """``dW [E, N, K]``, ``dW_e = dy_e^T @ x_e`` for every expert (zeros for an empty one)."""
+                 tile: WgradTile | None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``dW [E, N, K]``, ``dW_e = dy_e^T @ x_e`` for every expert (zeros for an empty one); with ``rows``,
+    x's row r is ``x[rows[r]]``."""
     e, n, k = shape
-    tile = tile or pick_weight_grad(x.shape[0], e, x.device, x.element_size())
+    tile = tile or pick_weight_grad(dy.shape[0], e, x.device, x.element_size())
     if tile.schedule not in SCHEDULES:
         raise ValueError(f"{_NAME}: weight-gradient schedule {tile.schedule!r} is not one of {SCHEDULES}")
     split = max(int(tile.split), 1)
@@ -424,17 +534,18 @@ def _weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, shape
         dw = empty((e, n, k), dtype=dtype, device=x.device)
     if dw.numel() == 0:
         return dw.to(dtype)
-    tma = bool(tile.tma) and _tma_ok(dy, x)
+    tma = bool(tile.tma) and rows is None and _tma_ok(dy, x)
     if tma:
         triton.set_allocator(_tma_scratch)
     items = e * split * triton.cdiv(n, tile.block_n) * triton.cdiv(k, tile.block_k)
     persistent = tile.schedule.startswith("persistent")
     grid = (min(items, _programs(x.device, tile, x.element_size())) if persistent else items,)
-    _weight_grad_kernel[grid](dy, x, dw, offsets, n, k, e, items, dy.stride(0), dy.stride(1), x.stride(0),
+    _weight_grad_kernel[grid](dy, x, dw, offsets, rows if rows is not None else offsets, n, k, e, items,
+                              dy.stride(0), dy.stride(1), x.stride(0),
                               x.stride(1), dw.stride(0), dw.stride(1), dw.stride(2), UPCAST=interpreting(),
                               BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_N=GROUP_M,
                               EXPERT_MAJOR=tile.schedule != "tile", SPLIT=split, TMA=tma, PERSISTENT=persistent,
-                              FLATTEN=tile.schedule == "persistent-flat",
+                              FLATTEN=tile.schedule == "persistent-flat", GATHER=rows is not None,
                               num_warps=tile.num_warps, num_stages=tile.num_stages)
     return dw.to(dtype)
 
@@ -459,38 +570,52 @@ def _pass_blocks(blocks: Any, pass_: str) -> Any:
 
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, blocks: Any) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offsets)
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, blocks: Any,
+                positions: torch.Tensor | None, swiglu: bool) -> torch.Tensor:
+        rows = source_rows(positions) if positions is not None else None
+        n = w.shape[1] // 2 if swiglu else w.shape[1]
+        out = _launch(x, w, (w.stride(0), w.stride(1), w.stride(2)), n, offsets, _pass_blocks(blocks, "forward"),
+                      rows=rows, swiglu=swiglu)
+        h, y = out if swiglu else (None, out)
+        ctx.save_for_backward(x, w, offsets, positions, rows, h)
         ctx.blocks = blocks
-        return _launch(x, w, (w.stride(0), w.stride(1), w.stride(2)), w.shape[1], offsets,
-                       _pass_blocks(blocks, "forward"))
+        return y  # type: ignore[no-any-return]
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
-        x, w, offsets = ctx.saved_tensors
+        x, w, offsets, positions, rows, h = ctx.saved_tensors
+        if h is not None:  # the SwiGLU's gradient, both halves in one contiguous [M, 2F]
+            dy = swiglu_grad(dy, h)
         dx = dw = None
         if ctx.needs_input_grad[0]:  # dx_e = dy_e @ W_e: W read as [E, K, N]
             dx = _launch(dy, w, (w.stride(0), w.stride(2), w.stride(1)), w.shape[2], offsets,
                          _pass_blocks(ctx.blocks, "input_grad"), "input_grad")
+            if positions is not None:  # each token's copies summed (a permutation: no atomics)
+                dx = gather_rows(dx, positions)
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(dy, x, offsets, w.shape, w.dtype, _pass_blocks(ctx.blocks, "weight_grad"))
-        return dx, dw, None, None
+            dw = _weight_grad(dy, x, offsets, w.shape, w.dtype, _pass_blocks(ctx.blocks, "weight_grad"), rows)
+        return dx, dw, None, None, None, None
 
 
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
+                 gather: torch.Tensor | None = None, activation: str | None = None,
                  blocks: tuple[int, int, int, int, int] | dict[str, tuple[Any, ...]] | None = None) -> torch.Tensor:
     """Triton grouped GEMM; same contract as ``plyx.kernel.reference.grouped_gemm``.
 
     Args:
         x, weight, offsets: as the reference's; ``offsets`` are trusted (the reference checks their values;
             reading them here would sync the host).
+        gather: ``positions [T, k]`` of ``moe_permute``: x holds the T tokens and the kernel reads each
+            grouped row through the sorted index (no permuted copy in memory, forward or weight gradient).
+        activation: ``"swiglu"``: weight is ``[E, 2F, K]`` (gate rows, then up rows) and the result is
+            ``silu(gate) * up [M, F]``, computed in the GEMM's epilogue.
         blocks: tiles instead of ``pick_blocks`` / ``pick_weight_grad``: one
             ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for every pass (the weight gradient reads it
             as a ``BLOCK_N x BLOCK_K`` tile of dW, at most 64 rows a step), or ``{pass: tile}`` for some of
             ``"forward"``, ``"input_grad"`` (5-tuples) and ``"weight_grad"`` (a ``WgradTile``).
 
     Returns:
-        ``y [M, N]``, differentiable in ``x`` and ``weight``.
+        ``y [M, N]`` (``[M, F]`` with the SwiGLU), differentiable in ``x`` and ``weight``.
     """
-    check_grouped_gemm(_NAME, x, weight, offsets)
-    return _GroupedGemm.apply(x, weight, offsets, blocks)
+    check_grouped_gemm(_NAME, x, weight, offsets, gather=gather, activation=activation)
+    return _GroupedGemm.apply(x, weight, offsets, blocks, gather, activation == "swiglu")  # type: ignore[no-any-return]
