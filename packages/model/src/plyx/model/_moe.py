@@ -4,9 +4,11 @@ One layer, for x ``[B, T, D]`` flattened to N = B*T tokens::
 
     logits = x @ W_r.T                                  # (N, E) router (HF ``mlp.gate``)
     p = softmax(logits.float()); w, ids = topk(p, k)    # (N, k); w /= w.sum(-1) when norm_topk_prob
-    xs, positions, offsets = moe_permute(x, ids)        # (N*k, D) grouped by expert, dropless
-    h = grouped_gemm(xs, gate_up_proj, offsets)         # (N*k, 2F); gate_up_proj [E, 2F, D]
-    ys = grouped_gemm(swiglu(h[:, :F], h[:, F:]), down_proj, offsets)   # (N*k, D); down_proj [E, D, F]
+    positions, offsets = routing_positions(ids)         # the dropless sort by expert: [N, k], [E + 1]
+    a = grouped_gemm(x, gate_up_proj, offsets, gather=positions, activation="swiglu")
+                                                        # (N*k, F): silu(gate) * up of x[t] @ W_e^T, rows
+                                                        # grouped by expert; gate_up_proj [E, 2F, D]
+    ys = grouped_gemm(a, down_proj, offsets)            # (N*k, D); down_proj [E, D, F]
     out = moe_unpermute(ys, positions, w)               # (N, D): sum_j w[t, j] * ys[positions[t, j]]
     out += sigmoid(x @ w_g) * shared_expert(x)          # Qwen2-MoE only
 
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from plyx.kernel.reference.moe_permute import routing_positions
 from plyx.model._model import MLP, _kernel
 from plyx.specs.config.model import ModelConfig
 from torch import nn
@@ -73,16 +76,16 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [N, D]``, ``expert_ids``/``weights [N, k]`` -> ``[N, D]``: the weighted sum of each token's experts."""
-        E, F_ = self.num_experts, self.d_expert
+        E = self.num_experts
         gate_up, down = self.gate_up_proj, self.down_proj
         if torch.is_autocast_enabled(x.device.type):  # the kernels are not autocast ops: cast as F.linear would
             dtype = torch.get_autocast_dtype(x.device.type)
             x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
-        xs, positions, offsets = _kernel("moe_permute", x, hidden=x.shape[-1])(x, expert_ids, num_experts=E)
-        gemm = _kernel("grouped_gemm", xs, gate_up)
-        h = gemm(xs, gate_up, offsets)  # (N*k, 2F)
-        gate, up = h[:, :F_], h[:, F_:]  # views; the swiglu kernel takes the row stride
-        a = _kernel("swiglu", gate, up, hidden=F_)(gate, up)  # (N*k, F)
+        gemm = _kernel("grouped_gemm", x, gate_up)
+        # the sort's indices only, no permuted copy of x: the first GEMM reads the tokens through them and
+        # applies the SwiGLU in its epilogue (plyx-kernel >= 1.6)
+        positions, offsets = routing_positions(expert_ids, E)
+        a = gemm(x, gate_up, offsets, gather=positions, activation="swiglu")  # (N*k, F)
         ys = gemm(a, down, offsets)  # (N*k, D)
         return _kernel("moe_unpermute", ys, hidden=ys.shape[-1])(ys, positions, weights.to(ys.dtype))  # type: ignore[no-any-return]
 
