@@ -277,6 +277,9 @@ def _swiglu_grad_kernel(DA, H, DH, M, F, sda, sh, sdh, BLOCK_R: tl.constexpr, BL
 
 #: row tiles per swizzle group (see _grouped_kernel); 8 as in plyx's matmul
 GROUP_M = 8
+#: with ``gather=``, the weight gradient reads x's rows through the index too (False: it first copies the
+#: grouped rows, as the unfused layer had them; the MoE benchmark times both)
+GATHER_WEIGHT_GRAD = True
 
 
 class WgradTile(NamedTuple):
@@ -593,6 +596,8 @@ class _GroupedGemm(torch.autograd.Function):
             if positions is not None:  # each token's copies summed (a permutation: no atomics)
                 dx = gather_rows(dx, positions)
         if ctx.needs_input_grad[1]:
+            if rows is not None and not GATHER_WEIGHT_GRAD:
+                x, rows = x.index_select(0, rows), None  # (M, K) grouped copies
             dw = _weight_grad(dy, x, offsets, w.shape, w.dtype, _pass_blocks(ctx.blocks, "weight_grad"), rows)
         return dx, dw, None, None, None, None
 
