@@ -26,9 +26,9 @@ from typing import Any
 
 os.environ["TRITON_INTERPRET"] = "0"  # before the kernels are decorated: compiled, never interpreted
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF16 = "*bf16"

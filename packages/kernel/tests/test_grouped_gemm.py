@@ -271,7 +271,7 @@ def test_swiglu_without_gather_and_with_explicit_tiles(parity, make, dtype):
     positions, offsets = _routing(11, 4, 2)
     for tile in (WgradTile(16, 32, 32, 4, 1, "expert", 3, False), WgradTile(16, 32, 32, 4, 1, "persistent", 1, True)):
         blocks = {"forward": (16, 16, 32, 4, 1, True), "input_grad": (16, 32, 16, 4, 1), "weight_grad": tile}
-        parity(lambda x, w, o: grouped_gemm(x, w, o, gather=positions, activation="swiglu", blocks=blocks),
+        parity(lambda x, w, o, blocks=blocks: grouped_gemm(x, w, o, gather=positions, activation="swiglu", blocks=blocks),
                lambda x, w, o: reference(x, w, o, gather=positions, activation="swiglu"),
                [make(11, k_dim, dtype=dtype), make(4, 2 * f, k_dim, dtype=dtype, scale=k_dim ** -0.5), offsets],
                grad=(0, 1), dtype=dtype, label=f"gathered swiglu {tile}")
