@@ -86,33 +86,39 @@ def grouped(bm: int, bn: int, bk: int, warps: int, stages: int, gather: bool, sw
                 TILE_ROW=("*i64", None), N=("i32", n), K=("i32", k), E=("i32", 64), GRID_M=("i32", 320),
                 sxm=("i64", k), sxk=("i64", 1), swe=("i64", (2 if swiglu else 1) * n * k), swn=("i64", k),
                 swk=("i64", 1), sym=("i64", (2 if swiglu else 1) * n), syn=("i64", 1), ROWS=("*i32", None),
-                A=(BF16, None), sam=("i64", n))
+                A=(BF16, None), sam=("i64", n), RSCALE=("*fp32", None), PART=("*fp32", None))
     ce = dict(UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, TMA=0, GATHER=int(gather),
-              SWIGLU=int(swiglu))
+              SWIGLU=int(swiglu), COMBINE_GRAD=0)
     return compile_kernel(gg._grouped_kernel, args, ce, warps, stages, label, gemm=True)
 
 
-def input_grad(bm: int, bn: int, bk: int, warps: int, stages: int, n: int, k: int, label: str) -> dict[str, Any]:
-    """``dx = dy @ W_e``: W [E, N', K'] read through swapped strides (its unit stride on the output dim)."""
+def input_grad(bm: int, bn: int, bk: int, warps: int, stages: int, n: int, k: int, label: str,
+               combine: bool = False) -> dict[str, Any]:
+    """``dx = dy @ W_e``: W [E, N', K'] read through swapped strides (its unit stride on the output dim);
+    ``combine``: dy gathered through the rows' tokens, scaled by their gate weights, the gate weights'
+    gradient summed in the epilogue."""
     from plyx.kernel.triton_ops import grouped_gemm as gg
 
     args = dict(X=(BF16, None), W=(BF16, None), Y=(BF16, None), OFFS=("*i64", None), TILE_E=("*i32", None),
                 TILE_ROW=("*i64", None), N=("i32", n), K=("i32", k), E=("i32", 64), GRID_M=("i32", 320),
                 sxm=("i64", k), sxk=("i64", 1), swe=("i64", n * k), swn=("i64", 1), swk=("i64", n),
-                sym=("i64", n), syn=("i64", 1), ROWS=("*i32", None), A=(BF16, None), sam=("i64", n))
-    ce = dict(UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, TMA=0, GATHER=0, SWIGLU=0)
+                sym=("i64", n), syn=("i64", 1), ROWS=("*i32", None), A=(BF16, None), sam=("i64", n),
+                RSCALE=("*fp32", None), PART=("*fp32", None))
+    ce = dict(UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, TMA=0, GATHER=int(combine), SWIGLU=0,
+              COMBINE_GRAD=int(combine))
     return compile_kernel(gg._grouped_kernel, args, ce, warps, stages, label, gemm=True)
 
 
 def weight_grad(bm: int, bn: int, bk: int, warps: int, stages: int, gather: bool, n: int, k: int,
-                label: str) -> dict[str, Any]:
+                label: str, gather_dy: bool = False) -> dict[str, Any]:
     from plyx.kernel.triton_ops import grouped_gemm as gg
 
     args = dict(DY=(BF16, None), X=(BF16, None), DW=(BF16, None), OFFS=("*i64", None), ROWS=("*i32", None),
                 N=("i32", n), K=("i32", k), E=("i32", 64), ITEMS=("i32", 64 * 16), sdm=("i64", n), sdn=("i64", 1),
-                sxm=("i64", k), sxk=("i64", 1), swe=("i64", n * k), swn=("i64", k), swk=("i64", 1))
+                sxm=("i64", k), sxk=("i64", 1), swe=("i64", n * k), swn=("i64", k), swk=("i64", 1),
+                DY_ROWS=("*i32", None), DY_SCALE=("*fp32", None))
     ce = dict(UPCAST=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_N=8, EXPERT_MAJOR=True, SPLIT=1, TMA=False,
-              PERSISTENT=False, FLATTEN=False, GATHER=int(gather))
+              PERSISTENT=False, FLATTEN=False, GATHER=int(gather), GATHER_DY=int(gather_dy))
     return compile_kernel(gg._weight_grad_kernel, args, ce, warps, stages, label, gemm=True)
 
 
@@ -123,8 +129,10 @@ def small_kernels() -> list[dict[str, Any]]:
         compile_kernel(gg._tile_kernel, dict(OFFS=("*i64", None), TILE_E=("*i32", None), TILE_ROW=("*i64", None),
                                              E=("i32", 64), GRID_M=("i32", 320)),
                        dict(BLOCK_M=128, EP=64, BLOCK=128), 4, 1, "tile table (64 experts)", gemm=False),
-        compile_kernel(gg._source_rows_kernel, dict(POS=("*i64", None), ROWS=("*i32", None), TK=("i32", 32768)),
-                       dict(TOPK=8, BLOCK=1024), 4, 1, "source rows (top-8)", gemm=False),
+        compile_kernel(gg._source_rows_kernel, dict(POS=("*i64", None), ROWS=("*i32", None), WEIGHTS=(BF16, None),
+                                                    ROW_WEIGHTS=("*fp32", None), TK=("i32", 32768)),
+                       dict(TOPK=8, BLOCK=1024, HAS_WEIGHTS=1), 4, 1, "source rows and gate weights (top-8)",
+                       gemm=False),
         compile_kernel(gg._swiglu_grad_kernel, dict(DA=(BF16, None), H=(BF16, None), DH=(BF16, None),
                                                     M=("i32", 32768), F=("i32", 1024), sda=("i64", 1024),
                                                     sh=("i64", 2048), sdh=("i64", 2048)),
@@ -141,9 +149,12 @@ def main() -> int:
         grouped(128, 128, 64, 8, 4, True, True, f, d, "gate/up forward: gathered rows + SwiGLU, 128x(2x128)x64"),
         grouped(128, 256, 64, 8, 4, False, False, d, f, "down forward 128x256x64"),
         input_grad(128, 256, 64, 8, 4, d, 2 * f, "gate/up input gradient 128x256x64"),
-        input_grad(128, 256, 64, 8, 4, f, d, "down input gradient 128x256x64"),
+        input_grad(128, 128, 64, 8, 4, f, d, "down input gradient + combine grad (gathered dout) 128x128x64",
+                   combine=True),
         weight_grad(64, 128, 256, 8, 3, True, 2 * f, d, "gate/up weight gradient, gathered x, 64x128x256"),
-        weight_grad(64, 128, 256, 8, 3, False, d, f, "down weight gradient 64x128x256"),
+        weight_grad(64, 128, 256, 8, 3, False, d, f, "down weight gradient, gathered scaled dout, 64x128x256",
+                    gather_dy=True),
+        weight_grad(64, 128, 256, 8, 3, False, d, f, "plain weight gradient 64x128x256"),
         *small_kernels(),
     ]
     for r in records:

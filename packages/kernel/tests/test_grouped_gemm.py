@@ -320,14 +320,15 @@ def test_fused_options_refuse_bad_input(make):
         grouped_gemm(x, w, offsets, gather=torch.zeros(4, 2, dtype=torch.int64, device=TRITON_DEVICE))
 
 
-def _fused_moe_mlp(gemm, unpermute):
-    """SparseMoE's composition since plyx-kernel 1.6: gathered rows and the SwiGLU inside the first GEMM."""
+def _fused_moe_mlp(gemm):
+    """SparseMoE's composition since plyx-kernel 1.6: gathered rows and the SwiGLU inside the first GEMM, the
+    combine with the gate weights in the second."""
     from plyx.kernel.reference.moe_permute import routing_positions
 
     def run(x, gate_up, down, ids, weights):
         positions, offsets = routing_positions(ids, gate_up.shape[0])
         a = gemm(x, gate_up, offsets, gather=positions, activation="swiglu")
-        return unpermute(gemm(a, down, offsets), positions, weights)
+        return gemm(a, down, offsets, combine=(positions, weights))
     return run
 
 
@@ -337,11 +338,66 @@ def test_the_fused_moe_mlp_matches_the_unfused_loop(parity, make, dtype):
     loop, unpermute): gradients of x, both expert weights and the gate weights."""
     from plyx.kernel.reference import moe_permute as ref_permute
     from plyx.kernel.reference import moe_unpermute as ref_unpermute
-    from plyx.kernel.triton_ops.moe_unpermute import moe_unpermute
 
     t, d, f, e, k = 19, 24, 40, 5, 2
     ids = torch.rand(t, e).argsort(-1)[:, :k].to(TRITON_DEVICE)
     args = [make(t, d, dtype=dtype), make(e, 2 * f, d, dtype=dtype, scale=d ** -0.5),
             make(e, d, f, dtype=dtype, scale=f ** -0.5), ids, torch.rand(t, k).to(TRITON_DEVICE, dtype)]
-    parity(_fused_moe_mlp(grouped_gemm, moe_unpermute), _moe_mlp(ref_permute, reference, ref_unpermute), args,
+    parity(_fused_moe_mlp(grouped_gemm), _moe_mlp(ref_permute, reference, ref_unpermute), args,
            grad=(0, 1, 2, 4), dtype=dtype, label="fused moe mlp")
+
+
+#: (tokens, K, N, experts, top-k): N = 40 straddles the interpreter's 32-wide tiles (two partial sums per row)
+COMBINE_CASES = [(13, 20, 24, 5, 2), (7, 48, 40, 3, 3), (19, 16, 8, 9, 2), (1, 8, 16, 4, 1)]
+if GPU:
+    COMBINE_CASES += [(1024, 1024, 2048, 64, 8), (37, 96, 256, 16, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", COMBINE_CASES, ids=str)
+def test_combine_matches_the_loop_and_unpermute(parity, make, case, dtype):
+    """out[t] = sum_j w[t, j] * y[positions[t, j]]: output and the gradients of the rows, the weight and the gate
+    weights (the backward reads dout through the routing; y is never saved)."""
+    t, k_dim, n, e, top = case
+    positions, offsets = _routing(t, e, top)
+    args = [make(t * top, k_dim, dtype=dtype), make(e, n, k_dim, dtype=dtype, scale=k_dim ** -0.5), offsets,
+            torch.rand(t, top).to(TRITON_DEVICE, dtype)]
+    parity(lambda x, w, o, g: grouped_gemm(x, w, o, combine=(positions, g)),
+           lambda x, w, o, g: reference(x, w, o, combine=(positions, g)), args, grad=(0, 1, 3), dtype=dtype,
+           label=f"grouped_gemm combine {case}")
+
+
+def test_combine_with_explicit_tiles_and_weight_grad_variants(parity, make):
+    positions, offsets = _routing(17, 6, 2)
+    for tile in (WgradTile(16, 32, 32, 4, 1, "expert", 2, False), WgradTile(16, 32, 32, 4, 1, "persistent", 1, True)):
+        blocks = {"forward": (16, 32, 16, 4, 1), "input_grad": (16, 16, 32, 4, 1, True), "weight_grad": tile}
+        parity(lambda x, w, o, g, blocks=blocks: grouped_gemm(x, w, o, combine=(positions, g), blocks=blocks),
+               lambda x, w, o, g: reference(x, w, o, combine=(positions, g)),
+               [make(34, 40), make(6, 24, 40, scale=40 ** -0.5), offsets, torch.rand(17, 2).to(TRITON_DEVICE)],
+               grad=(0, 1, 3), label=f"combine {tile}")
+
+
+def test_combine_refuses_bad_input(make):
+    positions, offsets = _routing(5, 3, 2)
+    x, w, g = make(10, 8), make(3, 6, 8), make(5, 2)
+    with pytest.raises(KernelInputError, match=r"grouped_gemm:triton.*`combine`.*together with gather"):
+        grouped_gemm(make(5, 8), make(3, 12, 8), offsets, gather=positions, activation="swiglu", combine=(positions, g))
+    with pytest.raises(KernelInputError, match=r"`weights`.*differs from positions'"):
+        grouped_gemm(x, w, offsets, combine=(positions, make(5, 3)))
+    with pytest.raises(KernelInputError, match=r"`combine`.*expected \(positions, weights\)"):
+        grouped_gemm(x, w, offsets, combine=positions)
+
+
+def test_weight_gradients_on_copied_rows_match_too(parity, make, monkeypatch):
+    """GATHER_WEIGHT_GRAD off (the benchmark's comparison): both weight gradients on materialised rows."""
+    from plyx.kernel.reference import moe_permute as ref_permute
+    from plyx.kernel.reference import moe_unpermute as ref_unpermute
+    from plyx.kernel.triton_ops import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "GATHER_WEIGHT_GRAD", False)
+    t, d, f, e, k = 11, 24, 40, 4, 2
+    ids = torch.rand(t, e).argsort(-1)[:, :k].to(TRITON_DEVICE)
+    args = [make(t, d), make(e, 2 * f, d, scale=d ** -0.5), make(e, d, f, scale=f ** -0.5), ids,
+            torch.rand(t, k).to(TRITON_DEVICE)]
+    parity(_fused_moe_mlp(grouped_gemm), _moe_mlp(ref_permute, reference, ref_unpermute), args, grad=(0, 1, 2, 4),
+           label="fused moe mlp, copied rows for the weight gradients")

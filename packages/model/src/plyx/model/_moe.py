@@ -8,8 +8,9 @@ One layer, for x ``[B, T, D]`` flattened to N = B*T tokens::
     a = grouped_gemm(x, gate_up_proj, offsets, gather=positions, activation="swiglu")
                                                         # (N*k, F): silu(gate) * up of x[t] @ W_e^T, rows
                                                         # grouped by expert; gate_up_proj [E, 2F, D]
-    ys = grouped_gemm(a, down_proj, offsets)            # (N*k, D); down_proj [E, D, F]
-    out = moe_unpermute(ys, positions, w)               # (N, D): sum_j w[t, j] * ys[positions[t, j]]
+    out = grouped_gemm(a, down_proj, offsets, combine=(positions, w))
+                                                        # (N, D): sum_j w[t, j] * (a @ W_e^T)[positions[t, j]]
+                                                        # (moe_unpermute's sum); down_proj [E, D, F]
     out += sigmoid(x @ w_g) * shared_expert(x)          # Qwen2-MoE only
 
 Every step is a kernel resolved by name from the registry: on CUDA the Triton ones (the experts run as
@@ -83,11 +84,12 @@ class Experts(nn.Module):
             x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
         gemm = _kernel("grouped_gemm", x, gate_up)
         # the sort's indices only, no permuted copy of x: the first GEMM reads the tokens through them and
-        # applies the SwiGLU in its epilogue (plyx-kernel >= 1.6)
+        # applies the SwiGLU in its epilogue (grouped_gemm's fused options, plyx-kernel >= 1.6)
         positions, offsets = routing_positions(expert_ids, E)
         a = gemm(x, gate_up, offsets, gather=positions, activation="swiglu")  # (N*k, F)
-        ys = gemm(a, down, offsets)  # (N*k, D)
-        return _kernel("moe_unpermute", ys, hidden=ys.shape[-1])(ys, positions, weights.to(ys.dtype))  # type: ignore[no-any-return]
+        # the second GEMM combines its rows with the gate weights: out[t] = sum_j w[t, j] * ys[positions[t, j]],
+        # and its backward reads dout through the routing (no stored ys, no rows' gradient in memory)
+        return gemm(a, down, offsets, combine=(positions, weights.to(a.dtype)))  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, d_model={self.down_proj.shape[1]}, d_expert={self.d_expert}"

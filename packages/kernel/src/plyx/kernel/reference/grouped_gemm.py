@@ -15,6 +15,8 @@ Two optional fusions of the MoE MLP (a kernel may do them inside the GEMM; the r
   of the grouped rows is ``x[t]`` (what ``moe_permute`` would have copied); dx sums each token's k copies.
 - ``activation="swiglu"``: weight is ``[E, 2F, K]`` (each expert's gate rows, then its up rows) and the
   result is ``silu(y[:, :F]) * y[:, F:]`` ``[M, F]`` (the halves rounded to x's dtype, the product in float32).
+- ``combine=(positions, weights)`` (``[T, k]`` each): the result is ``out [T, N]``, ``out[t] = sum_j
+  weights[t, j] * y[positions[t, j]]`` (``moe_unpermute`` of y), differentiable in the weights too.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ ACTIVATIONS = ("swiglu",)
 
 
 def check_grouped_gemm(kernel: str, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
-                       gather: torch.Tensor | None = None, activation: str | None = None) -> None:
+                       gather: torch.Tensor | None = None, activation: str | None = None,
+                       combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     check_float(kernel, "x", x)
     check_float(kernel, "weight", weight)
     check_same_device(kernel, ("x", x), ("weight", weight), ("offsets", offsets))
@@ -51,6 +54,14 @@ def check_grouped_gemm(kernel: str, x: torch.Tensor, weight: torch.Tensor, offse
             raise KernelInputError(kernel, "gather", f"expected integer positions [T={x.shape[0]}, k] (one row per "
                                    f"token of x), got {gather.dtype} {shape_str(gather.shape)}",
                                    "pass moe_permute's positions and the unpermuted tokens as x")
+    if combine is not None:
+        from plyx.kernel.reference.moe_unpermute import check_moe_unpermute
+
+        if not isinstance(combine, tuple) or len(combine) != 2:
+            raise KernelInputError(kernel, "combine", f"expected (positions, weights), got {type(combine).__name__}",
+                                   "pass moe_permute's positions and the router's top-k weights")
+        if gather is None:  # the combined rows are x's (with gather, the grouped copies of x's tokens)
+            check_moe_unpermute(kernel, x, *combine)
     if activation is not None:
         if activation not in ACTIVATIONS:
             raise KernelInputError(kernel, "activation", f"{activation!r} is not supported",
@@ -61,10 +72,16 @@ def check_grouped_gemm(kernel: str, x: torch.Tensor, weight: torch.Tensor, offse
 
 
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
-                 gather: torch.Tensor | None = None, activation: str | None = None) -> torch.Tensor:
-    """``y [M, N]`` (``[M, N / 2]`` with ``activation="swiglu"``); see the module docstring."""
+                 gather: torch.Tensor | None = None, activation: str | None = None,
+                 combine: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``y [M, N]`` (``[M, N / 2]`` with ``activation="swiglu"``, ``[T, N]`` with ``combine``); see the
+    module docstring."""
     kernel = "grouped_gemm:reference"
-    check_grouped_gemm(kernel, x, weight, offsets, gather=gather, activation=activation)
+    check_grouped_gemm(kernel, x, weight, offsets, gather=gather, activation=activation, combine=combine)
+    if combine is not None:
+        from plyx.kernel.reference.moe_unpermute import moe_unpermute
+
+        return moe_unpermute(grouped_gemm(x, weight, offsets, gather=gather, activation=activation), *combine)
     if gather is not None:  # the copies moe_permute makes: row positions[t, j] is x[t]
         k = gather.shape[1]
         source = torch.empty(gather.numel(), dtype=torch.int64, device=x.device)

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import torch
 import triton
 import triton.language as tl
+from plyx.kernel._errors import KernelInputError
 from plyx.kernel.reference.grouped_gemm import check_grouped_gemm
 from plyx.kernel.triton_ops._common import empty, interpreting, num_programs
 from plyx.kernel.triton_ops._moe_rows import gather_rows
@@ -44,14 +45,17 @@ _NAME = "grouped_gemm:triton"
 
 @triton.jit
 def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
-                    sxm, sxk, swe, swn, swk, sym, syn, ROWS, A, sam,
+                    sxm, sxk, swe, swn, swk, sym, syn, ROWS, A, sam, RSCALE, PART,
                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, TMA: tl.constexpr = 0, GATHER: tl.constexpr = 0,
-                    SWIGLU: tl.constexpr = 0):
+                    SWIGLU: tl.constexpr = 0, COMBINE_GRAD: tl.constexpr = 0):
     # GATHER: row r of the A operand is X[ROWS[r]] (the tokens, read through the routing's sorted index:
     # no permuted copy is written). SWIGLU: W is [E, 2N, K] (gate rows, then up rows); the program keeps a
     # gate and an up accumulator for the same N columns and stores both halves into Y [M, 2N] (the
-    # backward's input) and silu(gate) * up into A [M, N]
+    # backward's input) and silu(gate) * up into A [M, N]. COMBINE_GRAD (the input gradient of a GEMM whose
+    # rows were combined with the gate weights): with P = X[ROWS] @ W_e^T the tile stores RSCALE[r] * P
+    # (the gate weight of row r) and PART[r, pid_n] = sum over the tile's columns of P * A (A: the forward's
+    # input, so the gate weights' gradient <dout[t], y[r]> = <P[r], A[r]> needs no saved y)
     # GROUP_M row tiles sweep every N tile before the next group starts (the Triton tutorial's swizzle):
     # programs running together share x tiles and the expert's weight tiles in L2
     pid = tl.program_id(0)
@@ -127,6 +131,12 @@ def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
             gf = g.to(tl.float32)
             act = gf * tl.sigmoid(gf) * u.to(tl.float32)
             tl.store(A + rm[:, None].to(tl.int64) * sam + rn[None, :], act.to(A.dtype.element_ty), mask=mask)
+        elif COMBINE_GRAD:
+            other = tl.load(A + rm[:, None].to(tl.int64) * sam + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(PART + rm.to(tl.int64) * grid_n + pid_n, tl.sum(acc * other, axis=1),
+                     mask=rm < row_end)
+            scale = tl.load(RSCALE + rm, mask=rm < row_end, other=0.0).to(tl.float32)
+            tl.store(y_ptr, (acc * scale[:, None]).to(Y.dtype.element_ty), mask=mask)
         else:
             tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask)
 
@@ -136,7 +146,7 @@ def _weight_grad_tile(DY, X, DW, OFFS, ROWS, t, N, K, E,
                       sdm, sdn, sxm, sxk, swe, swn, swk,
                       UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_N: tl.constexpr, EXPERT_MAJOR: tl.constexpr, SPLIT: tl.constexpr, TMA: tl.constexpr,
-                      GATHER: tl.constexpr):
+                      GATHER: tl.constexpr, DY_ROWS, DY_SCALE, GATHER_DY: tl.constexpr):
     # one work item t: an (expert, token split, N tile, K tile) of dW_e[n, k] = sum_r dy[r, n] * x[r, k]
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles_k = tl.cdiv(K, BLOCK_K)
@@ -191,8 +201,15 @@ def _weight_grad_tile(DY, X, DW, OFFS, ROWS, t, N, K, E,
     else:
         for r0 in range(lo, hi, BLOCK_M):
             rm = r0 + tl.arange(0, BLOCK_M)
-            dy = tl.load(DY + rm[None, :] * sdm + rn[:, None] * sdn,
-                         mask=(rm[None, :] < hi) & (rn[:, None] < N), other=0.0)  # (BN, BM): dy_e^T
+            if GATHER_DY:  # dy_r = DY_SCALE[r] * DY[DY_ROWS[r]]: the gate-weighted token gradient, never stored
+                dsrc = tl.load(DY_ROWS + rm, mask=rm < hi, other=0).to(tl.int64)
+                dy = tl.load(DY + dsrc[None, :] * sdm + rn[:, None] * sdn,
+                             mask=(rm[None, :] < hi) & (rn[:, None] < N), other=0.0)  # (BN, BM): dy_e^T
+                dscale = tl.load(DY_SCALE + rm, mask=rm < hi, other=0.0).to(tl.float32)
+                dy = (dy.to(tl.float32) * dscale[None, :]).to(DY.dtype.element_ty)
+            else:
+                dy = tl.load(DY + rm[None, :] * sdm + rn[:, None] * sdn,
+                             mask=(rm[None, :] < hi) & (rn[:, None] < N), other=0.0)  # (BN, BM): dy_e^T
             if GATHER:  # x rows through the routing's index (the tokens, never a permuted copy)
                 src = tl.load(ROWS + rm, mask=rm < hi, other=0).to(tl.int64)
             else:
@@ -218,17 +235,20 @@ def _weight_grad_kernel(DY, X, DW, OFFS, ROWS, N, K, E, ITEMS,
                         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_N: tl.constexpr, EXPERT_MAJOR: tl.constexpr, SPLIT: tl.constexpr,
                         TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr,
-                        GATHER: tl.constexpr = 0):
+                        GATHER: tl.constexpr = 0, DY_ROWS=None, DY_SCALE=None, GATHER_DY: tl.constexpr = 0):
+    # GATHER: x's rows through ROWS; GATHER_DY: dy's rows DY_SCALE[r] * DY[DY_ROWS[r]] (see _weight_grad_tile)
     # ITEMS = E * SPLIT * tiles_n * tiles_k work items: the same for any routing, so the grid needs no host sync
     pid = tl.program_id(0)
     if PERSISTENT:  # a fixed number of programs walk the items, expert after expert
         # FLATTEN fuses this loop with the row loop, so one item's loads overlap the last one's store
         for t in tl.range(pid, ITEMS, tl.num_programs(0), flatten=FLATTEN):
             _weight_grad_tile(DY, X, DW, OFFS, ROWS, t, N, K, E, sdm, sdn, sxm, sxk, swe, swn, swk, UPCAST,
-                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA, GATHER)
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA, GATHER, DY_ROWS, DY_SCALE,
+                          GATHER_DY)
     else:
         _weight_grad_tile(DY, X, DW, OFFS, ROWS, pid, N, K, E, sdm, sdn, sxm, sxk, swe, swn, swk, UPCAST,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA, GATHER)
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_N, EXPERT_MAJOR, SPLIT, TMA, GATHER, DY_ROWS, DY_SCALE,
+                          GATHER_DY)
 
 
 @triton.jit
@@ -251,12 +271,16 @@ def _tile_kernel(OFFS, TILE_E, TILE_ROW, E, GRID_M, BLOCK_M: tl.constexpr, EP: t
 
 
 @triton.jit
-def _source_rows_kernel(POS, ROWS, TK, TOPK: tl.constexpr, BLOCK: tl.constexpr):
-    # ROWS[positions[t, j]] = t: the token of every grouped row (positions is a permutation: plain stores)
+def _source_rows_kernel(POS, ROWS, WEIGHTS, ROW_WEIGHTS, TK, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_WEIGHTS: tl.constexpr = 0):
+    # ROWS[positions[t, j]] = t: the token of every grouped row (positions is a permutation: plain stores);
+    # with HAS_WEIGHTS also ROW_WEIGHTS[positions[t, j]] = weights[t, j] (each row's gate weight)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = i < TK
     pos = tl.load(POS + i, mask=keep, other=0)
     tl.store(ROWS + pos, (i // TOPK).to(tl.int32), mask=keep)
+    if HAS_WEIGHTS:
+        tl.store(ROW_WEIGHTS + pos, tl.load(WEIGHTS + i, mask=keep, other=0.0).to(tl.float32), mask=keep)
 
 
 @triton.jit
@@ -277,8 +301,9 @@ def _swiglu_grad_kernel(DA, H, DH, M, F, sda, sh, sdh, BLOCK_R: tl.constexpr, BL
 
 #: row tiles per swizzle group (see _grouped_kernel); 8 as in plyx's matmul
 GROUP_M = 8
-#: with ``gather=``, the weight gradient reads x's rows through the index too (False: it first copies the
-#: grouped rows, as the unfused layer had them; the MoE benchmark times both)
+#: with ``gather=`` (``combine=``), the weight gradient reads x's rows (dout's, scaled by the gate weights)
+#: through the routing too; False: it first copies the grouped rows, as the unfused layer had them. The MoE
+#: benchmark times both
 GATHER_WEIGHT_GRAD = True
 
 
@@ -426,14 +451,18 @@ def _tiles(offsets: torch.Tensor, block_m: int, m: int) -> tuple[torch.Tensor, t
     return tile_e, tile_row, grid_m
 
 
-def source_rows(positions: torch.Tensor) -> torch.Tensor:
-    """``rows [T*k] int32``: ``rows[positions[t, j]] = t``, the token each grouped row copies (one launch)."""
+def source_rows(positions: torch.Tensor, weights: torch.Tensor | None = None) -> Any:
+    """``rows [T*k] int32``: ``rows[positions[t, j]] = t``, the token each grouped row copies (one launch);
+    with ``weights [T, k]`` also ``(rows, row_weights [T*k] float32)``, each grouped row's gate weight."""
     t, k = positions.shape
     rows = empty((t * k,), dtype=torch.int32, device=positions.device)
+    row_w = empty((t * k,), dtype=torch.float32, device=positions.device) if weights is not None else rows
     if t * k:
         block = 128 if interpreting() else 1024
-        _source_rows_kernel[(triton.cdiv(t * k, block),)](positions.contiguous(), rows, t * k, TOPK=k, BLOCK=block)
-    return rows
+        w = weights.contiguous() if weights is not None else rows
+        _source_rows_kernel[(triton.cdiv(t * k, block),)](positions.contiguous(), rows, w, row_w, t * k, TOPK=k,
+                                                          BLOCK=block, HAS_WEIGHTS=weights is not None)
+    return (rows, row_w) if weights is not None else rows
 
 
 def swiglu_grad(da: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -463,39 +492,49 @@ def _w_tma(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n: int, offsets: torch.Tensor,
             blocks: tuple[Any, ...] | None, pass_: str = "forward", rows: torch.Tensor | None = None,
-            swiglu: bool = False) -> Any:
+            swiglu: bool = False, row_scale: torch.Tensor | None = None, other: torch.Tensor | None = None) -> Any:
     """``y [M, N]``, ``y_e = x_e @ W_e^T`` with W read through ``w_strides`` as [E, N, K].
 
     ``blocks``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, tma])``; ``tma`` reads x and W through
     TMA descriptors where their strides allow it (else the pointer loads). ``rows [M]``: row r of the
     product reads ``x[rows[r]]`` (M = len(rows)). ``swiglu``: W is [E, 2N, K] and the result is
-    ``(h [M, 2N], silu(h[:, :N]) * h[:, N:] [M, N])``.
+    ``(h [M, 2N], silu(h[:, :N]) * h[:, N:] [M, N])``. ``row_scale [M]`` and ``other [M, N]`` (the input
+    gradient of a combined GEMM): with P the product, the result is ``(row_scale[:, None] * P,
+    partial [M, tiles] float32)`` whose row sums are ``<P[r], other[r]>``.
     """
     m = rows.shape[0] if rows is not None else x.shape[0]
     k = x.shape[1]
     e = offsets.shape[0] - 1
+    combine = other is not None
     y = empty((m, 2 * n if swiglu else n), dtype=x.dtype, device=x.device)
     act = empty((m, n), dtype=x.dtype, device=x.device) if swiglu else y
-    out = (y, act) if swiglu else y
+    bm, bn, bk, warps, stages, *rest = blocks or pick_blocks(m, e, x.device, x.element_size(), pass_)
+    if (swiglu or combine) and not blocks and bn >= 256:
+        # SwiGLU: two accumulators of (BM, BN / 2), the registers of the tuned (BM, BN) tile; the combine's
+        # epilogue holds a float32 tile of the forward's input beside the accumulator (at 128 x 256 it spills)
+        bn //= 2
+    part = empty((m, triton.cdiv(max(n, 1), bn)), dtype=torch.float32, device=x.device) if combine else y
+    out = (y, act) if swiglu else (y, part) if combine else y
     if m == 0 or n == 0:
         return out
     if k == 0:
         y.zero_()
-        return (y, act.zero_()) if swiglu else y  # silu(0) * 0
-    bm, bn, bk, warps, stages, *rest = blocks or pick_blocks(m, e, x.device, x.element_size(), pass_)
-    if swiglu and not blocks and bn >= 256:
-        # two accumulators of (BM, BN / 2): the registers and shared memory of the tuned (BM, BN) tile
-        bn //= 2
-    fused = rows is not None or swiglu
+        if combine:
+            part.zero_()  # a product of zeros: its sums are zero
+        return (y, act.zero_()) if swiglu else out  # silu(0) * 0
+    fused = rows is not None or swiglu or combine
     tma = _w_tma(x, w, w_strides, n, k) if rest and rest[0] and not fused else 0
     if tma:
         triton.set_allocator(_tma_scratch)
     tile_e, tile_row, grid_m = _tiles(offsets, bm, m)
     grid = (grid_m * triton.cdiv(n, bn),)
+    side = other if combine else act
     _grouped_kernel[grid](x, w, y, offsets, tile_e, tile_row, n, k, e, grid_m, x.stride(0), x.stride(1), *w_strides,
-                          y.stride(0), y.stride(1), rows if rows is not None else tile_e, act, act.stride(0),
+                          y.stride(0), y.stride(1), rows if rows is not None else tile_e, side, side.stride(0),
+                          row_scale if row_scale is not None else part, part,
                           UPCAST=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, TMA=tma,
-                          GATHER=rows is not None, SWIGLU=swiglu, num_warps=warps, num_stages=stages)
+                          GATHER=rows is not None, SWIGLU=swiglu, COMBINE_GRAD=combine, num_warps=warps,
+                          num_stages=stages)
     return out
 
 
@@ -523,11 +562,13 @@ def _programs(device: torch.device, tile: WgradTile, itemsize: int) -> int:
 
 
 def _weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
-                 tile: WgradTile | None, rows: torch.Tensor | None = None) -> torch.Tensor:
+                 tile: WgradTile | None, rows: torch.Tensor | None = None, dy_rows: torch.Tensor | None = None,
+                 dy_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``dW [E, N, K]``, ``dW_e = dy_e^T @ x_e`` for every expert (zeros for an empty one); with ``rows``,
-    x's row r is ``x[rows[r]]``."""
+    x's row r is ``x[rows[r]]``; with ``dy_rows`` and ``dy_scale``, dy's row r is ``dy_scale[r] * dy[dy_rows[r]]``."""
     e, n, k = shape
-    tile = tile or pick_weight_grad(dy.shape[0], e, x.device, x.element_size())
+    m = dy_rows.shape[0] if dy_rows is not None else dy.shape[0]
+    tile = tile or pick_weight_grad(m, e, x.device, x.element_size())
     if tile.schedule not in SCHEDULES:
         raise ValueError(f"{_NAME}: weight-gradient schedule {tile.schedule!r} is not one of {SCHEDULES}")
     split = max(int(tile.split), 1)
@@ -537,7 +578,7 @@ def _weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, shape
         dw = empty((e, n, k), dtype=dtype, device=x.device)
     if dw.numel() == 0:
         return dw.to(dtype)
-    tma = bool(tile.tma) and rows is None and _tma_ok(dy, x)
+    tma = bool(tile.tma) and rows is None and dy_rows is None and _tma_ok(dy, x)
     if tma:
         triton.set_allocator(_tma_scratch)
     items = e * split * triton.cdiv(n, tile.block_n) * triton.cdiv(k, tile.block_k)
@@ -549,6 +590,8 @@ def _weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, shape
                               BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_N=GROUP_M,
                               EXPERT_MAJOR=tile.schedule != "tile", SPLIT=split, TMA=tma, PERSISTENT=persistent,
                               FLATTEN=tile.schedule == "persistent-flat", GATHER=rows is not None,
+                              DY_ROWS=dy_rows if dy_rows is not None else offsets,
+                              DY_SCALE=dy_scale if dy_scale is not None else offsets, GATHER_DY=dy_rows is not None,
                               num_warps=tile.num_warps, num_stages=tile.num_stages)
     return dw.to(dtype)
 
@@ -602,8 +645,49 @@ class _GroupedGemm(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+class _GroupedGemmCombine(torch.autograd.Function):
+    """``out[t] = sum_j weights[t, j] * (x @ W_e^T)[positions[t, j]]``: the grouped rows never reach the backward.
+
+    Forward: the product (not saved), then the weighted gather-sum. Backward, without a stored ``dys``: the
+    input-gradient kernel reads ``dout`` through the rows' tokens, scales each row by its gate weight and
+    sums ``P * x`` for the gate weights' gradient in its epilogue; the weight gradient reads ``dout`` the same
+    way, scaled as it loads.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, blocks: Any,
+                positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        y = _launch(x, w, (w.stride(0), w.stride(1), w.stride(2)), w.shape[1], offsets, _pass_blocks(blocks, "forward"))
+        out = gather_rows(y, positions, weights)  # (T, N)
+        rows, row_w = source_rows(positions, weights)
+        ctx.save_for_backward(x, w, offsets, positions, rows, row_w)
+        ctx.blocks, ctx.weights_dtype = blocks, weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> Any:
+        x, w, offsets, positions, rows, row_w = ctx.saved_tensors
+        dout = dout.contiguous()
+        dx = dweights = dw = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[5]:
+            # dx_r = w_r * (dout[t_r] @ W_e), and <dout[t_r], y_r> = <dout[t_r] @ W_e, x_r> for the gate weights
+            dx, part = _launch(dout, w, (w.stride(0), w.stride(2), w.stride(1)), w.shape[2], offsets,
+                               _pass_blocks(ctx.blocks, "input_grad"), "input_grad", rows=rows, row_scale=row_w,
+                               other=x)
+            dweights = part.sum(1)[positions.reshape(-1)].view(positions.shape).to(ctx.weights_dtype)  # (T, k)
+        if ctx.needs_input_grad[1]:
+            if GATHER_WEIGHT_GRAD:
+                dw = _weight_grad(dout, x, offsets, w.shape, w.dtype, _pass_blocks(ctx.blocks, "weight_grad"),
+                                  dy_rows=rows, dy_scale=row_w)
+            else:  # the rows' gradient in memory: (M, N)
+                dys = (dout.index_select(0, rows).float() * row_w[:, None]).to(dout.dtype)
+                dw = _weight_grad(dys, x, offsets, w.shape, w.dtype, _pass_blocks(ctx.blocks, "weight_grad"))
+        return dx, dw, None, None, None, dweights
+
+
 def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *,
                  gather: torch.Tensor | None = None, activation: str | None = None,
+                 combine: tuple[torch.Tensor, torch.Tensor] | None = None,
                  blocks: tuple[int, int, int, int, int] | dict[str, tuple[Any, ...]] | None = None) -> torch.Tensor:
     """Triton grouped GEMM; same contract as ``plyx.kernel.reference.grouped_gemm``.
 
@@ -614,6 +698,9 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *
             grouped row through the sorted index (no permuted copy in memory, forward or weight gradient).
         activation: ``"swiglu"``: weight is ``[E, 2F, K]`` (gate rows, then up rows) and the result is
             ``silu(gate) * up [M, F]``, computed in the GEMM's epilogue.
+        combine: ``(positions [T, k], weights [T, k])``: the result is ``out [T, N]``, ``out[t] = sum_j
+            weights[t, j] * y[positions[t, j]]`` (``moe_unpermute`` of y), differentiable in the weights too;
+            the backward reads ``dout`` through the routing instead of storing y or the rows' gradient.
         blocks: tiles instead of ``pick_blocks`` / ``pick_weight_grad``: one
             ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for every pass (the weight gradient reads it
             as a ``BLOCK_N x BLOCK_K`` tile of dW, at most 64 rows a step), or ``{pass: tile}`` for some of
@@ -622,5 +709,10 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *
     Returns:
         ``y [M, N]`` (``[M, F]`` with the SwiGLU), differentiable in ``x`` and ``weight``.
     """
-    check_grouped_gemm(_NAME, x, weight, offsets, gather=gather, activation=activation)
+    check_grouped_gemm(_NAME, x, weight, offsets, gather=gather, activation=activation, combine=combine)
+    if combine is not None:
+        if gather is not None or activation is not None:
+            raise KernelInputError(_NAME, "combine", "is not supported together with gather or activation",
+                                   "combine the second GEMM of the MLP (the first takes gather and activation)")
+        return _GroupedGemmCombine.apply(x, weight, offsets, blocks, combine[0], combine[1])  # type: ignore[no-any-return]
     return _GroupedGemm.apply(x, weight, offsets, blocks, gather, activation == "swiglu")  # type: ignore[no-any-return]
