@@ -268,6 +268,9 @@ def test_swiglu_without_gather_and_with_explicit_tiles(parity, make, dtype):
     args = list(_inputs(make, counts, 2 * f, k_dim, dtype))
     parity(lambda *a: grouped_gemm(*a, activation="swiglu"), lambda *a: reference(*a, activation="swiglu"), args,
            grad=(0, 1), dtype=dtype, label="swiglu epilogue")
+    # no gradient wanted (inference): the epilogue skips storing the halves, the activation is the same
+    parity(lambda *a: grouped_gemm(*a, activation="swiglu"), lambda *a: reference(*a, activation="swiglu"), args,
+           dtype=dtype, label="swiglu epilogue, inference")
     positions, offsets = _routing(11, 4, 2)
     for tile in (WgradTile(16, 32, 32, 4, 1, "expert", 3, False), WgradTile(16, 32, 32, 4, 1, "persistent", 1, True)):
         blocks = {"forward": (16, 16, 32, 4, 1, True), "input_grad": (16, 32, 16, 4, 1), "weight_grad": tile}

@@ -48,7 +48,7 @@ def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
                     sxm, sxk, swe, swn, swk, sym, syn, ROWS, A, sam, RSCALE, PART,
                     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, TMA: tl.constexpr = 0, GATHER: tl.constexpr = 0,
-                    SWIGLU: tl.constexpr = 0, COMBINE_GRAD: tl.constexpr = 0):
+                    SWIGLU: tl.constexpr = 0, COMBINE_GRAD: tl.constexpr = 0, STORE_H: tl.constexpr = 1):
     # GATHER: row r of the A operand is X[ROWS[r]] (the tokens, read through the routing's sorted index:
     # no permuted copy is written). SWIGLU: W is [E, 2N, K] (gate rows, then up rows); the program keeps a
     # gate and an up accumulator for the same N columns and stores both halves into Y [M, 2N] (the
@@ -124,12 +124,11 @@ def _grouped_kernel(X, W, Y, OFFS, TILE_E, TILE_ROW, N, K, E, GRID_M,
         mask = (rm[:, None] < row_end) & (rn[None, :] < N)
         if SWIGLU:
             # the activation from the rounded halves the backward reads back, as the unfused layer computes it
-            g = acc.to(Y.dtype.element_ty)
-            u = acc_u.to(Y.dtype.element_ty)
-            tl.store(y_ptr, g, mask=mask)
-            tl.store(y_ptr + N * syn, u, mask=mask)
-            gf = g.to(tl.float32)
-            act = gf * tl.sigmoid(gf) * u.to(tl.float32)
+            if STORE_H:  # only a backward reads the halves (inference skips the [M, 2N] write)
+                tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask)
+                tl.store(y_ptr + N * syn, acc_u.to(Y.dtype.element_ty), mask=mask)
+            gf = acc.to(Y.dtype.element_ty).to(tl.float32)
+            act = gf * tl.sigmoid(gf) * acc_u.to(Y.dtype.element_ty).to(tl.float32)
             tl.store(A + rm[:, None].to(tl.int64) * sam + rn[None, :], act.to(A.dtype.element_ty), mask=mask)
         elif COMBINE_GRAD:
             other = tl.load(A + rm[:, None].to(tl.int64) * sam + rn[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -492,7 +491,8 @@ def _w_tma(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n:
 
 def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n: int, offsets: torch.Tensor,
             blocks: tuple[Any, ...] | None, pass_: str = "forward", rows: torch.Tensor | None = None,
-            swiglu: bool = False, row_scale: torch.Tensor | None = None, other: torch.Tensor | None = None) -> Any:
+            swiglu: bool = False, row_scale: torch.Tensor | None = None, other: torch.Tensor | None = None,
+            store_h: bool = True) -> Any:
     """``y [M, N]``, ``y_e = x_e @ W_e^T`` with W read through ``w_strides`` as [E, N, K].
 
     ``blocks``: ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, tma])``; ``tma`` reads x and W through
@@ -500,13 +500,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n
     product reads ``x[rows[r]]`` (M = len(rows)). ``swiglu``: W is [E, 2N, K] and the result is
     ``(h [M, 2N], silu(h[:, :N]) * h[:, N:] [M, N])``. ``row_scale [M]`` and ``other [M, N]`` (the input
     gradient of a combined GEMM): with P the product, the result is ``(row_scale[:, None] * P,
-    partial [M, tiles] float32)`` whose row sums are ``<P[r], other[r]>``.
+    partial [M, tiles] float32)`` whose row sums are ``<P[r], other[r]>``. ``store_h=False`` (SwiGLU
+    without a backward): h is not written, and returned as None.
     """
     m = rows.shape[0] if rows is not None else x.shape[0]
     k = x.shape[1]
     e = offsets.shape[0] - 1
     combine = other is not None
-    y = empty((m, 2 * n if swiglu else n), dtype=x.dtype, device=x.device)
+    store_h = store_h or not swiglu
+    y = empty((m if store_h else 1, 2 * n if swiglu else n), dtype=x.dtype, device=x.device)  # 1: never written
     act = empty((m, n), dtype=x.dtype, device=x.device) if swiglu else y
     bm, bn, bk, warps, stages, *rest = blocks or pick_blocks(m, e, x.device, x.element_size(), pass_)
     if (swiglu or combine) and not blocks and bn >= 256:
@@ -514,14 +516,14 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n
         # epilogue holds a float32 tile of the forward's input beside the accumulator (at 128 x 256 it spills)
         bn //= 2
     part = empty((m, triton.cdiv(max(n, 1), bn)), dtype=torch.float32, device=x.device) if combine else y
-    out = (y, act) if swiglu else (y, part) if combine else y
+    out = (y if store_h else None, act) if swiglu else (y, part) if combine else y
     if m == 0 or n == 0:
         return out
     if k == 0:
         y.zero_()
         if combine:
             part.zero_()  # a product of zeros: its sums are zero
-        return (y, act.zero_()) if swiglu else out  # silu(0) * 0
+        return (out[0], act.zero_()) if swiglu else out  # silu(0) * 0
     fused = rows is not None or swiglu or combine
     tma = _w_tma(x, w, w_strides, n, k) if rest and rest[0] and not fused else 0
     if tma:
@@ -533,8 +535,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n
                           y.stride(0), y.stride(1), rows if rows is not None else tile_e, side, side.stride(0),
                           row_scale if row_scale is not None else part, part,
                           UPCAST=interpreting(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=GROUP_M, TMA=tma,
-                          GATHER=rows is not None, SWIGLU=swiglu, COMBINE_GRAD=combine, num_warps=warps,
-                          num_stages=stages)
+                          GATHER=rows is not None, SWIGLU=swiglu, COMBINE_GRAD=combine, STORE_H=store_h,
+                          num_warps=warps, num_stages=stages)
     return out
 
 
@@ -621,7 +623,7 @@ class _GroupedGemm(torch.autograd.Function):
         rows = source_rows(positions) if positions is not None else None
         n = w.shape[1] // 2 if swiglu else w.shape[1]
         out = _launch(x, w, (w.stride(0), w.stride(1), w.stride(2)), n, offsets, _pass_blocks(blocks, "forward"),
-                      rows=rows, swiglu=swiglu)
+                      rows=rows, swiglu=swiglu, store_h=any(ctx.needs_input_grad[:2]))
         h, y = out if swiglu else (None, out)
         ctx.save_for_backward(x, w, offsets, positions, rows, h)
         ctx.blocks = blocks
