@@ -128,8 +128,12 @@ def weight_grad(bm: int, bn: int, bk: int, warps: int, stages: int, gather: bool
 
 def small_kernels() -> list[dict[str, Any]]:
     from plyx.kernel.triton_ops import grouped_gemm as gg
+    from plyx.kernel.triton_ops import moe_permute as mp
 
     return [
+        compile_kernel(mp._routing_kernel, dict(IDS=("*i64", None), POS=("*i64", None), OFFS=("*i64", None),
+                                                TK=("i32", 32768)),
+                       dict(BLOCK=1024), 4, 1, "routing sort (one program per expert)", gemm=False),
         compile_kernel(gg._tile_kernel, dict(OFFS=("*i64", None), TILE_E=("*i32", None), TILE_ROW=("*i64", None),
                                              E=("i32", 64), GRID_M=("i32", 320)),
                        dict(BLOCK_M=128, EP=64, BLOCK=128), 4, 1, "tile table (64 experts)", gemm=False),

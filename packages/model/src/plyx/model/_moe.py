@@ -4,7 +4,7 @@ One layer, for x ``[B, T, D]`` flattened to N = B*T tokens::
 
     logits = x @ W_r.T                                  # (N, E) router (HF ``mlp.gate``)
     p = softmax(logits.float()); w, ids = topk(p, k)    # (N, k); w /= w.sum(-1) when norm_topk_prob
-    positions, offsets = routing_positions(ids)         # the dropless sort by expert: [N, k], [E + 1]
+    _, positions, offsets = moe_permute(x, ids, copy=False)   # the dropless sort by expert: [N, k], [E + 1]
     a = grouped_gemm(x, gate_up_proj, offsets, gather=positions, activation="swiglu")
                                                         # (N*k, F): silu(gate) * up of x[t] @ W_e^T, rows
                                                         # grouped by expert; gate_up_proj [E, 2F, D]
@@ -33,7 +33,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from plyx.kernel.reference.moe_permute import routing_positions
 from plyx.model._model import MLP, _kernel
 from plyx.specs.config.model import ModelConfig
 from torch import nn
@@ -83,9 +82,10 @@ class Experts(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
         gemm = _kernel("grouped_gemm", x, gate_up)
-        # the sort's indices only, no permuted copy of x: the first GEMM reads the tokens through them and
-        # applies the SwiGLU in its epilogue (grouped_gemm's fused options, plyx-kernel >= 1.6)
-        positions, offsets = routing_positions(expert_ids, E)
+        # the sort's indices only (copy=False), no permuted copy of x: the first GEMM reads the tokens through
+        # them and applies the SwiGLU in its epilogue (grouped_gemm's fused options, plyx-kernel >= 1.6)
+        _, positions, offsets = _kernel("moe_permute", x, hidden=x.shape[-1])(x, expert_ids, num_experts=E,
+                                                                              copy=False)
         a = gemm(x, gate_up, offsets, gather=positions, activation="swiglu")  # (N*k, F)
         # the second GEMM combines its rows with the gate weights: out[t] = sum_j w[t, j] * ys[positions[t, j]],
         # and its backward reads dout through the routing (no stored ys, no rows' gradient in memory)
