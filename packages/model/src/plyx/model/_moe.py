@@ -46,15 +46,18 @@ ROUTER_METRICS = ("moe/lb_loss", "moe/z_loss", "moe/imbalance", "moe/tokens_per_
                   "moe/tokens_per_expert_max", "moe/unused_experts", "moe/dropped")
 
 
-def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *,
+                        counts: torch.Tensor | None = None) -> torch.Tensor:
     """``E * sum_e f_e * P_e`` for router probabilities ``probs [N, E]`` (float32) and top-k ids ``[N, k]``.
 
     ``f_e = (assignments to e) / N`` (sums to k, as Mixtral's), ``P_e = mean_t probs[t, e]``; the gradient
-    flows through P only (f is a count). 1 per unit of k when perfectly balanced.
+    flows through P only (f is a count). 1 per unit of k when perfectly balanced. ``counts [E]``: the
+    assignments per expert when the caller has them already (one histogram per layer, not two).
     """
     n = probs.shape[0]
-    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device).scatter_add_(
-        0, expert_ids.reshape(-1), torch.ones(expert_ids.numel(), dtype=probs.dtype, device=probs.device))
+    if counts is None:
+        counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device).scatter_add_(
+            0, expert_ids.reshape(-1), torch.ones(expert_ids.numel(), dtype=probs.dtype, device=probs.device))
     return num_experts * torch.sum(counts / max(n, 1) * probs.mean(0))
 
 
@@ -132,7 +135,8 @@ class SparseMoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             counts = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device).scatter_add_(
                 0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.float32, device=x.device))
-            self.router_state = (load_balancing_loss(probs, ids, self.num_experts), router_z_loss(logits), counts)
+            lb = load_balancing_loss(probs, ids, self.num_experts, counts=counts)
+            self.router_state = (lb, router_z_loss(logits), counts)
         return logits, weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor, *, packed: bool = False) -> torch.Tensor:
