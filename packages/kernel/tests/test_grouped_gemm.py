@@ -404,3 +404,24 @@ def test_weight_gradients_on_copied_rows_match_too(parity, make, monkeypatch):
             torch.rand(t, k).to(TRITON_DEVICE)]
     parity(_fused_moe_mlp(grouped_gemm), _moe_mlp(ref_permute, reference, ref_unpermute), args, grad=(0, 1, 2, 4),
            label="fused moe mlp, copied rows for the weight gradients")
+
+
+def test_fused_passes_take_their_own_measured_tiles(monkeypatch):
+    """A device entry for forward_swiglu / input_grad_combine decides those passes (training-sized, 16-bit, stages
+    that fit: the SwiGLU's hold two weight tiles); otherwise None, and the caller halves a 256-wide tile."""
+    from plyx.kernel.triton_ops import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "interpreting", lambda: False)
+    monkeypatch.setattr(gg, "_shared_memory", lambda device: 232_448)
+    table = {"forward_swiglu": [128, 128, 64, 8, 4], "input_grad_combine": [64, 256, 64, 8, 3]}
+    monkeypatch.setattr(gg, "_tuned", lambda device: table)
+    assert gg.pick_fused("forward_swiglu", 32768, 64) == (128, 128, 64, 8, 4)  # (8 + 2 x 8) Ki elements x 2 B x 4 stages = 192 KiB
+    assert gg.pick_fused("input_grad_combine", 32768, 64) == (64, 256, 64, 8, 3)
+    assert gg.pick_fused("forward_swiglu", 64 * 8, 64) is None  # decode sizes keep the small tiles
+    assert gg.pick_fused("forward_swiglu", 32768, 64, itemsize=4) is None
+    table["forward_swiglu"] = [128, 256, 64, 8, 4]  # (8 + 2 x 16) Ki elements x 2 B x 4 = 320 KiB: no fit
+    assert gg.pick_fused("forward_swiglu", 32768, 64) is None
+    monkeypatch.setattr(gg, "_tuned", lambda device: {})
+    assert gg.pick_fused("input_grad_combine", 32768, 64) is None
+    with pytest.raises(ValueError, match=r"fused pass 'forward' is not one of"):
+        gg.pick_fused("forward", 32768, 64)

@@ -37,8 +37,8 @@ from plyx.kernel.reference.grouped_gemm import check_grouped_gemm
 from plyx.kernel.triton_ops._common import empty, interpreting, num_programs
 from plyx.kernel.triton_ops._moe_rows import gather_rows
 
-__all__ = ["PASSES", "SCHEDULES", "WgradTile", "grouped_gemm", "pick_blocks", "pick_weight_grad", "source_rows",
-           "swiglu_grad"]
+__all__ = ["FUSED_PASSES", "PASSES", "SCHEDULES", "WgradTile", "grouped_gemm", "pick_blocks", "pick_fused",
+           "pick_weight_grad", "source_rows", "swiglu_grad"]
 
 _NAME = "grouped_gemm:triton"
 
@@ -331,6 +331,10 @@ class WgradTile(NamedTuple):
 
 SCHEDULES = ("expert", "tile", "persistent", "persistent-flat")
 PASSES = ("forward", "input_grad", "weight_grad")
+#: the fused passes' own table entries (``bench/sweep_moe_fused.py``): the gathered SwiGLU forward (BLOCK_N
+#: per half) and the combine's input gradient; without an entry they take the forward's / input gradient's
+#: tile, a 256-wide N halved
+FUSED_PASSES = ("forward_swiglu", "input_grad_combine")
 #: per-device tiles measured by ``bench/sweep_grouped_gemm.py`` (``--write-table``) for many rows per expert
 TABLE = Path(__file__).with_name("grouped_gemm_tiles.json")
 
@@ -391,6 +395,33 @@ def pick_weight_grad(m: int, e: int, device: torch.device | None = None, itemsiz
                 return tile
     bm, bn, bk, warps, stages = pick_blocks(m, e, device, itemsize)[:5]
     return WgradTile(min(bm, 64), bn, bk, warps, stages)
+
+
+def pick_fused(pass_: str, m: int, e: int, device: torch.device | None = None,
+               itemsize: int = 2) -> tuple[Any, ...] | None:
+    """A fused pass's own measured tile (``bench/sweep_moe_fused.py --write-table``), or None (the caller then
+    halves the forward's / input gradient's tile where it is 256 wide).
+
+    Args:
+        pass_: ``"forward_swiglu"`` (BLOCK_N per half: the stages hold an x tile and two weight tiles) or
+            ``"input_grad_combine"``. m, e, device, itemsize: as for ``pick_blocks``.
+
+    Returns:
+        ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for many 16-bit rows per expert where the
+        device has an entry whose stages fit, else None.
+    """
+    if pass_ not in FUSED_PASSES:
+        raise ValueError(f"{_NAME}: fused pass {pass_!r} is not one of {FUSED_PASSES}")
+    if interpreting() or m / max(e, 1) <= 64 or itemsize != 2:
+        return None
+    tuned = _tuned(device).get(pass_)
+    if tuned is None:
+        return None
+    bm, bn, bk, _, stages = tuned[:5]
+    weights = 2 if pass_ == "forward_swiglu" else 1
+    if (bm * bk + weights * bk * bn) * itemsize * stages > _shared_memory(device):
+        return None
+    return tuple(tuned)
 
 
 @functools.cache
@@ -510,6 +541,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, w_strides: tuple[int, int, int], n
     store_h = store_h or not swiglu
     y = empty((m if store_h else 1, 2 * n if swiglu else n), dtype=x.dtype, device=x.device)  # 1: never written
     act = empty((m, n), dtype=x.dtype, device=x.device) if swiglu else y
+    if not blocks and (swiglu or combine):
+        blocks = pick_fused("forward_swiglu" if swiglu else "input_grad_combine", m, e, x.device, x.element_size())
     bm, bn, bk, warps, stages, *rest = blocks or pick_blocks(m, e, x.device, x.element_size(), pass_)
     if (swiglu or combine) and not blocks and bn >= 256:
         # SwiGLU: two accumulators of (BM, BN / 2), the registers of the tuned (BM, BN) tile; the combine's
