@@ -425,3 +425,15 @@ def test_fused_passes_take_their_own_measured_tiles(monkeypatch):
     assert gg.pick_fused("input_grad_combine", 32768, 64) is None
     with pytest.raises(ValueError, match=r"fused pass 'forward' is not one of"):
         gg.pick_fused("forward", 32768, 64)
+
+
+def test_fused_options_without_grad_match(parity, make):
+    """Serving: no input wants a gradient (the SwiGLU halves are not stored, the combine keeps no backward state)."""
+    positions, offsets = _routing(9, 4, 2)
+    parity(lambda x, w, o: grouped_gemm(x, w, o, gather=positions, activation="swiglu"),
+           lambda x, w, o: reference(x, w, o, gather=positions, activation="swiglu"),
+           [make(9, 24), make(4, 80, 24, scale=24 ** -0.5), offsets], label="gathered swiglu, no grad")
+    g = torch.rand(9, 2).to(TRITON_DEVICE)
+    parity(lambda x, w, o: grouped_gemm(x, w, o, combine=(positions, g)),
+           lambda x, w, o: reference(x, w, o, combine=(positions, g.double())),
+           [make(18, 40), make(4, 24, 40, scale=40 ** -0.5), offsets], label="combine, no grad")

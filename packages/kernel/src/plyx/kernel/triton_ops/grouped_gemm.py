@@ -694,8 +694,9 @@ class _GroupedGemmCombine(torch.autograd.Function):
                 positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         y = _launch(x, w, (w.stride(0), w.stride(1), w.stride(2)), w.shape[1], offsets, _pass_blocks(blocks, "forward"))
         out = gather_rows(y, positions, weights)  # (T, N)
-        rows, row_w = source_rows(positions, weights)
-        ctx.save_for_backward(x, w, offsets, positions, rows, row_w)
+        if any(ctx.needs_input_grad):  # the backward's row index and gate weights (not needed to serve)
+            rows, row_w = source_rows(positions, weights)
+            ctx.save_for_backward(x, w, offsets, positions, rows, row_w)
         ctx.blocks, ctx.weights_dtype = blocks, weights.dtype
         return out
 
