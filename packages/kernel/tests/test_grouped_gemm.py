@@ -227,8 +227,8 @@ def test_the_shipped_table_holds_valid_tiles():
 # ---- the fused options: rows gathered through the routing's index, the SwiGLU in the epilogue ----------
 
 #: (tokens, K, F, experts, top-k): F = 20 and 40 straddle the interpreter's 32-wide N tiles, K = 24 / 48 its
-#: 32-deep K steps; 3 experts of top-3 route every token everywhere, 9 of top-2 leave some experts empty
-FUSED_CASES = [(13, 24, 20, 5, 2), (7, 48, 40, 3, 3), (19, 16, 8, 9, 2), (1, 8, 16, 4, 1)]
+#: 32-deep K steps; 3 experts of top-3 route every token everywhere, 1 token of top-1 leaves 3 of 4 empty
+FUSED_CASES = [(13, 24, 20, 5, 2), (7, 48, 40, 3, 3), (1, 8, 16, 4, 1)]
 if GPU:
     FUSED_CASES += [(1024, 2048, 1024, 64, 8), (37, 256, 96, 16, 4)]
 
@@ -351,7 +351,7 @@ def test_the_fused_moe_mlp_matches_the_unfused_loop(parity, make, dtype):
 
 
 #: (tokens, K, N, experts, top-k): N = 40 straddles the interpreter's 32-wide tiles (two partial sums per row)
-COMBINE_CASES = [(13, 20, 24, 5, 2), (7, 48, 40, 3, 3), (19, 16, 8, 9, 2), (1, 8, 16, 4, 1)]
+COMBINE_CASES = [(13, 20, 24, 5, 2), (7, 48, 40, 3, 3), (1, 8, 16, 4, 1)]
 if GPU:
     COMBINE_CASES += [(1024, 1024, 2048, 64, 8), (37, 96, 256, 16, 4)]
 
