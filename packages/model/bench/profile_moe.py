@@ -124,7 +124,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--trace", action="store_true", help="also write a Chrome trace")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    args, ignored = parser.parse_known_args()  # tools/gpu_run.py passes its extra arguments to every benchmark
+    if ignored:
+        print(f"ignoring arguments {ignored}")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     shape = dict(TINY if args.tiny or not cuda else OLMOE)
