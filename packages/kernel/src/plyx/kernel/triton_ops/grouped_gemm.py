@@ -711,6 +711,8 @@ class _GroupedGemmCombine(torch.autograd.Function):
                                _pass_blocks(ctx.blocks, "input_grad"), "input_grad", rows=rows, row_scale=row_w,
                                other=x)
             dweights = part.sum(1)[positions.reshape(-1)].view(positions.shape).to(ctx.weights_dtype)  # (T, k)
+            dx = dx if ctx.needs_input_grad[0] else None
+            dweights = dweights if ctx.needs_input_grad[5] else None
         if ctx.needs_input_grad[1]:
             if GATHER_WEIGHT_GRAD:
                 dw = _weight_grad(dout, x, offsets, w.shape, w.dtype, _pass_blocks(ctx.blocks, "weight_grad"),
@@ -740,10 +742,13 @@ def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *
         blocks: tiles instead of ``pick_blocks`` / ``pick_weight_grad``: one
             ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for every pass (the weight gradient reads it
             as a ``BLOCK_N x BLOCK_K`` tile of dW, at most 64 rows a step), or ``{pass: tile}`` for some of
-            ``"forward"``, ``"input_grad"`` (5-tuples) and ``"weight_grad"`` (a ``WgradTile``).
+            ``"forward"``, ``"input_grad"`` (5-tuples) and ``"weight_grad"`` (a ``WgradTile``). With the
+            SwiGLU the forward's BLOCK_N is each half's (gate and up); without ``blocks`` the fused passes
+            take ``pick_fused``'s tile, or the forward's / input gradient's with a 256-wide N halved.
 
     Returns:
-        ``y [M, N]`` (``[M, F]`` with the SwiGLU), differentiable in ``x`` and ``weight``.
+        ``y [M, N]`` (``[M, F]`` with the SwiGLU, ``[T, N]`` with ``combine``), differentiable in ``x`` and
+        ``weight`` (and the gate weights).
     """
     check_grouped_gemm(_NAME, x, weight, offsets, gather=gather, activation=activation, combine=combine)
     if combine is not None:
