@@ -397,7 +397,7 @@ def test_weight_gradients_on_copied_rows_match_too(parity, make, monkeypatch):
     from plyx.kernel.reference import moe_unpermute as ref_unpermute
     from plyx.kernel.triton_ops import grouped_gemm as gg
 
-    monkeypatch.setattr(gg, "GATHER_WEIGHT_GRAD", False)
+    monkeypatch.setattr(gg, "GATHER_WEIGHT_GRAD", False)  # as PLYX_MOE_GATHER_WGRAD=0 starts it
     t, d, f, e, k = 11, 24, 40, 4, 2
     ids = torch.rand(t, e).argsort(-1)[:, :k].to(TRITON_DEVICE)
     args = [make(t, d), make(e, 2 * f, d, scale=d ** -0.5), make(e, d, f, scale=f ** -0.5), ids,

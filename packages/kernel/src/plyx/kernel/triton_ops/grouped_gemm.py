@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -302,8 +303,8 @@ def _swiglu_grad_kernel(DA, H, DH, M, F, sda, sh, sdh, BLOCK_R: tl.constexpr, BL
 GROUP_M = 8
 #: with ``gather=`` (``combine=``), the weight gradient reads x's rows (dout's, scaled by the gate weights)
 #: through the routing too; False: it first copies the grouped rows, as the unfused layer had them. The MoE
-#: benchmark times both
-GATHER_WEIGHT_GRAD = True
+#: benchmark times both. ``PLYX_MOE_GATHER_WGRAD=0`` starts it False
+GATHER_WEIGHT_GRAD = os.environ.get("PLYX_MOE_GATHER_WGRAD", "1") not in ("", "0")
 
 
 class WgradTile(NamedTuple):
