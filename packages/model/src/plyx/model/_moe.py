@@ -128,7 +128,7 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logits [N, E], weights [N, k] in x's dtype, expert_ids [N, k])`` for tokens ``x [N, D]``."""
         logits = self.gate(x)  # (N, E)
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # float32 inside the one launch (no cast copy)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
