@@ -46,7 +46,8 @@ RULES: tuple[tuple[str, str], ...] = (
              r"|aten::(mm|addmm|bmm|matmul|linear|_grouped_mm)$"),
     ("routing", r"softmax|topk|bitonic|_tile_kernel|searchsorted|cumsum|scan|histogram|aten::scatter_add"
                 r"|logsumexp|aten::sum$|aten::div"),
-    ("permutation", r"_scatter_kernel|_gather_kernel|_source_rows|sort|radix|index|gather|scatter|aten::cat$"),
+    ("permutation", r"_routing_kernel|_scatter_kernel|_gather_kernel|_source_rows|sort|radix|index|gather|scatter"
+                    r"|aten::cat$"),
     ("elementwise", r"swiglu|silu|sigmoid|elementwise|vectorized|unrolled|copy|fill|aten::(mul|add|to|_to_copy|"
                     r"zero_|zeros|empty|ones|fill_|clone|sub|neg|exp|where|mean|reshape|view|t|transpose|"
                     r"contiguous|arange|clamp|floor_divide|remainder|max|min)|reduce|memset|memcpy"),

@@ -24,6 +24,7 @@ def _module():
     ("_grouped_kernel", "gemm"), ("_weight_grad_kernel", "gemm"), ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n", "gemm"),
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "gemm"), ("aten::mm", "gemm"),
     ("_gather_kernel", "permutation"), ("_scatter_kernel", "permutation"), ("_source_rows_kernel", "permutation"),
+    ("_routing_kernel", "permutation"),
     ("void cub::DeviceRadixSortOnesweepKernel<...>", "permutation"),
     ("void at::native::index_elementwise_kernel<128, 4>", "permutation"),
     ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>", "routing"),
