@@ -142,7 +142,7 @@ def main() -> None:
     from plyx.kernel import query_for, registry
 
     w = layer.experts.gate_up_proj
-    impls = {k: registry().select(k, query_for(k, w, w)).impl for k in ("grouped_gemm", "moe_unpermute")}
+    impls = {k: registry().select(k, query_for(k, w, w)).impl for k in ("moe_permute", "grouped_gemm")}
 
     def step() -> None:
         x.grad = None
