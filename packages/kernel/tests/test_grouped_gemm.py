@@ -8,7 +8,7 @@ from plyx.kernel import KernelInputError
 from plyx.kernel.reference import grouped_gemm as reference
 from plyx.kernel.triton_ops.grouped_gemm import WgradTile, grouped_gemm
 
-from .conftest import GPU, TRITON_DEVICE
+from .conftest import GPU, TRITON_DEVICE, rel_max_err
 
 # (rows per expert, N, K): the interpreter's tiles are 16 x 32 x 32, so 17, 33 and 40 straddle them;
 # empty experts (0 rows) first, in the middle and last; one expert with everything; more row tiles than GROUP_M
@@ -222,3 +222,218 @@ def test_the_shipped_table_holds_valid_tiles():
                 assert len(tile) == 5 or (len(tile) == 6 and isinstance(tile[5], bool)), (device, pass_, tile)
             assert all(isinstance(v, int) and v > 0 for v in tile[:5]), (device, pass_, tile)
 
+
+
+# ---- the fused options: rows gathered through the routing's index, the SwiGLU in the epilogue ----------
+
+#: (tokens, K, F, experts, top-k): F = 20 and 40 straddle the interpreter's 32-wide N tiles, K = 24 / 48 its
+#: 32-deep K steps; 3 experts of top-3 route every token everywhere, 1 token of top-1 leaves 3 of 4 empty
+FUSED_CASES = [(13, 24, 20, 5, 2), (7, 48, 40, 3, 3), (1, 8, 16, 4, 1)]
+if GPU:
+    FUSED_CASES += [(1024, 2048, 1024, 64, 8), (37, 256, 96, 16, 4)]
+
+
+def _routing(t, e, k):
+    from plyx.kernel.reference.moe_permute import routing_positions
+
+    ids = torch.rand(t, e).argsort(-1)[:, :k].to(TRITON_DEVICE)  # k distinct experts per token
+    return routing_positions(ids, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ["swiglu", None], ids=str)
+@pytest.mark.parametrize("case", FUSED_CASES, ids=str)
+def test_gathered_rows_and_swiglu_match_the_loop(parity, make, case, activation, dtype):
+    """x read through positions (no permuted copy), optionally silu(gate) * up in the epilogue: output, dx
+    (each token's copies summed) and dW against the float64 loop over index_select'ed rows."""
+    t, k_dim, f, e, top = case
+    positions, offsets = _routing(t, e, top)
+    n = 2 * f if activation else f
+    args = [make(t, k_dim, dtype=dtype), make(e, n, k_dim, dtype=dtype, scale=k_dim ** -0.5), offsets]
+
+    def fused(x, w, offs):
+        return grouped_gemm(x, w, offs, gather=positions, activation=activation)
+
+    def loop(x, w, offs):
+        return reference(x, w, offs, gather=positions, activation=activation)
+
+    parity(fused, loop, args, grad=(0, 1), dtype=dtype, label=f"grouped_gemm gather {activation} {case}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_swiglu_without_gather_and_with_explicit_tiles(parity, make, dtype):
+    """The epilogue alone (rows already grouped), and the gathered weight gradient under a split and a
+    persistent schedule (the TMA request falls back to pointer loads for gathered rows)."""
+    counts, f, k_dim = (3, 0, 17, 5), 40, 24
+    args = list(_inputs(make, counts, 2 * f, k_dim, dtype))
+    parity(lambda *a: grouped_gemm(*a, activation="swiglu"), lambda *a: reference(*a, activation="swiglu"), args,
+           grad=(0, 1), dtype=dtype, label="swiglu epilogue")
+    # no gradient wanted (inference): the epilogue skips storing the halves, the activation is the same
+    parity(lambda *a: grouped_gemm(*a, activation="swiglu"), lambda *a: reference(*a, activation="swiglu"), args,
+           dtype=dtype, label="swiglu epilogue, inference")
+    positions, offsets = _routing(11, 4, 2)
+    for tile in (WgradTile(16, 32, 32, 4, 1, "expert", 3, False), WgradTile(16, 32, 32, 4, 1, "persistent", 1, True)):
+        blocks = {"forward": (16, 16, 32, 4, 1, True), "input_grad": (16, 32, 16, 4, 1), "weight_grad": tile}
+        parity(lambda x, w, o, blocks=blocks: grouped_gemm(x, w, o, gather=positions, activation="swiglu", blocks=blocks),
+               lambda x, w, o: reference(x, w, o, gather=positions, activation="swiglu"),
+               [make(11, k_dim, dtype=dtype), make(4, 2 * f, k_dim, dtype=dtype, scale=k_dim ** -0.5), offsets],
+               grad=(0, 1), dtype=dtype, label=f"gathered swiglu {tile}")
+
+
+def test_tile_table_numbers_each_experts_row_tiles():
+    """One launch builds what the torch ops did: tile i's expert (E for the spare tiles) and first row."""
+    from plyx.kernel.triton_ops.grouped_gemm import _tiles
+
+    for counts, bm in (((2, 2, 8, 10, 4), 4), ((0, 33, 0, 1, 0), 16), ((0,) * 5, 16), ((5,), 8), ((1,) * 70, 16)):
+        offsets = torch.tensor([0, *counts]).cumsum(0).to(TRITON_DEVICE)
+        tile_e, tile_row, grid_m = _tiles(offsets, bm, sum(counts))
+        want_e, want_row = [], []
+        for e, (lo, c) in enumerate(zip(offsets.tolist(), counts)):
+            for i in range(-(-c // bm)):
+                want_e.append(e)
+                want_row.append(lo + i * bm)
+        assert grid_m == -(-sum(counts) // bm) + len(counts)
+        assert tile_e.tolist()[:len(want_e)] == want_e, counts
+        assert tile_row.tolist()[:len(want_row)] == want_row, counts
+        assert set(tile_e.tolist()[len(want_e):]) <= {len(counts)}  # spare tiles: nothing to do
+
+
+def test_source_rows_and_swiglu_grad(make):
+    from plyx.kernel.reference import swiglu as ref_swiglu
+    from plyx.kernel.triton_ops.grouped_gemm import source_rows, swiglu_grad
+
+    positions, _ = _routing(37, 6, 3)
+    rows = source_rows(positions)
+    assert rows.dtype == torch.int32
+    assert torch.equal(rows[positions.reshape(-1)].cpu().long(), torch.arange(37).repeat_interleave(3))
+    h, da = make(50, 2 * 36, dtype=torch.float64), make(50, 36, dtype=torch.float64)
+    h64 = h.clone().requires_grad_()
+    (dh_want,) = torch.autograd.grad(ref_swiglu(h64[:, :36], h64[:, 36:]), [h64], da)
+    assert rel_max_err(swiglu_grad(da.float(), h.float()), dh_want) < 1e-5
+
+
+def test_fused_options_refuse_bad_input(make):
+    x, w, offsets = make(5, 8), make(2, 6, 8), torch.tensor([0, 2, 5], device=TRITON_DEVICE)
+    with pytest.raises(KernelInputError, match=r"grouped_gemm:triton.*`activation`.*'gelu' is not supported.*"
+                                               r"\('swiglu',\)"):
+        grouped_gemm(x, w, offsets, activation="gelu")
+    with pytest.raises(KernelInputError, match=r"`weight`.*odd N=5"):
+        grouped_gemm(x, make(2, 5, 8), offsets, activation="swiglu")
+    with pytest.raises(KernelInputError, match=r"`gather`.*\[T=5, k\].*moe_permute's positions"):
+        grouped_gemm(x, w, offsets, gather=torch.zeros(4, 2, dtype=torch.int64, device=TRITON_DEVICE))
+
+
+def _fused_moe_mlp(gemm):
+    """SparseMoE's composition since plyx-kernel 1.6: gathered rows and the SwiGLU inside the first GEMM, the
+    combine with the gate weights in the second."""
+    from plyx.kernel.reference.moe_permute import routing_positions
+
+    def run(x, gate_up, down, ids, weights):
+        positions, offsets = routing_positions(ids, gate_up.shape[0])
+        a = gemm(x, gate_up, offsets, gather=positions, activation="swiglu")
+        return gemm(a, down, offsets, combine=(positions, weights))
+    return run
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_fused_moe_mlp_matches_the_unfused_loop(parity, make, dtype):
+    """The fused Triton MLP against the references composed without any fusion (permute copy, loop, SwiGLU,
+    loop, unpermute): gradients of x, both expert weights and the gate weights."""
+    from plyx.kernel.reference import moe_permute as ref_permute
+    from plyx.kernel.reference import moe_unpermute as ref_unpermute
+
+    t, d, f, e, k = 19, 24, 40, 5, 2
+    ids = torch.rand(t, e).argsort(-1)[:, :k].to(TRITON_DEVICE)
+    args = [make(t, d, dtype=dtype), make(e, 2 * f, d, dtype=dtype, scale=d ** -0.5),
+            make(e, d, f, dtype=dtype, scale=f ** -0.5), ids, torch.rand(t, k).to(TRITON_DEVICE, dtype)]
+    parity(_fused_moe_mlp(grouped_gemm), _moe_mlp(ref_permute, reference, ref_unpermute), args,
+           grad=(0, 1, 2, 4), dtype=dtype, label="fused moe mlp")
+
+
+#: (tokens, K, N, experts, top-k): N = 40 straddles the interpreter's 32-wide tiles (two partial sums per row)
+COMBINE_CASES = [(13, 20, 24, 5, 2), (7, 48, 40, 3, 3), (1, 8, 16, 4, 1)]
+if GPU:
+    COMBINE_CASES += [(1024, 1024, 2048, 64, 8), (37, 96, 256, 16, 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", COMBINE_CASES, ids=str)
+def test_combine_matches_the_loop_and_unpermute(parity, make, case, dtype):
+    """out[t] = sum_j w[t, j] * y[positions[t, j]]: output and the gradients of the rows, the weight and the gate
+    weights (the backward reads dout through the routing; y is never saved)."""
+    t, k_dim, n, e, top = case
+    positions, offsets = _routing(t, e, top)
+    args = [make(t * top, k_dim, dtype=dtype), make(e, n, k_dim, dtype=dtype, scale=k_dim ** -0.5), offsets,
+            torch.rand(t, top).to(TRITON_DEVICE, dtype)]
+    parity(lambda x, w, o, g: grouped_gemm(x, w, o, combine=(positions, g)),
+           lambda x, w, o, g: reference(x, w, o, combine=(positions, g)), args, grad=(0, 1, 3), dtype=dtype,
+           label=f"grouped_gemm combine {case}")
+
+
+def test_combine_with_explicit_tiles_and_weight_grad_variants(parity, make):
+    positions, offsets = _routing(17, 6, 2)
+    for tile in (WgradTile(16, 32, 32, 4, 1, "expert", 2, False), WgradTile(16, 32, 32, 4, 1, "persistent", 1, True)):
+        blocks = {"forward": (16, 32, 16, 4, 1), "input_grad": (16, 16, 32, 4, 1, True), "weight_grad": tile}
+        parity(lambda x, w, o, g, blocks=blocks: grouped_gemm(x, w, o, combine=(positions, g), blocks=blocks),
+               lambda x, w, o, g: reference(x, w, o, combine=(positions, g)),
+               [make(34, 40), make(6, 24, 40, scale=40 ** -0.5), offsets, torch.rand(17, 2).to(TRITON_DEVICE)],
+               grad=(0, 1, 3), label=f"combine {tile}")
+
+
+def test_combine_refuses_bad_input(make):
+    positions, offsets = _routing(5, 3, 2)
+    x, w, g = make(10, 8), make(3, 6, 8), make(5, 2)
+    with pytest.raises(KernelInputError, match=r"grouped_gemm:triton.*`combine`.*together with gather"):
+        grouped_gemm(make(5, 8), make(3, 12, 8), offsets, gather=positions, activation="swiglu", combine=(positions, g))
+    with pytest.raises(KernelInputError, match=r"`weights`.*differs from positions'"):
+        grouped_gemm(x, w, offsets, combine=(positions, make(5, 3)))
+    with pytest.raises(KernelInputError, match=r"`combine`.*expected \(positions, weights\)"):
+        grouped_gemm(x, w, offsets, combine=positions)
+
+
+def test_weight_gradients_on_copied_rows_match_too(parity, make, monkeypatch):
+    """GATHER_WEIGHT_GRAD off (the benchmark's comparison): both weight gradients on materialised rows."""
+    from plyx.kernel.reference import moe_permute as ref_permute
+    from plyx.kernel.reference import moe_unpermute as ref_unpermute
+    from plyx.kernel.triton_ops import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "GATHER_WEIGHT_GRAD", False)  # as PLYX_MOE_GATHER_WGRAD=0 starts it
+    t, d, f, e, k = 11, 24, 40, 4, 2
+    ids = torch.rand(t, e).argsort(-1)[:, :k].to(TRITON_DEVICE)
+    args = [make(t, d), make(e, 2 * f, d, scale=d ** -0.5), make(e, d, f, scale=f ** -0.5), ids,
+            torch.rand(t, k).to(TRITON_DEVICE)]
+    parity(_fused_moe_mlp(grouped_gemm), _moe_mlp(ref_permute, reference, ref_unpermute), args, grad=(0, 1, 2, 4),
+           label="fused moe mlp, copied rows for the weight gradients")
+
+
+def test_fused_passes_take_their_own_measured_tiles(monkeypatch):
+    """A device entry for forward_swiglu / input_grad_combine decides those passes (training-sized, 16-bit, stages
+    that fit: the SwiGLU's hold two weight tiles); otherwise None, and the caller halves a 256-wide tile."""
+    from plyx.kernel.triton_ops import grouped_gemm as gg
+
+    monkeypatch.setattr(gg, "interpreting", lambda: False)
+    monkeypatch.setattr(gg, "_shared_memory", lambda device: 232_448)
+    table = {"forward_swiglu": [128, 128, 64, 8, 4], "input_grad_combine": [64, 256, 64, 8, 3]}
+    monkeypatch.setattr(gg, "_tuned", lambda device: table)
+    assert gg.pick_fused("forward_swiglu", 32768, 64) == (128, 128, 64, 8, 4)  # (8 + 2 x 8) Ki elements x 2 B x 4 stages = 192 KiB
+    assert gg.pick_fused("input_grad_combine", 32768, 64) == (64, 256, 64, 8, 3)
+    assert gg.pick_fused("forward_swiglu", 64 * 8, 64) is None  # decode sizes keep the small tiles
+    assert gg.pick_fused("forward_swiglu", 32768, 64, itemsize=4) is None
+    table["forward_swiglu"] = [128, 256, 64, 8, 4]  # (8 + 2 x 16) Ki elements x 2 B x 4 = 320 KiB: no fit
+    assert gg.pick_fused("forward_swiglu", 32768, 64) is None
+    monkeypatch.setattr(gg, "_tuned", lambda device: {})
+    assert gg.pick_fused("input_grad_combine", 32768, 64) is None
+    with pytest.raises(ValueError, match=r"fused pass 'forward' is not one of"):
+        gg.pick_fused("forward", 32768, 64)
+
+
+def test_fused_options_without_grad_match(parity, make):
+    """Serving: no input wants a gradient (the SwiGLU halves are not stored, the combine keeps no backward state)."""
+    positions, offsets = _routing(9, 4, 2)
+    parity(lambda x, w, o: grouped_gemm(x, w, o, gather=positions, activation="swiglu"),
+           lambda x, w, o: reference(x, w, o, gather=positions, activation="swiglu"),
+           [make(9, 24), make(4, 80, 24, scale=24 ** -0.5), offsets], label="gathered swiglu, no grad")
+    g = torch.rand(9, 2).to(TRITON_DEVICE)
+    parity(lambda x, w, o: grouped_gemm(x, w, o, combine=(positions, g)),
+           lambda x, w, o: reference(x, w, o, combine=(positions, g.double())),
+           [make(18, 40), make(4, 24, 40, scale=40 ** -0.5), offsets], label="combine, no grad")

@@ -45,3 +45,22 @@ def test_bad_inputs_name_kernel_and_argument():
         moe_permute(x, torch.zeros(5, 2, device=TRITON_DEVICE), num_experts=2)
     with pytest.raises(KernelInputError, match=r"moe_permute:reference.*values must be in \[0, 2\)"):
         reference(x, torch.full((5, 1), 2, device=TRITON_DEVICE), num_experts=2)
+
+
+@pytest.mark.parametrize("case", CASES + [(0, 8, 3, 2), (70, 8, 16, 4), (129, 8, 7, 7)], ids=str)
+def test_one_launch_sort_gives_the_reference_integers(case):
+    """The Triton sort (one program per expert, two scans) against the reference's device sort: the same
+    positions and offsets exactly (stable: token order within each expert), int32 ids too; copy=False
+    returns the sort alone."""
+    from plyx.kernel.reference.moe_permute import routing_positions as reference_sort
+    from plyx.kernel.triton_ops.moe_permute import routing_positions
+
+    t, d, e, k = case
+    ids = _ids(t, e, k)
+    want = reference_sort(ids, e)
+    for got in (routing_positions(ids, e), routing_positions(ids.int(), e)):
+        assert torch.equal(got[0].cpu(), want[0].cpu()) and torch.equal(got[1].cpu(), want[1].cpu()), case
+    xs, positions, offsets = moe_permute(torch.zeros(t, d, device=TRITON_DEVICE), ids, num_experts=e, copy=False)
+    assert xs is None and torch.equal(positions.cpu(), want[0].cpu()) and torch.equal(offsets.cpu(), want[1].cpu())
+    ref_xs, ref_positions, _ = reference(torch.zeros(t, d, device=TRITON_DEVICE), ids, num_experts=e, copy=False)
+    assert ref_xs is None and torch.equal(ref_positions.cpu(), want[0].cpu())

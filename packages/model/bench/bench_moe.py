@@ -4,13 +4,21 @@ Same weights everywhere: transformers' ``OlmoeSparseMoeBlock`` is built from an 
 plyx's ``SparseMoE`` loads its state dict (the parameter names are the same), and the outputs are
 checked close before timing. Providers:
 
-- ``plyx``: the registry's choice (Triton ``moe_permute`` / ``grouped_gemm`` / ``moe_unpermute`` on CUDA)
+- ``plyx``: the registry's choice (on CUDA the Triton ``grouped_gemm``, reading the tokens through the
+  routing's sorted index with the SwiGLU in its epilogue, and ``moe_unpermute``)
+- ``plyx-unfused``: the same kernels composed as before the fusion (``moe_permute``'s copy of the tokens,
+  the GEMM, a separate SwiGLU on strided halves, the GEMM, ``moe_unpermute``)
+- ``plyx-wgrad-copy``: ``plyx`` with the gate/up weight gradient on a copied grouped x (not gathered)
 - ``plyx-loop``: the same block with the references forced (a per-expert ``F.linear`` loop in torch)
 - ``hf-eager`` / ``hf-grouped_mm`` / ``hf-batched_mm``: transformers' experts implementations
 - ``dense-equivalent``: two cuBLAS matmuls doing the experts' FLOPs as one dense GEMM each (``[N k, D] @
   [D, 2F]``, ``[N k, F] @ [F, D]``): the throughput ceiling the grouped GEMM is compared with
 
 Default shape: one OLMoE-1B-7B layer (D 2048, 64 experts of width 1024, top-8), 4096 tokens, bf16.
+
+The split: a profiled run of ``plyx`` (``profile_moe.py``'s grouping of the kernels) gives the GEMMs'
+share of its fwd+bwd and what the rest (routing, permutation, elementwise) costs, in the table and the
+results' ``split``.
 
 Usage::
 
@@ -102,6 +110,67 @@ def _hf_impl(hf: Any, impl: str) -> Callable[[torch.Tensor], torch.Tensor]:
     return run
 
 
+def _unfused(ours: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer as composed before the fusion: permuted copy, GEMM, SwiGLU on strided halves, GEMM, combine."""
+    from plyx.kernel import grouped_gemm, moe_permute, moe_unpermute, swiglu
+
+    experts = ours.experts
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # (N, D)
+        _, weights, ids = ours.route(flat)
+        xs, positions, offsets = moe_permute(flat, ids, num_experts=experts.num_experts)
+        h = grouped_gemm(xs, experts.gate_up_proj, offsets)  # (N k, 2F)
+        f = experts.d_expert
+        a = swiglu(h[:, :f], h[:, f:])
+        ys = grouped_gemm(a, experts.down_proj, offsets)  # (N k, D)
+        return moe_unpermute(ys, positions, weights).view(x.shape)  # type: ignore[no-any-return]
+    return run
+
+
+@contextlib.contextmanager
+def _wgrad_copy() -> Any:
+    from plyx.kernel.triton_ops import grouped_gemm
+
+    grouped_gemm.GATHER_WEIGHT_GRAD = False
+    try:
+        yield
+    finally:
+        grouped_gemm.GATHER_WEIGHT_GRAD = True
+
+
+def _split(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, dy: torch.Tensor, params: list[Any],
+           cuda: bool) -> dict[str, Any]:
+    """The GEMMs' and the rest's kernel time per fwd+bwd step of ``fn`` (profile_moe's grouping)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from profile_moe import GROUPS, _rows
+
+    xg = x.detach().clone().requires_grad_()
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        fn(xg).backward(dy)
+
+    for _ in range(3):
+        step()
+    steps = 5
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = _rows(prof, cuda, steps)
+    groups = {g: sum(r["ms"] for r in rows if r["group"] == g) for g in GROUPS}
+    total = sum(groups.values())
+    return {"groups_ms": groups, "gemm_ms": groups["gemm"], "rest_ms": total - groups["gemm"], "total_ms": total,
+            "rest_share": (total - groups["gemm"]) / total if total else 0.0,
+            "top": [{k: r[k] for k in ("name", "group", "ms")} for r in rows[:12]]}
+
+
 def _dense(shape: dict[str, int], dtype: torch.dtype, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     rows, d, f = shape["tokens"] * shape["top_k"], shape["d_model"], shape["d_expert"]
     w1 = (torch.randn(d, 2 * f, device=device, dtype=dtype) * d ** -0.5).requires_grad_()
@@ -121,6 +190,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on CUDA")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--no-split", action="store_true", help="skip the profiled GEMM / rest split")
     args, ignored = parser.parse_known_args()  # tools/gpu_run.py passes its extra arguments to every benchmark
     if ignored:
         print(f"ignoring arguments {ignored}")
@@ -157,7 +227,10 @@ def main() -> None:
     assert all(e < tol for e in errs.values()), f"outputs differ from {reference} beyond {tol}: {errs}"
 
     providers: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], Any]] = {
-        "plyx": (ours, contextlib.nullcontext), "plyx-loop": (ours, _loop_references)}
+        "plyx": (ours, contextlib.nullcontext), "plyx-unfused": (_unfused(ours), contextlib.nullcontext)}
+    if impls["grouped_gemm"] == "triton":
+        providers["plyx-wgrad-copy"] = (ours, _wgrad_copy)
+    providers["plyx-loop"] = (ours, _loop_references)
     if hf is not None:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -214,12 +287,27 @@ def main() -> None:
             summary[mode] = {"x_loop": loop_ms / plyx_ms, "of_dense_throughput": dense_ms / plyx_ms}
             print(f"{mode}: plyx is {loop_ms / plyx_ms:.2f}x the per-expert loop and runs at "
                   f"{100 * dense_ms / plyx_ms:.0f}% of the dense-equivalent GEMMs' throughput")
+    split: dict[str, Any] = {}
+    if not args.no_split:
+        try:
+            split = _split(ours, x, torch.randn_like(x), params, device.type == "cuda")
+            print(f"split of plyx fwd+bwd (profiled kernel time): GEMMs {split['gemm_ms']:.3f} ms, the rest "
+                  f"{split['rest_ms']:.3f} ms ({100 * split['rest_share']:.1f}%): "
+                  + ", ".join(f"{g} {ms:.3f}" for g, ms in split["groups_ms"].items()))
+            dense_ms = by.get(("dense-equivalent", "fwd+bwd"))
+            if dense_ms and split["gemm_ms"]:
+                split["gemm_of_dense_throughput"] = dense_ms / split["gemm_ms"]
+                print(f"with the rest free, the layer would run at {100 * dense_ms / split['gemm_ms']:.0f}% of the dense-equivalent "
+                      "fwd+bwd throughput")
+        except Exception as exc:  # the profiler is a diagnostic: its failure never loses the timings
+            split = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+            print(f"split: {split['error']}")
     args.out.mkdir(parents=True, exist_ok=True)
     slug = name.replace(" ", "-").replace("/", "-")
     path = args.out / f"moe-{slug}-{today}.json"
     doc = {"device": name, "device_type": device.type, "date": today, "torch": torch.__version__,
            "dtype": str(dtype).removeprefix("torch."), "shape": shape, "compared_with": reference, "plyx_kernels": impls, "max_rel_error": errs,
-           "summary": summary, "results": rows}
+           "summary": summary, "split": split, "results": rows}
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(path)  # atomic

@@ -119,9 +119,11 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return fn(q, k_pool, v_pool, block_tables, context_lens, **options)
 
 
-def moe_permute(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int) -> Any:
-    """``(xs [T*k, D], positions [T, k], offsets [E + 1])``: copies of x's rows grouped by expert (dropless)."""
-    return registry().get("moe_permute", x, hidden=int(x.shape[-1]))(x, expert_ids, num_experts=num_experts)
+def moe_permute(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int, copy: bool = True) -> Any:
+    """``(xs [T*k, D], positions [T, k], offsets [E + 1])``: copies of x's rows grouped by expert (dropless);
+    ``copy=False``: the sort alone, ``(None, positions, offsets)``."""
+    kwargs = {} if copy else {"copy": False}
+    return registry().get("moe_permute", x, hidden=int(x.shape[-1]))(x, expert_ids, num_experts=num_experts, **kwargs)
 
 
 def moe_unpermute(ys: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -129,6 +131,9 @@ def moe_unpermute(ys: torch.Tensor, positions: torch.Tensor, weights: torch.Tens
     return registry().get("moe_unpermute", ys, hidden=int(ys.shape[-1]))(ys, positions, weights)  # type: ignore[no-any-return]
 
 
-def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``y[offsets[e]:offsets[e+1]] = x[offsets[e]:offsets[e+1]] @ weight[e].T`` for every expert e."""
-    return registry().get("grouped_gemm", x, weight)(x, weight, offsets)  # type: ignore[no-any-return]
+def grouped_gemm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, *, gather: torch.Tensor | None = None,
+                 activation: str | None = None) -> torch.Tensor:
+    """``y[offsets[e]:offsets[e+1]] = x[offsets[e]:offsets[e+1]] @ weight[e].T`` for every expert e; ``gather``
+    (moe_permute's positions: x is the tokens) and ``activation="swiglu"`` fuse the MLP's neighbours in."""
+    fused = {k: v for k, v in (("gather", gather), ("activation", activation)) if v is not None}
+    return registry().get("grouped_gemm", x, weight)(x, weight, offsets, **fused)  # type: ignore[no-any-return]

@@ -4,10 +4,13 @@ One layer, for x ``[B, T, D]`` flattened to N = B*T tokens::
 
     logits = x @ W_r.T                                  # (N, E) router (HF ``mlp.gate``)
     p = softmax(logits.float()); w, ids = topk(p, k)    # (N, k); w /= w.sum(-1) when norm_topk_prob
-    xs, positions, offsets = moe_permute(x, ids)        # (N*k, D) grouped by expert, dropless
-    h = grouped_gemm(xs, gate_up_proj, offsets)         # (N*k, 2F); gate_up_proj [E, 2F, D]
-    ys = grouped_gemm(swiglu(h[:, :F], h[:, F:]), down_proj, offsets)   # (N*k, D); down_proj [E, D, F]
-    out = moe_unpermute(ys, positions, w)               # (N, D): sum_j w[t, j] * ys[positions[t, j]]
+    _, positions, offsets = moe_permute(x, ids, copy=False)   # the dropless sort by expert: [N, k], [E + 1]
+    a = grouped_gemm(x, gate_up_proj, offsets, gather=positions, activation="swiglu")
+                                                        # (N*k, F): silu(gate) * up of x[t] @ W_e^T, rows
+                                                        # grouped by expert; gate_up_proj [E, 2F, D]
+    out = grouped_gemm(a, down_proj, offsets, combine=(positions, w))
+                                                        # (N, D): sum_j w[t, j] * (a @ W_e^T)[positions[t, j]]
+                                                        # (moe_unpermute's sum); down_proj [E, D, F]
     out += sigmoid(x @ w_g) * shared_expert(x)          # Qwen2-MoE only
 
 Every step is a kernel resolved by name from the registry: on CUDA the Triton ones (the experts run as
@@ -43,15 +46,18 @@ ROUTER_METRICS = ("moe/lb_loss", "moe/z_loss", "moe/imbalance", "moe/tokens_per_
                   "moe/tokens_per_expert_max", "moe/unused_experts", "moe/dropped")
 
 
-def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *,
+                        counts: torch.Tensor | None = None) -> torch.Tensor:
     """``E * sum_e f_e * P_e`` for router probabilities ``probs [N, E]`` (float32) and top-k ids ``[N, k]``.
 
     ``f_e = (assignments to e) / N`` (sums to k, as Mixtral's), ``P_e = mean_t probs[t, e]``; the gradient
-    flows through P only (f is a count). 1 per unit of k when perfectly balanced.
+    flows through P only (f is a count). 1 per unit of k when perfectly balanced. ``counts [E]``: the
+    assignments per expert when the caller has them already (one histogram per layer, not two).
     """
     n = probs.shape[0]
-    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device).scatter_add_(
-        0, expert_ids.reshape(-1), torch.ones(expert_ids.numel(), dtype=probs.dtype, device=probs.device))
+    if counts is None:
+        counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device).scatter_add_(
+            0, expert_ids.reshape(-1), torch.ones(expert_ids.numel(), dtype=probs.dtype, device=probs.device))
     return num_experts * torch.sum(counts / max(n, 1) * probs.mean(0))
 
 
@@ -73,18 +79,20 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``x [N, D]``, ``expert_ids``/``weights [N, k]`` -> ``[N, D]``: the weighted sum of each token's experts."""
-        E, F_ = self.num_experts, self.d_expert
+        E = self.num_experts
         gate_up, down = self.gate_up_proj, self.down_proj
         if torch.is_autocast_enabled(x.device.type):  # the kernels are not autocast ops: cast as F.linear would
             dtype = torch.get_autocast_dtype(x.device.type)
             x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
-        xs, positions, offsets = _kernel("moe_permute", x, hidden=x.shape[-1])(x, expert_ids, num_experts=E)
-        gemm = _kernel("grouped_gemm", xs, gate_up)
-        h = gemm(xs, gate_up, offsets)  # (N*k, 2F)
-        gate, up = h[:, :F_], h[:, F_:]  # views; the swiglu kernel takes the row stride
-        a = _kernel("swiglu", gate, up, hidden=F_)(gate, up)  # (N*k, F)
-        ys = gemm(a, down, offsets)  # (N*k, D)
-        return _kernel("moe_unpermute", ys, hidden=ys.shape[-1])(ys, positions, weights.to(ys.dtype))  # type: ignore[no-any-return]
+        gemm = _kernel("grouped_gemm", x, gate_up)
+        # the sort's indices only (copy=False), no permuted copy of x: the first GEMM reads the tokens through
+        # them and applies the SwiGLU in its epilogue (grouped_gemm's fused options, plyx-kernel >= 1.6)
+        _, positions, offsets = _kernel("moe_permute", x, hidden=x.shape[-1])(x, expert_ids, num_experts=E,
+                                                                              copy=False)
+        a = gemm(x, gate_up, offsets, gather=positions, activation="swiglu")  # (N*k, F)
+        # the second GEMM combines its rows with the gate weights: out[t] = sum_j w[t, j] * ys[positions[t, j]],
+        # and its backward reads dout through the routing (no stored ys, no rows' gradient in memory)
+        return gemm(a, down, offsets, combine=(positions, weights.to(a.dtype)))  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, d_model={self.down_proj.shape[1]}, d_expert={self.d_expert}"
@@ -120,14 +128,15 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logits [N, E], weights [N, k] in x's dtype, expert_ids [N, k])`` for tokens ``x [N, D]``."""
         logits = self.gate(x)  # (N, E)
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # float32 inside the one launch (no cast copy)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # (N, k) each
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         if self.training and torch.is_grad_enabled():
             counts = torch.zeros(self.num_experts, dtype=torch.float32, device=x.device).scatter_add_(
                 0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.float32, device=x.device))
-            self.router_state = (load_balancing_loss(probs, ids, self.num_experts), router_z_loss(logits), counts)
+            lb = load_balancing_loss(probs, ids, self.num_experts, counts=counts)
+            self.router_state = (lb, router_z_loss(logits), counts)
         return logits, weights.to(x.dtype), ids
 
     def forward(self, x: torch.Tensor, *, packed: bool = False) -> torch.Tensor:

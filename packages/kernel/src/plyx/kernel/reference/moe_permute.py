@@ -10,7 +10,10 @@ contiguous block of ``xs`` that a grouped GEMM multiplies by that expert's weigh
 
 Gradient: ``dx[t] = sum_j dxs[positions[t, j]]``. The index arithmetic (``routing_positions``) is a
 stable sort and a histogram on the device, with no host synchronisation (CUDA-graph capturable); every
-implementation uses it, so positions and offsets are the same integers everywhere.
+implementation gives the same integers (the Triton one in one launch of its own).
+
+``copy=False`` returns ``(None, positions, offsets)``: the sort alone, for a grouped GEMM that reads the
+tokens through the positions (``grouped_gemm(..., gather=positions)``) instead of a permuted copy.
 """
 
 from __future__ import annotations
@@ -52,14 +55,16 @@ def routing_positions(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch
     return positions.view(expert_ids.shape), offsets
 
 
-def moe_permute(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_permute(x: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int, copy: bool = True
+                ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Copies of ``x [T, D]``'s rows grouped by expert; see the module docstring. Reference: ``index_select``."""
     check_moe_permute("moe_permute:reference", x, expert_ids, num_experts)
     if expert_ids.numel() and (int(expert_ids.min()) < 0 or int(expert_ids.max()) >= num_experts):
         raise KernelInputError("moe_permute:reference", "expert_ids", f"values must be in [0, {num_experts})",
                                "pass indices below num_experts")
     positions, offsets = routing_positions(expert_ids, num_experts)
+    if not copy:
+        return None, positions, offsets
     k = expert_ids.shape[1]
     source = torch.empty_like(positions.view(-1))
     source[positions.view(-1)] = torch.arange(positions.numel(), device=x.device) // k  # token of each row
