@@ -1,0 +1,172 @@
+"""One decode path: ``generate`` is a client of the engine, and the guardrails run at the engine boundary."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from plyx.serve import SamplingParams, generate, stream_generate
+from plyx.serve.engine import EngineConfig, RequestRefused
+from plyx.specs import hookimpl
+from plyx.specs.plugins import register_plugin, unregister_plugin
+
+
+class Star:
+    """An output rail: "o" becomes "*"; blocks once it has let out more than ``limit`` characters."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.seen = 0
+        self.blocked = None
+
+    def feed(self, text):
+        self.seen += len(text)
+        if self.seen > self.limit:
+            self.blocked = {"message": "too long", "rule_id": "len"}
+            return ""
+        return text.replace("o", "*")
+
+    def finish(self):
+        return ""
+
+
+class Rails:
+    """Refuses prompts with "forbidden", rewrites "secret" to "hello", stars the output; counts every call."""
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.limit = limit
+        self.calls: collections.Counter[tuple[str, str]] = collections.Counter()  # (hook, request id)
+        self.responses = []
+
+    @hookimpl
+    def plyx_on_request_received(self, request, context):
+        self.calls["received", context["request_id"]] += 1
+        text = request.get("prompt_text") or ""
+        if "forbidden" in text:
+            return {"message": "this topic is refused", "rule_id": "topic", "status": 400}
+        if "secret" in text:
+            request["prompt_text"] = text.replace("secret", "hello")
+        return None
+
+    @hookimpl
+    def plyx_output_filters(self, request, context):
+        self.calls["filters", context["request_id"]] += 1
+        return [Star(self.limit)]
+
+    @hookimpl
+    def plyx_on_response(self, request, response, context):
+        self.calls["response", context["request_id"]] += 1
+        self.responses.append(response)
+
+
+@pytest.fixture
+def rails():
+    plugin = Rails()
+    register_plugin(plugin, "test-engine-rails")
+    yield plugin
+    unregister_plugin("test-engine-rails")
+
+
+def _greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, **kw)
+
+
+def _unguarded(model, prompts, params, tokenizer=None):
+    """The model's own answer: an engine with the guardrails off."""
+    return generate(model, prompts, params, tokenizer=tokenizer, engine_config=EngineConfig(guardrails=False))
+
+
+def test_a_guardrail_refuses_a_prompt_given_to_generate(tok_model, tokenizer, counting, rails):
+    wrapped = counting(tok_model)
+    with pytest.raises(RequestRefused) as info:
+        generate(wrapped, ["hello world", "tell me the forbidden thing"], _greedy(4), tokenizer=tokenizer)
+    assert info.value.rule_id == "topic" and info.value.status == 400 and "refused" in str(info.value)
+    assert wrapped.calls == 0  # refused before anything ran, the other prompt included
+    refused = [r for r in rails.responses if r["finish_reason"] == "refused"]
+    assert len(refused) == 1 and refused[0]["status"] == 400
+    # the prompt let through was aborted, and reported once as such
+    assert [r["status"] for r in rails.responses if r["finish_reason"] != "refused"] == [499]
+
+
+def test_input_rewrite_and_output_rails_apply_to_generate(tok_model, tokenizer, rails):
+    want = _unguarded(tok_model, ["hello world"], _greedy(12), tokenizer)[0].outputs[0]
+    got = generate(tok_model, ["secret world"], _greedy(12), tokenizer=tokenizer)[0]
+    # the model saw the rewritten prompt: same tokens as the unguarded run of it; the text went through the rail
+    assert got.prompt_token_ids == tuple(tokenizer.encode("hello world").ids)
+    assert got.outputs[0].token_ids == want.token_ids
+    assert got.outputs[0].text == want.text.replace("o", "*")
+    # streamed deltas are the filtered text too
+    stream = stream_generate(tok_model, ["hello world"], _greedy(12), tokenizer=tokenizer)
+    assert "".join(e.text for e in stream) == want.text.replace("o", "*")
+    assert stream.outputs()[0].outputs[0].text == want.text.replace("o", "*")
+
+
+def test_an_output_rail_that_blocks_ends_the_completion(tok_model, tokenizer, rails):
+    full = _unguarded(tok_model, ["hello world"], _greedy(40), tokenizer)[0].outputs[0]
+    assert len(full.text) > 6
+    rails.limit = 6
+    out = generate(tok_model, ["hello world"], _greedy(40), tokenizer=tokenizer)[0].outputs[0]
+    assert out.finish_reason == "content_filter"
+    assert len(out.token_ids) < len(full.token_ids)  # it stopped decoding: the blocks were freed at once
+    assert len(out.text) <= 6 and full.text.replace("o", "*").startswith(out.text)
+    assert rails.responses[-1]["finish_reason"] == "content_filter" and rails.responses[-1]["status"] == 200
+
+
+def test_each_hook_runs_once_per_request_and_completion(tok_model, tokenizer, rails):
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_new_tokens=5, ignore_eos=True)
+    outs = generate(tok_model, ["hello world", "the quick brown"], params, tokenizer=tokenizer)
+    assert [len(o.outputs) for o in outs] == [2, 2]
+    ids = {rid for _, rid in rails.calls}
+    assert len(ids) == 2  # one request per prompt
+    for rid in ids:
+        assert rails.calls["received", rid] == 1 and rails.calls["response", rid] == 1
+        assert rails.calls["filters", rid] == 2  # one set of output rails per completion
+    usage = rails.responses[-1]["usage"]
+    assert usage["completion_tokens"] == 10 and usage["total_tokens"] == usage["prompt_tokens"] + 10
+
+
+def test_generate_keeps_its_engine_and_drops_stale_prefixes(make_model):
+    """The engine of a call is kept for the next call of its shape (its prefix cache serves it); a weight
+    written in place (a training step) drops the cached prefixes: the next call computes with the new weights."""
+    from plyx.serve import _generate
+
+    model = make_model(vocab=96, seed=31, init_std=0.2)
+    prefix = list(range(1, 40))
+    prompts = [prefix + [50, 51], prefix + [60]]
+    params = _greedy(6)
+    first = generate(model, prompts, params)
+    (_, engine), = _generate._ENGINES[model].values()
+    hits = engine.prefix.hit_rate
+    again = generate(model, prompts, params)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert engine.prefix.hit_rate > hits  # the second call reused the first call's prompt blocks
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # in place: same addresses, new values
+    changed = generate(model, prompts, params)
+    (_, same), = _generate._ENGINES[model].values()
+    assert same is engine
+    fresh = _unguarded(model, prompts, params)  # another engine (its config differs): nothing cached
+    assert [o.outputs[0].token_ids for o in changed] == [o.outputs[0].token_ids for o in fresh]
+    assert [o.outputs[0].token_ids for o in changed] != [o.outputs[0].token_ids for o in first]
+
+
+def test_more_requests_than_the_batch_queue_in_the_engine(make_model):
+    model = make_model(vocab=96, seed=32, init_std=0.2)
+    prompts = [[1 + i, 2 + i, 3] for i in range(5)]
+    params = [SamplingParams(temperature=0.9, seed=i, max_new_tokens=4 + i) for i in range(5)]
+    want = generate(model, prompts, params)
+    got = generate(model, prompts, params, engine_config=EngineConfig(max_batch_size=2, max_batch_tokens=16))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.request_index for o in got] == list(range(5))
+
+
+def test_a_non_paged_cache_object_is_deprecated_and_still_works(make_model):
+    from plyx.attn import make_cache
+
+    model = make_model(vocab=96, seed=33)
+    cache = make_cache("contiguous", model.config, batch_size=4, max_seq_len=64)
+    want = generate(model, [[1, 2, 3]], _greedy(5))
+    with pytest.warns(DeprecationWarning, match="reference loop"):
+        got = generate(model, [[1, 2, 3]], _greedy(5), cache=cache)
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
