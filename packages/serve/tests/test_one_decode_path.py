@@ -136,17 +136,17 @@ def test_generate_keeps_its_engine_and_drops_stale_prefixes(make_model):
     prompts = [prefix + [50, 51], prefix + [60]]
     params = _greedy(6)
     first = generate(model, prompts, params)
-    (_, engine), = _generate._ENGINES[model].values()
+    (engine,) = _generate._kept(model)
     hits = engine.prefix.hit_rate
     again = generate(model, prompts, params)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     assert engine.prefix.hit_rate > hits  # the second call reused the first call's prompt blocks
     with torch.no_grad():
-        model.lm_head.weight.mul_(-1.0)  # in place: same addresses, new values
+        model.embed_tokens.weight.mul_(-1.5)  # in place: same addresses, new values (and new keys, values)
     changed = generate(model, prompts, params)
-    (_, same), = _generate._ENGINES[model].values()
-    assert same is engine
     fresh = _unguarded(model, prompts, params)  # another engine (its config differs): nothing cached
+    (same, _) = _generate._kept(model)  # and the unguarded call's engine, kept beside it
+    assert same is engine
     assert [o.outputs[0].token_ids for o in changed] == [o.outputs[0].token_ids for o in fresh]
     assert [o.outputs[0].token_ids for o in changed] != [o.outputs[0].token_ids for o in first]
 

@@ -12,6 +12,7 @@ object, draft models) runs the private reference loop of ``plyx.serve._reference
 
 from __future__ import annotations
 
+import collections
 import uuid
 import warnings
 import weakref
@@ -210,10 +211,16 @@ def stream_generate(
 # ---------------------------------------------------------------------------
 #: most rows an engine built for ``generate`` runs at once (more requests wait in its queue, admitted as rows end)
 MAX_ENGINE_BATCH = 256
-#: engines kept per model for the next ``generate`` call of the same shape (their cache, graphs, prefix cache)
-ENGINES_PER_MODEL = 4
-_ENGINES: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[tuple[Any, ...], Any]]] = \
-    weakref.WeakKeyDictionary()
+#: engines kept for the next ``generate`` call of the same model and shape (their cache, graphs and prefix
+#: cache), least recently used dropped first; bounded in all, since an engine holds its model (and pool) alive
+KEPT_ENGINES = 4
+# (id(model), shape key) -> (weak reference to the model, its weights' addresses and version, the engine)
+_ENGINES: collections.OrderedDict[tuple[Any, ...], tuple[Any, tuple[Any, ...], Any]] = collections.OrderedDict()
+
+
+def _kept(model: Any) -> list[Any]:
+    """The engines kept for ``model`` (least recently used first)."""
+    return [engine for (mid, _), (ref, _, engine) in _ENGINES.items() if mid == id(model) and ref() is model]
 
 
 def _engine_runs(cache: Any, use_cache: bool, draft_model: Any) -> bool:
@@ -272,30 +279,33 @@ def _engine_for(plan: _Plan, model: Any, cache: Any, cuda_graphs: bool | None, e
             max_batch_size=batch, max_batch_tokens=max(2048, batch), max_model_len=length,
             num_blocks=batch * (per_seq + 1),  # every row at full length, plus one copy-on-write block each
             max_queue=1 << 30, prefix_caching=user_cache is None, cuda_graphs=cuda_graphs is not False,
-            mixed_graphs=None if cuda_graphs is not False else False)
+            # an offline batch prefills once, then decodes: decode graphs pay off, while capturing a mixed-step
+            # graph per token bucket (seconds at engine start) would not
+            mixed_graphs=False)
     eos = tuple(plan.eos)
     if user_cache is not None:  # the caller's pool: an engine of its own, never kept
         engine = Engine(model, tokenizer=plan.tokenizer, config=engine_config, eos_token_id=eos, cache=user_cache)
         engine.client_busy = True
         return engine
-    key = (engine_config, id(plan.tokenizer.raw) if plan.tokenizer is not None else None, eos, str(device))
-    kept = _ENGINES.setdefault(model, {})
+    key = (id(model), (engine_config, id(plan.tokenizer.raw) if plan.tokenizer is not None else None, eos,
+                       str(device)))
     weights = _weights(model)
-    entry = kept.pop(key, None)
+    entry = _ENGINES.pop(key, None)
     if entry is not None:
-        (addresses, version), engine = entry
-        if addresses == weights[0] and not engine.client_busy and not engine.has_unfinished():
+        ref, (addresses, version), engine = entry
+        if (ref() is model and addresses == weights[0] and not engine.client_busy
+                and not engine.has_unfinished()):
             if version != weights[1] and engine.prefix is not None:
                 engine.prefix.clear()  # the weights changed in place (a training step): cached prefixes are stale
             engine.tokenizer = plan.tokenizer
             engine.client_busy = True
-            kept[key] = (weights, engine)
+            _ENGINES[key] = (ref, weights, engine)
             return engine
     engine = Engine(model, tokenizer=plan.tokenizer, config=engine_config, eos_token_id=eos)
     engine.client_busy = True
-    kept[key] = (weights, engine)
-    while len(kept) > ENGINES_PER_MODEL:
-        kept.pop(next(iter(kept)))
+    _ENGINES[key] = (weakref.ref(model), weights, engine)
+    while len(_ENGINES) > KEPT_ENGINES:
+        _ENGINES.popitem(last=False)
     return engine
 
 
