@@ -91,6 +91,8 @@ def test_a_guardrail_refuses_a_prompt_given_to_generate(tok_model, tokenizer, co
 
 def test_input_rewrite_and_output_rails_apply_to_generate(tok_model, tokenizer, rails):
     want = _unguarded(tok_model, ["hello world"], _greedy(12), tokenizer)[0].outputs[0]
+    assert "o" in want.text and "*" not in want.text  # the rail has something to change; it did not run here
+    assert not rails.calls  # guardrails off: no hook ran
     got = generate(tok_model, ["secret world"], _greedy(12), tokenizer=tokenizer)[0]
     # the model saw the rewritten prompt: same tokens as the unguarded run of it; the text went through the rail
     assert got.prompt_token_ids == tuple(tokenizer.encode("hello world").ids)

@@ -323,10 +323,12 @@ def _submit(plan: _Plan, engine: Any, generator: torch.Generator | None) -> Gene
     try:
         for r, (ids, p) in enumerate(zip(plan.prompt_ids, plan.params)):
             rid = f"{base}{r}"
-            guard = engine.guard_for(rid, ids, plan.prompt_texts[r], endpoint="generate")
-            guard.admit()  # raises RequestRefused (reported to plyx_on_response first)
-            if guard.rewritten is not None:  # an input rail redacted the prompt: the model sees the new text
-                ids = _rewritten_ids(plan, r, guard.rewritten)
+            guard = None
+            if engine.config.guardrails:
+                guard = engine.guard_for(rid, ids, plan.prompt_texts[r], endpoint="generate")
+                guard.admit()  # raises RequestRefused (reported to plyx_on_response first)
+                if guard.rewritten is not None:  # an input rail redacted the prompt: the model sees the new text
+                    ids = _rewritten_ids(plan, r, guard.rewritten)
             req = engine.add_request(rid, ids, p, grammar=plan.grammars[r], guard=guard)
             for seq in req.seqs:
                 seq.completion.request_index = r  # events name the prompt, not the engine's request
