@@ -172,3 +172,23 @@ def test_a_non_paged_cache_object_is_deprecated_and_still_works(make_model):
     with pytest.warns(DeprecationWarning, match="reference loop"):
         got = generate(model, [[1, 2, 3]], _greedy(5), cache=cache)
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+
+
+def test_engine_requests_are_guarded_unless_turned_off(tok_model, tokenizer, rails):
+    """A library user of the Engine itself meets the same rails; a rewrite is re-encoded by the engine."""
+    from plyx.serve.engine import Engine
+
+    def engine(**kw):
+        return Engine(tok_model, tokenizer=tokenizer, config=EngineConfig(max_batch_size=2, num_blocks=64, **kw))
+
+    forbidden = tokenizer.encode("the forbidden fox").ids
+    with pytest.raises(RequestRefused):
+        engine().add_request("r1", forbidden, _greedy(3))
+    assert engine(guardrails=False).generate([forbidden], _greedy(3))[0].outputs[0].finish_reason == "length"
+    guarded = engine()
+    req = guarded.add_request("r2", tokenizer.encode("secret world").ids, _greedy(4))
+    assert req.prompt_ids == tokenizer.encode("hello world").ids  # the engine encoded the rail's rewrite
+    while guarded.has_unfinished():
+        guarded.step()
+    assert rails.calls["received", "r2"] == rails.calls["response", "r2"] == 1
+    assert "o" not in guarded.request_output(req).outputs[0].text  # the output rail's text
