@@ -192,3 +192,47 @@ def test_engine_requests_are_guarded_unless_turned_off(tok_model, tokenizer, rai
         guarded.step()
     assert rails.calls["received", "r2"] == rails.calls["response", "r2"] == 1
     assert "o" not in guarded.request_output(req).outputs[0].text  # the output rail's text
+
+
+class _HoldAll:
+    """Holds every character and decides at the end: blocks a reply longer than 3 characters."""
+
+    def __init__(self):
+        self.held = ""
+        self.blocked = None
+
+    def feed(self, text):
+        self.held += text
+        return ""
+
+    def finish(self):
+        if len(self.held) > 3:
+            self.blocked = {"message": "too long", "rule_id": "short"}
+            return ""
+        return self.held
+
+
+class _HoldRails:
+    @hookimpl
+    def plyx_output_filters(self, request, context):
+        return [_HoldAll()]
+
+
+def test_a_block_on_the_last_text_is_the_generate_finish_reason(tok_model, tokenizer):
+    """A rail that decides on the whole text blocks after the last token: generate's finish reason says so for
+    every completion that ended in that same step (both of n=2), and the held text never leaves."""
+    params = SamplingParams(temperature=0, n=2, max_new_tokens=12, ignore_eos=True)
+    full = _unguarded(tok_model, ["hello world"], params, tokenizer)[0].outputs
+    assert all(len(c.text) > 3 for c in full)
+    register_plugin(_HoldRails(), "test-hold-rails")
+    try:
+        stream = stream_generate(tok_model, ["hello world"], params, tokenizer=tokenizer)
+        events = list(stream)
+        short = generate(tok_model, ["hello world"], _greedy(1), tokenizer=tokenizer)[0].outputs[0]
+    finally:
+        unregister_plugin("test-hold-rails")
+    assert "".join(e.text for e in events) == ""
+    assert sorted(e.index for e in events if e.finish_reason == "content_filter") == [0, 1]
+    for c in stream.outputs()[0].outputs:  # both ended by length, then the rail blocked what it held
+        assert c.finish_reason == "content_filter" and c.text == "" and len(c.token_ids) == 12
+    assert short.finish_reason == "length" and 0 < len(short.text) <= 3  # let through at the end

@@ -169,7 +169,7 @@ class Engine:
         self.stats = EngineStats()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._seq_ids = itertools.count(first_id)
-        self._guards: dict[str, RequestGuard] = {}  # request id -> its guardrails (until the request ends)
+        self._guards: dict[str, EngineRequest] = {}  # request id -> a guarded request (until it ends)
         self.client_busy = False  # a generate() call is draining this engine (it is kept for the next call)
         self._order = itertools.count()
         self._priority: dict[int, tuple[int, int]] = {}  # seq_id -> (request order, index)
@@ -378,7 +378,7 @@ class Engine:
         if guard is not None:
             req.guard = guard
             guard.attach(request_id, len(req.prompt_ids), params.n)
-            self._guards[request_id] = guard
+            self._guards[request_id] = req
         return req
 
     def abort(self, request_id: str) -> list[EngineOutput]:
@@ -392,9 +392,8 @@ class Engine:
             seq.status = SeqStatus.FINISHED
         req.finish_time = time.monotonic()
         self.stats.requests_aborted += 1
-        guard = self._guards.pop(request_id, None)
-        if guard is not None:
-            guard.finish(request_id, aborted=True)
+        if self._guards.pop(request_id, None) is not None:
+            req.guard.finish(request_id, aborted=True)
         return [EngineOutput(request_id, 0, None, request_finished=True, aborted=True)]
 
     def has_unfinished(self) -> bool:
@@ -423,44 +422,46 @@ class Engine:
 
     def _guard_outputs(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
         """Each output's text through its request's output filters; a completion a filter blocked ends now
-        (``finish_reason="content_filter"``, its blocks freed); a request that ended reports its response."""
-        kept: list[EngineOutput] = []
+        (``finish_reason="content_filter"``, its blocks freed); a request that ended reports its response, and
+        only its last output of the step carries ``request_finished``."""
+        done: dict[str, EngineOutput] = {}  # guarded requests that ended this step -> their last output
         for out in outputs:
-            guard = self._guards.get(out.request_id)
-            if guard is None:
-                kept.append(out)
+            req = self._guards.get(out.request_id)
+            if req is None:
                 continue
             ev = out.event
             if ev is not None:
-                text, blocked = guard.feed(out.request_id, out.index, ev.text, ev.finish_reason, len(ev.token_ids))
+                text, blocked = req.guard.feed(out.request_id, out.index, ev.text, ev.finish_reason,
+                                               len(ev.token_ids))
                 if blocked and ev.finish_reason != "content_filter":
-                    out.request_finished = self._block(out.request_id, out.index) or out.request_finished
+                    self._block(req, out.index)
                     ev = msgspec.structs.replace(ev, text=text, finish_reason="content_filter")
                 elif text is not ev.text:
                     ev = msgspec.structs.replace(ev, text=text)
                 out.event = ev
-            kept.append(out)
-            if out.request_finished:
-                self._guards.pop(out.request_id, None)
-                guard.finish(out.request_id, aborted=out.aborted)
-        return kept
+            if out.request_finished or req.finished:
+                out.request_finished = False
+                done[out.request_id] = out
+        for rid, last in done.items():
+            last.request_finished = True
+            req = self._guards.pop(rid)
+            req.guard.finish(rid, aborted=last.aborted)
+        return outputs
 
-    def _block(self, request_id: str, index: int) -> bool:
-        """End completion ``index`` of a request (an output filter blocked it); True when the request is done."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return True
+    def _block(self, req: EngineRequest, index: int) -> bool:
+        """End completion ``index`` of ``req`` (an output filter blocked it, maybe on its last text); True when
+        the request is done (then it is no longer in ``requests``)."""
         seq = req.seqs[index]
-        if seq.completion.finish_reason is None:
-            seq.completion.finish_reason = "content_filter"  # type: ignore[assignment]
+        seq.completion.finish_reason = "content_filter"  # type: ignore[assignment]  # also over "stop"/"length"
         if seq.status is not SeqStatus.FINISHED:
             self._free(seq)
             seq.status = SeqStatus.FINISHED
         if not req.finished:
             return False
-        req.finish_time = time.monotonic()
-        self.requests.pop(request_id, None)
-        self.stats.requests_finished += 1
+        if req.request_id in self.requests:  # it ended here, not in this step's sampling
+            req.finish_time = time.monotonic()
+            self.requests.pop(req.request_id, None)
+            self.stats.requests_finished += 1
         return True
 
     @torch.inference_mode()
