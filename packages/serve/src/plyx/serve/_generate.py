@@ -303,7 +303,8 @@ def _engine_for(plan: _Plan, model: Any, cache: Any, cuda_graphs: bool | None, e
             return engine
     engine = Engine(model, tokenizer=plan.tokenizer, config=engine_config, eos_token_id=eos)
     engine.client_busy = True
-    _ENGINES[key] = (weakref.ref(model), weights, engine)
+    # read after the build: CUDA graphs restack the q/k/v and gate/up weights in place (new addresses, once)
+    _ENGINES[key] = (weakref.ref(model), _weights(model), engine)
     while len(_ENGINES) > KEPT_ENGINES:
         _ENGINES.popitem(last=False)
     return engine
