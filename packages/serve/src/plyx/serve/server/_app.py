@@ -587,18 +587,22 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
     job = Job(state.aengine, prompts, params, guard, kind, job_id=job_id, adapter=adapter)
     state.inflight += 1
     try:
-        await job.start()
+        await job.start()  # a failure aborts the prompts already queued: their report carries this status
     except QueueFullError as exc:
         state.inflight -= 1
+        guard.status = 429
         raise APIError(429, str(exc), code="queue_full") from None
     except ConfigError as exc:
         state.inflight -= 1
+        guard.status = 400
         raise from_config_error(exc) from None
     except WorkerUnavailableError as exc:  # disaggregated serving: the prefill worker is gone
         state.inflight -= 1
+        guard.status = 503
         raise APIError(503, f"{exc}; restart the server (or its worker)", code="worker_unavailable") from None
     except BaseException:
         state.inflight -= 1
+        guard.status = 500
         raise
 
     closed = False
