@@ -154,10 +154,11 @@ def test_generate_keeps_its_engine_and_drops_stale_prefixes(make_model):
 
 
 def test_more_requests_than_the_batch_queue_in_the_engine(make_model):
-    model = make_model(vocab=96, seed=32, init_std=0.2)
+    model = make_model(vocab=96, seed=32, init_std=0.2).train()
     prompts = [[1 + i, 2 + i, 3] for i in range(5)]
     params = [SamplingParams(temperature=0.9, seed=i, max_new_tokens=4 + i) for i in range(5)]
     want = generate(model, prompts, params)
+    assert model.training  # generate leaves the caller's mode alone
     got = generate(model, prompts, params, engine_config=EngineConfig(max_batch_size=2, max_batch_tokens=16))
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert [o.request_index for o in got] == list(range(5))

@@ -283,8 +283,10 @@ def _engine_for(plan: _Plan, model: Any, cache: Any, cuda_graphs: bool | None, e
             # graph per token bucket (seconds at engine start) would not
             mixed_graphs=False)
     eos = tuple(plan.eos)
+    training = bool(getattr(model, "training", False))  # the Engine puts its model in eval mode; generate never did
     if user_cache is not None:  # the caller's pool: an engine of its own, never kept
         engine = Engine(model, tokenizer=plan.tokenizer, config=engine_config, eos_token_id=eos, cache=user_cache)
+        model.train(training)
         engine.client_busy = True
         return engine
     key = (id(model), (engine_config, id(plan.tokenizer.raw) if plan.tokenizer is not None else None, eos,
@@ -302,6 +304,7 @@ def _engine_for(plan: _Plan, model: Any, cache: Any, cuda_graphs: bool | None, e
             _ENGINES[key] = (ref, weights, engine)
             return engine
     engine = Engine(model, tokenizer=plan.tokenizer, config=engine_config, eos_token_id=eos)
+    model.train(training)  # a model being trained (on-policy distillation samples with generate) stays so
     engine.client_busy = True
     # read after the build: CUDA graphs restack the q/k/v and gate/up weights in place (new addresses, once)
     _ENGINES[key] = (weakref.ref(model), _weights(model), engine)
