@@ -474,10 +474,13 @@ def bench_hf(hf: Any, reqs: list[Request], args: argparse.Namespace, device: str
 
 # -- the engine's ceiling: generate's decode at the same batch ---------------------------
 def bench_generate(model: Any, reqs: list[Request], args: argparse.Namespace) -> dict[str, Any]:
-    """``plyx.serve.generate`` (CUDA graphs where a GPU runs it) on the same requests, ``--max-concurrency`` at a
-    time in arrival order, EOS ignored: the decode speed a serving engine with as many requests in flight could
-    reach. Its tokens/s is the denominator of ``serving_vs_generate``."""
-    from plyx.serve import SamplingParams, generate
+    """The static-batch graph decode loop ``generate`` ran before it became an engine client
+    (``plyx.serve._reference.reference_generate``, CUDA graphs where a GPU runs it) on the same requests,
+    ``--max-concurrency`` at a time in arrival order, EOS ignored: the decode speed a serving engine with as
+    many requests in flight could reach. Its tokens/s is the denominator of ``serving_vs_generate`` (kept on
+    the reference loop so the ratio measures the engine against the loop it replaced, not against itself)."""
+    from plyx.serve import SamplingParams
+    from plyx.serve._reference import reference_generate as generate
 
     batch = args.max_concurrency or len(reqs)
     device = next(model.parameters()).device
@@ -504,7 +507,7 @@ def bench_generate(model: Any, reqs: list[Request], args: argparse.Namespace) ->
             t.output_tokens = reqs[i].output_len
             t.ok = True
     duration = time.perf_counter() - start
-    return summarize(f"plyx generate (batch {batch}, no server)", reqs, timings, duration)
+    return summarize(f"plyx reference decode loop (batch {batch}, no server)", reqs, timings, duration)
 
 
 # -- setup --------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from plyx.attn import StaticDecode, make_cache
 from plyx.serve import SamplingParams, generate
 from plyx.serve._graphs import DecodeGraphs, default_buckets
+from plyx.serve._reference import reference_generate
 from plyx.specs.errors import ConfigError
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -249,7 +250,7 @@ def test_generate_with_a_graph_step_equals_without(make_model):
     model = make_model(vocab=96, seed=5)
     prompts = [[3, 4, 5, 6], [9, 8], [1, 2, 3, 4, 5, 6, 7]]
     params = SamplingParams(temperature=0, max_new_tokens=12)
-    want = [o.outputs[0].token_ids for o in generate(model, prompts, params, cache="paged")]
+    want = [o.outputs[0].token_ids for o in reference_generate(model, prompts, params, cache="paged")]
 
     made = []
     original = _runner.Runner._decode_graphs
@@ -261,7 +262,7 @@ def test_generate_with_a_graph_step_equals_without(make_model):
     _runner.Runner._decode_graphs = eager_graphs
     try:
         for kind in ("paged", "contiguous"):
-            got = [o.outputs[0].token_ids for o in generate(model, prompts, params, cache=kind)]
+            got = [o.outputs[0].token_ids for o in reference_generate(model, prompts, params, cache=kind)]
             assert got == want, kind
     finally:
         _runner.Runner._decode_graphs = original
@@ -276,7 +277,7 @@ def test_generate_prefills_equal_prompts_through_chunk_steps(make_model, monkeyp
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(1, 96, (29,), generator=g).tolist() for _ in range(2)]
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in generate(model, prompts, params, cache="paged")]
+    want = [o.outputs[0].token_ids for o in reference_generate(model, prompts, params, cache="paged")]
     made = []
 
     def eager_graphs(self, wanted, num_sequences):
@@ -285,7 +286,7 @@ def test_generate_prefills_equal_prompts_through_chunk_steps(make_model, monkeyp
 
     monkeypatch.setattr(_runner.Runner, "_decode_graphs", eager_graphs)
     for kind in ("paged", "contiguous"):
-        got = [o.outputs[0].token_ids for o in generate(model, prompts, params, cache=kind)]
+        got = [o.outputs[0].token_ids for o in reference_generate(model, prompts, params, cache=kind)]
         assert got == want, kind
     assert [m.steps for m in made] == [4 + 5, 4 + 5]  # chunks 16, 8, 4, 1, then 5 decode steps
 
@@ -338,9 +339,9 @@ def test_a_step_that_cannot_be_captured_falls_back_to_eager(make_model):
     model = make_model(vocab=128, seed=9).cuda()
     prompts = [[5, 6, 7], [9, 10]]
     params = SamplingParams(temperature=0, max_new_tokens=6)
-    eager = generate(model, prompts, params, cache="paged", cuda_graphs=False)
+    eager = reference_generate(model, prompts, params, cache="paged", cuda_graphs=False)
     with pytest.warns(RuntimeWarning, match="capture of the decode step failed"):
-        graphed = generate(model, prompts, params, cache="paged")
+        graphed = reference_generate(model, prompts, params, cache="paged")
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
 
 
@@ -373,7 +374,7 @@ def test_engine_with_static_decode_steps_equals_without(make_model):
 def test_looking_ahead_one_step_changes_no_output(make_model, monkeypatch, tokenizer, tok_model):
     """The CUDA loop queues step N + 1 before it reads step N's tokens; forced on here (CPU), every output
     -- rows ending by EOS, by stop string, by length, n > 1, log-probs -- is what the plain loop gives."""
-    from plyx.serve import _generate
+    from plyx.serve import _reference
 
     model = make_model(vocab=96, seed=12)
     prompts = [[3, 4, 5, 6], [9, 8], [1, 2, 3, 4, 5, 6, 7], [40]]
@@ -382,21 +383,21 @@ def test_looking_ahead_one_step_changes_no_output(make_model, monkeypatch, token
     prompts.append([7, 7, 7])
 
     def run(eos):
-        outs = generate(model, prompts, params, eos_token_id=eos, cache="paged")
+        outs = reference_generate(model, prompts, params, eos_token_id=eos, cache="paged")
         return [(c.token_ids, c.finish_reason, c.logprobs) for o in outs for c in o.outputs]
 
-    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: False)
+    monkeypatch.setattr(_reference, "_looks_ahead", lambda device: False)
     free = run([95])
     eos = [free[0][0][2], free[2][0][4]]  # two rows end early by EOS, mid-batch
     want = run(eos)
     assert {r[1] for r in want} == {"stop", "length"}  # both kinds of ending are exercised
-    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: True)
+    monkeypatch.setattr(_reference, "_looks_ahead", lambda device: True)
     assert run(eos) == want
     text = dict(prompts="hello world, the", params=SamplingParams(temperature=0, max_new_tokens=12, stop=["o"]))
-    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: False)
-    want_text = generate(tok_model, [text["prompts"]], text["params"], tokenizer=tokenizer)[0].outputs[0]
-    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: True)
-    got_text = generate(tok_model, [text["prompts"]], text["params"], tokenizer=tokenizer)[0].outputs[0]
+    monkeypatch.setattr(_reference, "_looks_ahead", lambda device: False)
+    want_text = reference_generate(tok_model, [text["prompts"]], text["params"], tokenizer=tokenizer)[0].outputs[0]
+    monkeypatch.setattr(_reference, "_looks_ahead", lambda device: True)
+    got_text = reference_generate(tok_model, [text["prompts"]], text["params"], tokenizer=tokenizer)[0].outputs[0]
     assert (got_text.text, got_text.token_ids) == (want_text.text, want_text.token_ids)
 
 
@@ -431,14 +432,14 @@ def test_plain_greedy_runs_several_steps_per_replay(make_model, monkeypatch):
     time: rows ending by EOS inside a group, by length at different limits and a row whose budget is
     not a power of two all end with the tokens and reasons of the one-step loop; a sampled request in
     the same call keeps one step per replay."""
-    from plyx.serve import _generate, _runner
+    from plyx.serve import _reference, _runner
 
     model = make_model(vocab=96, seed=22)
     prompts = [[3, 4, 5, 6], [9, 8], [1, 2, 3, 4, 5, 6, 7]]
     params = [SamplingParams(temperature=0, max_new_tokens=m) for m in (19, 30, 13)]
 
     def run(eos):
-        outs = generate(model, prompts, params, eos_token_id=eos, cache="paged")
+        outs = reference_generate(model, prompts, params, eos_token_id=eos, cache="paged")
         return [(c.token_ids, c.finish_reason) for o in outs for c in o.outputs]
 
     free = run([95])
@@ -454,11 +455,11 @@ def test_plain_greedy_runs_several_steps_per_replay(make_model, monkeypatch):
         return made[-1]
 
     monkeypatch.setattr(_runner.Runner, "_decode_graphs", eager_graphs)
-    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: True)
+    monkeypatch.setattr(_reference, "_looks_ahead", lambda device: True)
     assert run(eos) == want
-    assert groups and max(groups) == _generate.GREEDY_STEPS and all(g & (g - 1) == 0 for g in groups)
+    assert groups and max(groups) == _reference.GREEDY_STEPS and all(g & (g - 1) == 0 for g in groups)
     groups.clear()
-    sampled = generate(model, [[5, 5]], SamplingParams(temperature=0.7, seed=1, max_new_tokens=6), cache="paged")
+    sampled = reference_generate(model, [[5, 5]], SamplingParams(temperature=0.7, seed=1, max_new_tokens=6), cache="paged")
     assert len(sampled[0].outputs[0].token_ids) == 6 and not groups  # sampling: one step per replay
 
 
@@ -466,24 +467,24 @@ def test_plain_greedy_runs_several_steps_per_replay(make_model, monkeypatch):
 def test_graphs_are_reused_by_the_next_call_of_the_same_shape(make_model):
     model = make_model(vocab=128, d_model=256, seed=10).to("cuda", torch.bfloat16)
     params = SamplingParams(temperature=0, max_new_tokens=8)
-    first = generate(model, [[1, 2, 3]], params, cache="paged")
+    first = reference_generate(model, [[1, 2, 3]], params, cache="paged")
     from plyx.serve._runner import _SPARES
 
     (_, cache, graphs), = _SPARES[model].values()
     assert graphs.captured == [1] and not cache.sequences()
     captured, replays = set(graphs._graphs), graphs.replays
-    again = generate(model, [[1, 2, 3]], params, cache="paged")
+    again = reference_generate(model, [[1, 2, 3]], params, cache="paged")
     assert again[0].outputs[0].token_ids == first[0].outputs[0].token_ids
     # the second call replayed the first call's graphs (prompt chunks 2 + 1, then decode groups 4, 2, 1), capturing none
     assert set(graphs._graphs) == captured and graphs.replays == replays + 5
-    generate(model, [[1, 2, 3]], params, cache="contiguous")  # another shape: kept beside the first
+    reference_generate(model, [[1, 2, 3]], params, cache="contiguous")  # another shape: kept beside the first
     replays = graphs.replays
-    generate(model, [[1, 2, 3]], params, cache="paged")
+    reference_generate(model, [[1, 2, 3]], params, cache="paged")
     assert graphs.replays > replays and len(_SPARES[model]) == 2
     with torch.no_grad():  # new weights at new addresses: the spare graphs must not be used
         for p in model.parameters():
             p.data = p.data * 1.5
-    generate(model, [[1, 2, 3]], params, cache="paged")
+    reference_generate(model, [[1, 2, 3]], params, cache="paged")
     newer = _SPARES[model][("paged", 1, 16)][2]
     assert newer is not graphs
 
@@ -522,14 +523,14 @@ def test_static_step_with_packed_projections_per_architecture(arch, tmp_path):
 def test_greedy_tokens_from_the_graph_change_no_output(make_model, monkeypatch):
     """Plain greedy rows take the argmax computed in the step's graph (here: its eager stand-in) instead of
     sampling after it; tokens, finish reasons and EOS endings are those of the plain loop."""
-    from plyx.serve import _generate, _runner
+    from plyx.serve import _reference, _runner
 
     model = make_model(vocab=96, seed=13)
     prompts = [[3, 4, 5, 6], [9, 8], [1, 2, 3, 4, 5, 6, 7], [40]]
     params = [SamplingParams(temperature=0, max_new_tokens=m) for m in (9, 3, 14, 6)]
 
     def run(eos):
-        outs = generate(model, prompts, params, eos_token_id=eos, cache="paged")
+        outs = reference_generate(model, prompts, params, eos_token_id=eos, cache="paged")
         return [(c.token_ids, c.finish_reason) for o in outs for c in o.outputs]
 
     free = run([95])
@@ -550,12 +551,12 @@ def test_greedy_tokens_from_the_graph_change_no_output(make_model, monkeypatch):
                         lambda self, wanted, n: DecodeGraphs(self.model, self.cache, max_batch=n, capture=False))
     monkeypatch.setattr(_runner.Runner, "greedy_step", counting)
     monkeypatch.setattr(_runner.Runner, "greedy_steps", counting_k)
-    monkeypatch.setattr(_generate, "_looks_ahead", lambda device: True)
+    monkeypatch.setattr(_reference, "_looks_ahead", lambda device: True)
     assert run(eos) == want
     assert sum(calls) >= 3  # every look-ahead step of the run (rows end by EOS after a few tokens)
     calls.clear()
     sampled = [SamplingParams(temperature=0, max_new_tokens=4, repetition_penalty=1.3)]  # a processor: not plain
-    generate(model, [[3, 4]], sampled, cache="paged")
+    reference_generate(model, [[3, 4]], sampled, cache="paged")
     assert not calls
 
 

@@ -59,7 +59,7 @@ def test_decode_heavy_run_against_generate_and_the_grouped_step(serving, tmp_pat
     assert serving.main(argv) == 0
     report = json.loads((tmp_path / "d.json").read_text())
     packed, grouped, gen = report["runs"]
-    assert packed["packed_step"] and not grouped["packed_step"] and gen["name"].startswith("plyx generate")
+    assert packed["packed_step"] and not grouped["packed_step"] and gen["name"].startswith("plyx reference decode loop")
     for run in (packed, grouped, gen):
         assert (run["completed"], run["failed"], run["total_output_tokens"]) == (4, 0, 24)
     ratio = packed["output_throughput"] / gen["output_throughput"]

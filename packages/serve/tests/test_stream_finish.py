@@ -9,7 +9,7 @@ from plyx.serve.server._generation import Job
 
 
 def test_each_event_carries_the_finish_reason_it_set():
-    job = Job(aengine=None, prompts=[[1, 2]], params=SamplingParams(max_new_tokens=3), make_filters=list,
+    job = Job(aengine=None, prompts=[[1, 2]], params=SamplingParams(max_new_tokens=3), guard=None,
               kind="completion")
     outs = [EngineOutput(f"{job.id}-0", 0, StreamEvent(request_index=0, index=0, token_ids=(t,), text=w,
                                                        finish_reason="length" if last else None))

@@ -118,12 +118,13 @@ def server(server_lm, bpe) -> Iterator[Running]:
 
 
 def reference(model: Any, tok: Any, prompt_ids: list[int], max_tokens: int, **params: Any) -> Any:
-    """The request run alone (sequentially, batch of one) on a fresh engine: the expected greedy answer."""
+    """The request run alone (sequentially, batch of one) on a fresh engine: the expected greedy answer (the
+    model's own, no guardrails: tests compare a guarded server against it)."""
     from plyx.serve import SamplingParams
     from plyx.serve.engine import Engine, EngineConfig
 
     engine = Engine(model, tokenizer=tok, config=EngineConfig(max_batch_size=1, max_batch_tokens=512, block_size=4,
-                                                              num_blocks=256, prefix_caching=False))
+                                                              num_blocks=256, prefix_caching=False, guardrails=False))
     sp = SamplingParams(temperature=0, max_new_tokens=max_tokens, **params)
     return engine.generate([prompt_ids], sp)[0].outputs[0]
 

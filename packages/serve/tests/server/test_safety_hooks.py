@@ -171,3 +171,47 @@ def test_a_block_at_the_end_of_the_reply_is_content_filter(server, rails, bpe, g
     ok = httpx.post(server.base_url + "/v1/completions", headers=server.headers, timeout=60,
                     json={**body, "stream": False, "max_tokens": 1}).json()["choices"][0]
     assert 0 < len(ok["text"]) <= 8 and ok["finish_reason"] == "length"
+
+
+class Counting:
+    """Counts each serving hook per request id (the response's id): nothing more."""
+
+    def __init__(self):
+        import collections
+
+        self.calls = collections.Counter()
+
+    @hookimpl
+    def plyx_on_request_received(self, request, context):
+        self.calls["received", context["request_id"]] += 1
+
+    @hookimpl
+    def plyx_output_filters(self, request, context):
+        self.calls["filters", context["request_id"]] += 1
+        return []
+
+    @hookimpl
+    def plyx_on_response(self, request, response, context):
+        self.calls["response", context["request_id"]] += 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_hooks_run_once_per_api_call_at_the_engine_boundary(server, stream):
+    """The server hands its guard to the engine and calls no hook itself: one input check and one response
+    report per API call (two prompts, n=2), one set of output rails per choice; no double application."""
+    counting = Counting()
+    register_plugin(counting, "test-counting-rails")
+    try:
+        body = {"model": "tiny", "prompt": ["hello world", "hello there"], "n": 2, "max_tokens": 3,
+                "temperature": 0.7, "seed": 1, "ignore_eos": True, "stream": stream}
+        if stream:
+            with httpx.stream("POST", server.base_url + "/v1/completions", headers=server.headers, json=body,
+                              timeout=60) as r:
+                ids = {json.loads(line[6:])["id"] for line in r.iter_lines() if line.startswith("data: {")}
+            (rid,) = ids
+        else:
+            rid = httpx.post(server.base_url + "/v1/completions", headers=server.headers, json=body,
+                             timeout=60).json()["id"]
+    finally:
+        unregister_plugin("test-counting-rails")
+    assert counting.calls == {("received", rid): 1, ("filters", rid): 4, ("response", rid): 1}

@@ -1,24 +1,32 @@
-"""``generate()`` and ``stream_generate()``: batched decoding of many prompts with any KV cache.
+"""``generate()`` and ``stream_generate()``: offline batches as thin clients of the engine.
 
-The loop, per step: processors and sampler on the ``[B, V]`` logits (on device), one host copy of
-the B chosen tokens (needed anyway for stop rules and streaming), then one forward pass of the
-rows still running. Finished rows leave the batch at once (their cache sequences are evicted), so a
-batch never pays for its longest member.
+One decode path: a call validates its inputs, submits every prompt to a ``plyx.serve.engine.Engine``
+(the guardrails' input rails run there, per prompt) and drains it; the engine's batching, CUDA graphs,
+multi-step decode and prefix cache apply, and the outputs come back in prompt order as
+``RequestOutput``. Engines are kept per model for the next call of the same shape (their graphs and
+prefix cache with them; the prefix cache is dropped when the weights changed in place).
+
+What the engine has no equivalent for yet (``use_cache=False``, a plugin cache kind or a non-paged cache
+object, draft models) runs the private reference loop of ``plyx.serve._reference``.
 """
 
 from __future__ import annotations
 
+import collections
+import uuid
+import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import msgspec
 import torch
 from plyx.serve._completion import Completion
-from plyx.serve._outputs import RequestOutput, StreamEvent, TokenLogprob
+from plyx.serve._outputs import RequestOutput, StreamEvent
 from plyx.serve._params import SamplingParams
-from plyx.serve._pipeline import LogitsPipeline, check_plugin_names
-from plyx.serve._processors import SamplingState
-from plyx.serve._runner import Runner, model_device
-from plyx.serve._structured import GrammarMask, compile_structured, new_matcher
+from plyx.serve._pipeline import check_plugin_names
+from plyx.serve._runner import model_device
+from plyx.serve._structured import compile_structured
 from plyx.serve._tokenizer import TokenizerView
 from plyx.specs.errors import ConfigError
 from plyx.specs.kvcache import KVCache
@@ -149,73 +157,6 @@ def _seeded(p: SamplingParams, index: int, device: torch.device) -> torch.Genera
     return gen
 
 
-#: plain greedy decoding on CUDA graphs runs up to this many one-token steps per replay (a power of two):
-#: the per-step host work, copies and launch are paid once per group, and a stream receives tokens in groups
-GREEDY_STEPS = 8
-
-
-def _plain_greedy(pipeline: LogitsPipeline, rows: Sequence[Completion]) -> bool:
-    """Every row greedy through the built-in sampler, nothing processing the logits, no log-probs asked."""
-    from plyx.serve._processors import GreedySampler
-
-    return (not pipeline.processors and len(pipeline.samplers) == 1
-            and type(pipeline.samplers[0][0]) is GreedySampler and all(c.params.logprobs is None for c in rows))
-
-
-def _looks_ahead(device: torch.device) -> bool:
-    """Queue step N + 1 before reading step N's tokens: only where the device runs asynchronously (CUDA);
-    on a CPU the forward runs inline, so looking ahead would only add the rows that end by EOS."""
-    return device.type == "cuda"
-
-
-def _to_host(tokens: torch.Tensor) -> Any:
-    """Start copying ``tokens`` to the host; the returned callable waits for the copy and gives the list."""
-    if tokens.device.type != "cuda":
-        return tokens.tolist
-    pinned = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    pinned.copy_(tokens, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-
-    def wait() -> list[int]:
-        done.synchronize()
-        return pinned.tolist()
-
-    return wait
-
-
-def _device_index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    """Row indices as a long tensor on ``device``, copied without waiting for the GPU: a plain
-    ``torch.as_tensor(list, device=cuda)`` copies from pageable memory, which waits for every queued
-    kernel (at the start of a call, the whole prefill) before the host can queue anything else."""
-    index = torch.tensor(list(rows), dtype=torch.long)
-    if device.type != "cuda":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)
-
-
-def _token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, rows: Sequence[Completion]) -> list[list[TokenLogprob] | None]:
-    """Log-probabilities of the chosen tokens (and top alternatives) of the rows that asked; one host copy."""
-    want = [c.params.logprobs for c in rows]
-    if all(w is None for w in want):
-        return [None] * len(rows)
-    lp = raw.float().log_softmax(dim=-1)  # [B, V]
-    chosen = lp.gather(1, tokens[:, None])[:, 0].tolist()
-    k = max(w or 0 for w in want)
-    top_v, top_i = lp.topk(k, dim=-1) if k else (None, None)
-    tv = top_v.tolist() if top_v is not None else None
-    ti = top_i.tolist() if top_i is not None else None
-    toks = tokens.tolist()
-    out: list[list[TokenLogprob] | None] = []
-    for r, w in enumerate(want):
-        if w is None:
-            out.append(None)
-            continue
-        top = tuple(zip(ti[r][:w], tv[r][:w])) if w and ti is not None and tv is not None else ()
-        out.append([TokenLogprob(toks[r], chosen[r], top)])
-    return out
-
-
 # ---------------------------------------------------------------------------
 # the public functions
 # ---------------------------------------------------------------------------
@@ -235,39 +176,212 @@ def stream_generate(
     cuda_graphs: bool | None = None,
     prompt_lookup_min: int = 1,
     prompt_lookup_max: int = 3,
+    engine_config: Any = None,
 ) -> GenerationStream:
     """Decode ``prompts`` and yield each completion's new tokens as they are produced.
 
-    Same arguments as ``generate``. Every input is validated when this is called (before the first
-    ``next``), and the cache sequences it allocated are evicted when the iterator finishes or is closed.
-    Plain greedy requests decoded through CUDA graphs arrive in events of up to ``GREEDY_STEPS`` (8)
-    tokens: that many steps run per graph replay.
+    Same arguments as ``generate``. Every input is validated, and the guardrails' input rails run, when
+    this is called (before the first ``next``); the requests still running when the iterator is closed
+    are aborted (their cache sequences evicted). On CUDA, plain greedy rows arrive in events of up to
+    ``decode_steps`` (8) tokens: the engine runs that many steps per schedule.
 
     Example:
         >>> for event in stream_generate(model, ["Once"], SamplingParams(max_new_tokens=8), tokenizer=tok):
         ...     print(event.text, end="", flush=True)
     """
     plan = _Plan(model, prompts, params, tokenizer, eos_token_id)
-    if draft_model is not None:
-        from plyx.serve._draft_heads import HeadsDecoder, is_draft_heads
-        from plyx.serve._speculative import SpeculativeDecoder
+    if not _engine_runs(cache, use_cache, draft_model):
+        from plyx.serve._reference import reference_stream
 
-        decoder = HeadsDecoder if is_draft_heads(draft_model) else SpeculativeDecoder  # Medusa/EAGLE heads
-        spec = decoder(plan, model, draft_model, num_speculative_tokens=num_speculative_tokens,
-                                  cache=cache if use_cache else None, draft_cache=draft_cache if use_cache else None,
-                                  prompt_lookup_min=prompt_lookup_min, prompt_lookup_max=prompt_lookup_max)
-        return GenerationStream(plan, spec.rows, spec.run(generator))
-    rows, events = _decode(plan, model, cache if use_cache else None, generator, cuda_graphs)
-    return GenerationStream(plan, rows, events)
+        return reference_stream(model, prompts, params, tokenizer=tokenizer, eos_token_id=eos_token_id, cache=cache,
+                                use_cache=use_cache, draft_model=draft_model,
+                                num_speculative_tokens=num_speculative_tokens, draft_cache=draft_cache,
+                                generator=generator, cuda_graphs=cuda_graphs, prompt_lookup_min=prompt_lookup_min,
+                                prompt_lookup_max=prompt_lookup_max, plan=plan)
+    engine = _engine_for(plan, model, cache, cuda_graphs, engine_config)
+    try:
+        return _submit(plan, engine, generator)
+    except BaseException:
+        engine.client_busy = False
+        raise
+
+
+# ---------------------------------------------------------------------------
+# generate as a client of the engine: submit every request, drain, outputs in request order
+# ---------------------------------------------------------------------------
+#: most rows an engine built for ``generate`` runs at once (more requests wait in its queue, admitted as rows end)
+MAX_ENGINE_BATCH = 256
+#: engines kept for the next ``generate`` call of the same model and shape (their cache, graphs and prefix
+#: cache), least recently used dropped first; bounded in all, since an engine holds its model (and pool) alive
+KEPT_ENGINES = 4
+# (id(model), shape key) -> (weak reference to the model, its weights' addresses and version, the engine)
+_ENGINES: collections.OrderedDict[tuple[Any, ...], tuple[Any, tuple[Any, ...], Any]] = collections.OrderedDict()
+
+
+def _kept(model: Any) -> list[Any]:
+    """The engines kept for ``model`` (least recently used first)."""
+    return [engine for (mid, _), (ref, _, engine) in _ENGINES.items() if mid == id(model) and ref() is model]
+
+
+def _engine_runs(cache: Any, use_cache: bool, draft_model: Any) -> bool:
+    """Whether the engine serves this call. The reference loop (``plyx.serve._reference``) serves what the engine
+    has no equivalent for yet: no cache, a plugin cache kind or non-paged cache object, and draft models."""
+    if not use_cache or draft_model is not None:
+        return False
+    if isinstance(cache, str):
+        return cache in ("contiguous", "paged")  # an unknown kind gets the reference loop's clear error
+    from plyx.attn import PagedKVCache
+
+    if type(cache) is PagedKVCache:
+        return True
+    if isinstance(cache, KVCache):
+        warnings.warn(f"generate(cache=<{type(cache).__name__}>): a caller's cache that is not a "
+                      "plyx.attn.PagedKVCache runs the private reference loop, not the engine, and is deprecated; "
+                      'pass cache="paged" (or a PagedKVCache)', DeprecationWarning, stacklevel=4)
+    return False
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _weights(model: Any) -> tuple[tuple[int, ...], int]:
+    """Where the parameters live and how often they were written in place (``Tensor._version``): a new address
+    voids an engine's graphs; a new version only its prefix cache (the cached keys and values are stale)."""
+    from plyx.serve._runner import _weight_addresses
+
+    return _weight_addresses(model), sum(p._version for p in model.parameters())
+
+
+def _engine_for(plan: _Plan, model: Any, cache: Any, cuda_graphs: bool | None, engine_config: Any) -> Any:
+    """The engine of this call: a kept one of the same shape when its weights are where they were, else a new one.
+
+    Sized to the call: ``max_batch_size`` covers every row (up to ``MAX_ENGINE_BATCH``), ``max_model_len`` the
+    longest prompt + ``max_new_tokens`` (a power of two, capped by the model's context: calls of similar shapes
+    share an engine). ``engine_config`` overrides all of it.
+    """
+    from plyx.serve.engine import Engine, EngineConfig
+
+    device = model_device(model)
+    if cuda_graphs and device.type != "cuda":
+        raise ConfigError("cuda_graphs", f"CUDA graphs cannot run here: the model is on {device}, not a CUDA device",
+                          value=True, fix="pass cuda_graphs=None (use them where possible) or False")
+    user_cache = None if isinstance(cache, str) else cache
+    if engine_config is not None and not isinstance(engine_config, EngineConfig):
+        raise ConfigError("engine_config", "engine_config must be a plyx.serve.engine.EngineConfig",
+                          value=type(engine_config).__name__, fix="pass EngineConfig(...) or None")
+    if engine_config is None:
+        rows = sum(p.n for p in plan.params)
+        batch = min(_pow2(rows), MAX_ENGINE_BATCH)
+        length = min(plan.context, _pow2(plan.longest()))
+        per_seq = -(-length // 16)  # blocks of EngineConfig.block_size, its default (16)
+        engine_config = EngineConfig(
+            max_batch_size=batch, max_batch_tokens=max(2048, batch), max_model_len=length,
+            num_blocks=batch * (per_seq + 1),  # every row at full length, plus one copy-on-write block each
+            max_queue=1 << 30, prefix_caching=user_cache is None, cuda_graphs=cuda_graphs is not False,
+            # an offline batch prefills once, then decodes: decode graphs pay off, while capturing a mixed-step
+            # graph per token bucket (seconds at engine start) would not
+            mixed_graphs=False)
+    eos = tuple(plan.eos)
+    training = bool(getattr(model, "training", False))  # the Engine puts its model in eval mode; generate never did
+    if user_cache is not None:  # the caller's pool: an engine of its own, never kept
+        engine = Engine(model, tokenizer=plan.tokenizer, config=engine_config, eos_token_id=eos, cache=user_cache)
+        model.train(training)
+        engine.client_busy = True
+        return engine
+    key = (id(model), (engine_config, id(plan.tokenizer.raw) if plan.tokenizer is not None else None, eos,
+                       str(device)))
+    weights = _weights(model)
+    entry = _ENGINES.pop(key, None)
+    if entry is not None:
+        ref, (addresses, version), engine = entry
+        if (ref() is model and addresses == weights[0] and not engine.client_busy
+                and not engine.has_unfinished()):
+            if version != weights[1] and engine.prefix is not None:
+                engine.prefix.clear()  # the weights changed in place (a training step): cached prefixes are stale
+            engine.tokenizer = plan.tokenizer
+            engine.client_busy = True
+            _ENGINES[key] = (ref, weights, engine)
+            return engine
+    engine = Engine(model, tokenizer=plan.tokenizer, config=engine_config, eos_token_id=eos)
+    model.train(training)  # a model being trained (on-policy distillation samples with generate) stays so
+    engine.client_busy = True
+    # read after the build: CUDA graphs restack the q/k/v and gate/up weights in place (new addresses, once)
+    _ENGINES[key] = (weakref.ref(model), _weights(model), engine)
+    while len(_ENGINES) > KEPT_ENGINES:
+        _ENGINES.popitem(last=False)
+    return engine
+
+
+def _submit(plan: _Plan, engine: Any, generator: torch.Generator | None) -> GenerationStream:
+    """Queue every prompt (input rails first: a refusal raises before anything runs) and return the stream that
+    drains the engine."""
+    if generator is None and any(p.seed is None and not p.greedy for p in plan.params):
+        # unseeded sampling draws from torch's global RNG, as it always did: torch.manual_seed makes a call repeat
+        seed = int(torch.randint(0, 2**62, (), generator=None).item())
+        generator = torch.Generator(device=engine.device).manual_seed(seed)
+    if generator is not None:
+        engine.generator = generator
+    base = f"generate-{uuid.uuid4().hex[:12]}-"
+    requests: list[Any] = []
+    try:
+        for r, (ids, p) in enumerate(zip(plan.prompt_ids, plan.params)):
+            rid = f"{base}{r}"
+            guard = None
+            if engine.config.guardrails:
+                guard = engine.guard_for(rid, ids, plan.prompt_texts[r], endpoint="generate")
+                guard.admit()  # raises RequestRefused (reported to plyx_on_response first)
+                if guard.rewritten is not None:  # an input rail redacted the prompt: the model sees the new text
+                    ids = _rewritten_ids(plan, r, guard.rewritten)
+            req = engine.add_request(rid, ids, p, grammar=plan.grammars[r], guard=guard)
+            for seq in req.seqs:
+                seq.completion.request_index = r  # events name the prompt, not the engine's request
+            requests.append(req)
+    except BaseException:
+        for req in requests:
+            engine.abort(req.request_id)
+        raise
+    return GenerationStream(plan, [s.completion for req in requests for s in req.seqs], _drain(engine, requests),
+                            requests=requests)
+
+
+def _rewritten_ids(plan: _Plan, r: int, text: str) -> list[int]:
+    if plan.tokenizer is None:
+        raise ConfigError(f"prompts[{r}]", "a guardrail rewrote the prompt and there is no tokenizer to encode it",
+                          fix="pass tokenizer=... to generate()")
+    ids = plan.tokenizer.encode(text)
+    if not ids or len(ids) >= plan.context:
+        raise ConfigError(f"prompts[{r}]", f"the guardrail's rewrite of the prompt has {len(ids)} tokens; it must "
+                          f"have 1 to {plan.context - 1}", value=len(ids), fix="shorten the prompt")
+    plan.prompt_ids[r] = ids
+    plan.prompt_texts[r] = text if plan.prompt_texts[r] is not None else None
+    return ids
+
+
+def _drain(engine: Any, requests: list[Any]) -> Iterator[StreamEvent]:
+    """Step the engine until every request ended; each step's events, in step order. Closing the iterator
+    aborts what still runs (its blocks freed) and hands the engine back for the next call."""
+    try:
+        while any(not r.finished for r in requests):
+            for out in engine.step():  # inference mode is entered per step, never across a yield
+                if out.event is not None:
+                    yield out.event
+    finally:
+        for r in requests:
+            if not r.finished:
+                engine.abort(r.request_id)
+        engine.client_busy = False
 
 
 class GenerationStream:
     """The iterator ``stream_generate`` returns: ``StreamEvent``s, then ``outputs()`` once exhausted."""
 
-    def __init__(self, plan: _Plan, rows: list[Completion], events: Iterator[StreamEvent]) -> None:
+    def __init__(self, plan: _Plan, rows: list[Completion], events: Iterator[StreamEvent], *,
+                 requests: Sequence[Any] = ()) -> None:
         self._plan = plan
         self._rows = rows
         self._events = events
+        self._requests = requests  # the engine's requests (their guards' filtered text), in prompt order
 
     def __iter__(self) -> GenerationStream:
         return self
@@ -276,144 +390,25 @@ class GenerationStream:
         return next(self._events)
 
     def close(self) -> None:
-        """Stop early; the cache sequences generate allocated are evicted."""
+        """Stop early; the requests still running are aborted (their cache sequences evicted)."""
         self._events.close()  # type: ignore[attr-defined]
 
     def outputs(self) -> list[RequestOutput]:
         """The ``RequestOutput`` of every prompt so far (complete once the iterator is exhausted)."""
-        return _outputs(self._plan, self._rows)
+        outs = _outputs(self._plan, self._rows)
+        if not self._requests:
+            return outs
+        return [_guarded(o, req) for o, req in zip(outs, self._requests)]
 
 
-def _decode(plan: _Plan, model: Any, cache: str | KVCache | None, generator: torch.Generator | None,
-            cuda_graphs: bool | None = None) -> tuple[list[Completion], Iterator[StreamEvent]]:
-    device = model_device(model)
-    total_rows = sum(p.n for p in plan.params)
-    runner = Runner(model, cache, num_sequences=total_rows, max_seq_len=plan.longest(), cuda_graphs=cuda_graphs)
-    rows: list[Completion] = []
-    for r, (ids, p) in enumerate(zip(plan.prompt_ids, plan.params)):
-        for j in range(p.n):
-            stop = plan.stop_ids(p)
-            rows.append(Completion(
-                request_index=r, index=j, prompt_ids=ids, params=p, stop_ids=stop, context=plan.context,
-                tokenizer=plan.tokenizer, seq_id=-1, generator=_seeded(p, j, device),
-                matcher=new_matcher(plan.grammars[r], plan.eos) if plan.grammars[r] is not None else None,
-            ))
-    return rows, _loop(plan, runner, rows, device, generator)
-
-
-def _loop(plan: _Plan, runner: Runner, rows: list[Completion], device: torch.device,
-          generator: torch.Generator | None) -> Iterator[StreamEvent]:
-    # inference_mode is entered per step, never across a yield: grad mode is thread-local state, and a
-    # generator suspended inside the context would leave the consumer's own code in inference mode
-    try:
-        with torch.inference_mode():
-            # prefill each prompt once; its other n - 1 completions fork the cache (prefix sharing)
-            firsts = [c for c in rows if c.index == 0]
-            for c in firsts:
-                c.seq_id = runner.new_id()
-            logits_req = runner.extend([c.seq_id for c in firsts], [c.prompt_ids for c in firsts])  # [R, V]
-            for c in rows:
-                if c.index:
-                    c.seq_id = runner.fork(firsts[c.request_index].seq_id)
-                c.model_steps = 1
-            request_of_row = [c.request_index for c in rows]
-            logits = logits_req if request_of_row == list(range(len(firsts))) else \
-                logits_req.index_select(0, _device_index(request_of_row, device))
-            active = rows
-            state = SamplingState.for_prompts([c.prompt_ids for c in active], plan.vocab, device,
-                                              [c.generator for c in active], generator)
-            pipeline = _pipeline(plan, active)
-            # plain greedy rows (no processor, no grammar, no log-probs) take their tokens from the graph
-            # that computed the logits: no sampler launch from Python between two replays
-            plain = _plain_greedy(pipeline, active)
-            # [B, K] tokens a multi-step greedy replay chose (device), each row's last the next input
-            chosen: torch.Tensor | None = None
-            greedy_next: torch.Tensor | None = None
-        while True:
-            events: list[StreamEvent] = []
-            with torch.inference_mode():
-                if chosen is not None:
-                    emitted, tokens = chosen, chosen[:, -1]
-                else:
-                    if greedy_next is not None:
-                        tokens = greedy_next  # the graph's argmax of these logits, the greedy sampler's kernel
-                    else:
-                        processed = pipeline.process(logits, state)
-                        tokens = pipeline.sample(processed, state)  # [B] on device
-                        state.update(tokens)
-                    emitted = tokens[:, None]
-                lps = _token_logprobs(logits, tokens, active) if chosen is None else [None] * len(active)
-                # Look ahead: queue the next forward before reading the tokens on the host, for every row
-                # that can go on by length (whether a token is EOS or ends a stop string is known only
-                # after the copy), so the GPU computes step N + 1 while the host handles step N. A row that
-                # turns out finished wasted one row of that step; its sequence is evicted below.
-                host_tokens = _to_host(emitted)
-                inflight = emitted.shape[1]
-                ahead_rows = [i for i, c in enumerate(active) if len(c.token_ids) + inflight < c.limit]
-                ahead = ahead_greedy = ahead_chosen = None
-                ahead_steps = 1
-                if ahead_rows and runner.cache is not None and _looks_ahead(device):
-                    ahead_tokens = tokens if len(ahead_rows) == len(active) else \
-                        tokens.index_select(0, _device_index(ahead_rows, device))
-                    ahead_ids = [active[i].seq_id for i in ahead_rows]
-                    if plain:
-                        # plain greedy: up to GREEDY_STEPS steps per replay, as many as every row may still take
-                        budget = min(active[i].limit - len(active[i].token_ids) - inflight for i in ahead_rows)
-                        ahead_steps = 1 << (min(budget, GREEDY_STEPS).bit_length() - 1)
-                        if ahead_steps > 1:
-                            ahead_chosen = runner.greedy_steps(ahead_ids, ahead_tokens, ahead_steps)
-                        if ahead_chosen is None:
-                            ahead_steps = 1
-                    if ahead_chosen is None:
-                        both = runner.greedy_step(ahead_ids, ahead_tokens) if plain else None
-                        if both is not None:
-                            ahead, ahead_greedy = both
-                        else:
-                            ahead = runner.step(ahead_ids, ahead_tokens)
-                host = host_tokens()  # the step's one wait for the device
-                keep: list[int] = []
-                for i, c in enumerate(active):
-                    event = c.add(host[i], lps[i])
-                    if event is not None:
-                        events.append(event)
-                    if c.finished:
-                        runner.release(c.seq_id)
-                    else:
-                        keep.append(i)
-                if keep and len(keep) != len(active):
-                    active = [active[i] for i in keep]
-                    tokens = tokens.index_select(0, _device_index(keep, device))
-                    state = state.select(keep)
-                    pipeline = _pipeline(plan, active)
-                chosen = greedy_next = None
-                queued = ahead is not None or ahead_chosen is not None
-                if queued and keep:
-                    position = {row: j for j, row in enumerate(ahead_rows)}
-                    picked = [position[i] for i in keep]  # every kept row was looked ahead (limit not reached)
-                    every = len(picked) == len(ahead_rows)
-                    index = None if every else _device_index(picked, device)
-                    if ahead_chosen is not None:
-                        chosen = ahead_chosen if index is None else ahead_chosen.index_select(0, index)
-                    else:
-                        logits = ahead if index is None else ahead.index_select(0, index)
-                        if ahead_greedy is not None:
-                            greedy_next = ahead_greedy if index is None else ahead_greedy.index_select(0, index)
-            yield from events  # the next forward is already queued: a streaming client sees tokens at once
-            if not keep:
-                return
-            if not queued:
-                with torch.inference_mode():
-                    logits = runner.step([c.seq_id for c in active], tokens)
-            for c in active:
-                c.model_steps += ahead_steps
-    finally:
-        runner.close()
-
-
-def _pipeline(plan: _Plan, active: Sequence[Completion]) -> LogitsPipeline:
-    matchers = [c.matcher for c in active]
-    grammar = GrammarMask(matchers, plan.vocab) if any(m is not None for m in matchers) else None
-    return LogitsPipeline([c.params for c in active], [sorted(c.stop_ids) for c in active], grammar)
+def _guarded(out: RequestOutput, req: Any) -> RequestOutput:
+    """The output with each completion's text as the request's output filters let it out."""
+    guard = getattr(req, "guard", None)
+    if guard is None or not guard.filtering:
+        return out
+    return msgspec.structs.replace(out, outputs=tuple(
+        msgspec.structs.replace(c, text=guard.text(req.request_id, c.index)) if c.text is not None else c
+        for c in out.outputs))
 
 
 def generate(
@@ -432,8 +427,14 @@ def generate(
     cuda_graphs: bool | None = None,
     prompt_lookup_min: int = 1,
     prompt_lookup_max: int = 3,
+    engine_config: Any = None,
 ) -> list[RequestOutput]:
     """Generate completions for a batch of prompts. The serve ABI: stable across minor versions.
+
+    A client of the engine (``plyx.serve.engine.Engine``): every prompt is submitted, the engine is drained,
+    and the outputs come back in prompt order. The guardrails (``plyx_on_request_received``,
+    ``plyx_output_filters``, ``plyx_on_response``: plyx-safety's when a policy is active) run on every
+    prompt exactly as they do behind the HTTP server.
 
     Args:
         model: a ``plyx.model.TransformerLM`` (anything with ``.config`` and its call signature).
@@ -444,22 +445,27 @@ def generate(
         tokenizer: a ``tokenizers.Tokenizer`` or transformers tokenizer, for text prompts, decoded
             text, stop strings and structured output.
         eos_token_id: id(s) that end a completion; default: the tokenizer's EOS.
-        cache: KV-cache kind (``contiguous``, ``paged`` or a plugin's) or a ``KVCache`` instance;
-            generate allocates its own sequence ids in it and evicts them when done.
-        use_cache: False recomputes the whole sequence at each step (reference path).
+        cache: KV-cache kind or a ``KVCache`` instance. ``contiguous`` (the default) and ``paged`` run the
+            engine on its paged pool (sized to the call); a ``plyx.attn.PagedKVCache`` instance runs the
+            engine in that pool (sequences already in it are left alone; the call's sequences are evicted when
+            done; no prefix cache). A plugin's kind runs the reference loop; another ``KVCache`` instance too
+            (deprecated: pass a kind or a ``PagedKVCache``).
+        use_cache: False recomputes the whole sequence at each step (the reference loop).
         draft_model: a smaller model with the same vocabulary: speculative decoding; or ``"ngram"``:
             prompt-lookup speculation, drafts copied from the sequence's own context (no extra model); or
             draft heads on the base (``plyx.model.MedusaHeads`` / ``EagleDraft``, or their saved directory).
+            Speculative calls run the reference loop (the engine's own speculation is
+            ``EngineConfig.speculative_ngram``).
         num_speculative_tokens: draft tokens proposed per verification step (k).
         draft_cache: the draft model's KV-cache kind or instance.
         prompt_lookup_min, prompt_lookup_max: n-gram sizes ``draft_model="ngram"`` looks up, longest first.
         generator: random source of requests without a seed (default: torch's global RNG).
-        cuda_graphs: replay the one-token decode step as CUDA graphs (``DecodeGraphs``). None (the
-            default): on when the model is on a GPU and the cache is block-addressable (contiguous,
-            paged); True insists (an error names why it cannot); False runs every step eagerly.
-            With graphs, each layer's q/k/v and gate/up weights are restacked in place
-            (``TransformerLM.pack_projections_``: same parameters and values) so a step runs one GEMV
-            per group, and the cache and graphs of the call are kept for the next call of its shape.
+        cuda_graphs: replay the engine's steps as CUDA graphs (``EngineConfig.cuda_graphs`` and
+            ``mixed_graphs``). None (the default): on when the model is on a GPU; True insists (an error
+            names why it cannot); False runs every step eagerly. The engine of a call (its cache, graphs
+            and prefix cache) is kept for the next call of its shape.
+        engine_config: an ``EngineConfig`` for the call's engine (batch size, token budget, prefix caching,
+            multi-step decode, ...); None sizes one to the call (every row at once, up to 256).
 
     Returns:
         One ``RequestOutput`` per prompt, in order, each with ``n`` ``CompletionOutput``.
@@ -468,6 +474,7 @@ def generate(
         ConfigError: before any compute, for an empty or too long prompt, a bad parameter, an invalid
             schema/regex/grammar, a missing tokenizer, an unknown plugin name or a draft model with
             another vocabulary.
+        RequestRefused: (``plyx.serve.engine.RequestRefused``) an input rail refused a prompt; nothing ran.
 
     Example:
         >>> outs = generate(model, [[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_new_tokens=8))
@@ -477,7 +484,7 @@ def generate(
         model, prompts, params, tokenizer=tokenizer, eos_token_id=eos_token_id, cache=cache, use_cache=use_cache,
         draft_model=draft_model, num_speculative_tokens=num_speculative_tokens, draft_cache=draft_cache,
         generator=generator, cuda_graphs=cuda_graphs, prompt_lookup_min=prompt_lookup_min,
-        prompt_lookup_max=prompt_lookup_max,
+        prompt_lookup_max=prompt_lookup_max, engine_config=engine_config,
     )
     for _ in stream:
         pass

@@ -8,7 +8,7 @@ import msgspec
 
 __all__ = ["CompletionOutput", "RequestMetrics", "RequestOutput", "StreamEvent", "TokenLogprob"]
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "content_filter"]
 
 
 class TokenLogprob(msgspec.Struct, frozen=True):

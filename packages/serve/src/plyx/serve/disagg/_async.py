@@ -55,7 +55,7 @@ class DisaggAsyncEngine(AsyncEngine):
         return self._failure
 
     async def add(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, *,
-                  adapter: str | None = None) -> RequestStream:
+                  adapter: str | None = None, guard: Any = None) -> RequestStream:
         """Prefill on the worker, then queue the request here; raises ``WorkerUnavailableError`` when the
         worker cannot serve, and what ``Engine.add_request`` raises."""
         prompt = [int(t) for t in prompt_ids]
@@ -66,7 +66,7 @@ class DisaggAsyncEngine(AsyncEngine):
             fut = self._transfer.submit(self._prefill, prompt)
             blocks = await asyncio.wrap_future(fut)
             self._inbox.put(("import", prompt, blocks))
-        return await super().add(request_id, prompt, params, adapter=adapter)
+        return await super().add(request_id, prompt, params, adapter=adapter, guard=guard)
 
     def _prefill(self, prompt: list[int]) -> Any:  # on the transfer thread
         if self._failure is not None:

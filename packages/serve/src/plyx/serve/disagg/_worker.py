@@ -54,7 +54,8 @@ def build_prefill_engine(model: Any, *, block_size: int, num_blocks: int, max_mo
 
     return Engine(model, config=EngineConfig(
         max_batch_size=4, max_batch_tokens=max(max_batch_tokens, 4), block_size=block_size, num_blocks=num_blocks,
-        max_model_len=max_model_len, prefix_caching=True, cuda_graphs=False, look_ahead=False))
+        max_model_len=max_model_len, prefix_caching=True, cuda_graphs=False, look_ahead=False,
+        guardrails=False))  # the decode side's server guarded the request once already
 
 
 def prefill(engine: Any, prompt_ids: list[int]) -> Any:

@@ -16,6 +16,7 @@ from plyx.serve._lora import MultiLora
 from plyx.serve.engine._async import AsyncEngine, RequestStream
 from plyx.serve.engine._config import EngineConfig
 from plyx.serve.engine._engine import Engine, EngineOutput, EngineStats, QueueFullError
+from plyx.serve.engine._guard import RequestGuard, RequestRefused
 from plyx.serve.engine._mixed_graphs import MixedGraphs
 from plyx.serve.engine._prefix_cache import PrefixCache
 from plyx.serve.engine._weight_sync import sync_weights
@@ -30,6 +31,8 @@ __all__ = [
     "MultiLora",
     "PrefixCache",
     "QueueFullError",
+    "RequestGuard",
+    "RequestRefused",
     "RequestStream",
     "sync_weights",
 ]

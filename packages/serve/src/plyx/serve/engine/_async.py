@@ -21,6 +21,7 @@ from typing import Any
 
 from plyx.serve._params import SamplingParams
 from plyx.serve.engine._engine import Engine, EngineOutput
+from plyx.serve.engine._guard import RequestGuard
 
 __all__ = ["AsyncEngine", "RequestStream"]
 
@@ -140,15 +141,18 @@ class AsyncEngine:
 
     # -- the event-loop side ---------------------------------------------------------------
     async def add(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, *,
-                  adapter: str | None = None) -> RequestStream:
-        """Queue a request and wait until the engine took it; raises what ``Engine.add_request`` raises."""
+                  adapter: str | None = None, guard: RequestGuard | None = None) -> RequestStream:
+        """Queue a request and wait until the engine took it; raises what ``Engine.add_request`` raises.
+
+        ``guard``: the caller's guardrails (a server's, shared by the prompts of one API call); None: the engine
+        makes one per request (``Engine.add_request``)."""
         loop = asyncio.get_running_loop()
         grammar = None
         if params.structured is not None:  # compiling may take a while: not on the loop, not on the engine
             grammar = await asyncio.to_thread(self.engine.compile_grammar, params)
         stream = RequestStream(request_id, loop)
         ack: asyncio.Future[None] = loop.create_future()
-        self._inbox.put(("add", request_id, list(prompt_ids), params, grammar, stream, ack, adapter))
+        self._inbox.put(("add", request_id, list(prompt_ids), params, grammar, stream, ack, adapter, guard))
         try:
             await ack
         except asyncio.CancelledError:
@@ -211,9 +215,10 @@ class AsyncEngine:
     def _handle(self, cmd: tuple[Any, ...]) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, grammar, stream, ack, adapter = cmd
+            _, rid, prompt, params, grammar, stream, ack, adapter, guard = cmd
             try:
-                self.engine.add_request(rid, prompt, params, grammar=grammar, arrival=stream.created, adapter=adapter)
+                self.engine.add_request(rid, prompt, params, grammar=grammar, arrival=stream.created, adapter=adapter,
+                                        guard=guard)
             except Exception as exc:  # a bad request never stops the engine
                 self._resolve(stream, ack, exc)
                 return

@@ -75,6 +75,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     N + 1 while the host handles step N (``generate``'s look-ahead). A row that turns out finished wasted one
     token of that forward. None: on where the device runs asynchronously (CUDA), off on CPU (the forward runs
     inline there, so it would only add the finished rows' work)."""
+    guardrails: bool = True
+    """Run the safety hooks (``plyx_on_request_received``, ``plyx_output_filters``, ``plyx_on_response``) at the
+    engine boundary for requests queued without a ``RequestGuard`` (library users of ``Engine.generate`` and
+    ``add_request``); a server passes its own guard per API call. False: a process whose requests were guarded
+    upstream (a disaggregated prefill worker)."""
     kv_cache_dtype: str = "auto"
     """KV-cache storage: ``auto`` (the model's dtype), ``bf16``, or quantised with per-token, per-head scales
     (about half the memory per token of bf16): ``int8`` (any device) or ``fp8_e4m3`` (Hopper GPUs, CPU)."""

@@ -32,12 +32,14 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import msgspec
 import torch
 from plyx.serve._completion import Completion
 from plyx.serve._outputs import RequestOutput, StreamEvent
 from plyx.serve._params import SamplingParams
 from plyx.serve._tokenizer import TokenizerView
 from plyx.serve.engine._config import EngineConfig
+from plyx.serve.engine._guard import RequestGuard
 from plyx.serve.engine._multistep import accept_ahead, block_steps, multi_step_row, run_block
 from plyx.serve.engine._prefix_cache import PrefixCache
 from plyx.serve.engine._sampling import sample_rows
@@ -115,6 +117,9 @@ class Engine:
         seed: seed of the generator of unseeded sampled requests.
         draft_heads: loaded ``plyx.model.MedusaHeads`` (or their directory) to speculate with; overrides
             ``config.draft_heads``.
+        cache: an existing ``plyx.attn.PagedKVCache`` to allocate sequences in (``generate(cache=...)``): the
+            sequences already in it are left alone (the engine's ids start past them) and no prefix is kept in
+            it after a request ends (no prefix caching); None: the engine's own pool (``config``'s geometry).
 
     Example::
 
@@ -124,7 +129,7 @@ class Engine:
 
     def __init__(self, model: Any, *, tokenizer: Any = None, config: EngineConfig | None = None,
                  eos_token_id: int | Seq[int] | None = None, seed: int = 0, lora: Any = None,
-                 draft_heads: Any = None) -> None:
+                 draft_heads: Any = None, cache: Any = None) -> None:
         from plyx.attn import cache_layout
 
         self.model = model.eval()
@@ -141,24 +146,34 @@ class Engine:
         self.device, dtype = param.device, param.dtype
         c = self.config
         self.max_model_len = c.max_model_len or int(mcfg.max_seq_len)
-        bs = c.block_size
-        per_seq = -(-self.max_model_len // bs)
-        num_blocks = c.num_blocks or c.max_batch_size * per_seq
-        if num_blocks < per_seq + 1:
-            raise ConfigError("EngineConfig.num_blocks",
-                              f"the pool must hold one sequence of max_model_len={self.max_model_len} tokens "
-                              f"({per_seq} blocks of {bs}) plus one copy-on-write block", value=num_blocks,
-                              fix=f"pass num_blocks >= {per_seq + 1} or lower max_model_len")
-        layout = cache_layout(mcfg, max_seq_len=self.max_model_len, block_size=bs, num_blocks=num_blocks,
-                              device=str(self.device), dtype=dtype)
-        self.cache = c.paged_cache(layout)  # PagedKVCache, or QuantizedPagedKVCache (kv_cache_dtype)
-        self.prefix: PrefixCache | None = PrefixCache(self.cache, bs) if c.prefix_caching else None
+        first_id = 0
+        if cache is not None:  # the caller's pool: its geometry, its live sequences kept
+            self.cache = cache
+            bs = int(cache.block_size)
+            self.max_model_len = min(self.max_model_len, int(cache.layout.max_seq_len))
+            first_id = 1 + max(cache.sequences(), default=-1)
+        else:
+            bs = c.block_size
+            per_seq = -(-self.max_model_len // bs)
+            num_blocks = c.num_blocks or c.max_batch_size * per_seq
+            if num_blocks < per_seq + 1:
+                raise ConfigError("EngineConfig.num_blocks",
+                                  f"the pool must hold one sequence of max_model_len={self.max_model_len} tokens "
+                                  f"({per_seq} blocks of {bs}) plus one copy-on-write block", value=num_blocks,
+                                  fix=f"pass num_blocks >= {per_seq + 1} or lower max_model_len")
+            layout = cache_layout(mcfg, max_seq_len=self.max_model_len, block_size=bs, num_blocks=num_blocks,
+                                  device=str(self.device), dtype=dtype)
+            self.cache = c.paged_cache(layout)  # PagedKVCache, or QuantizedPagedKVCache (kv_cache_dtype)
+        self.prefix: PrefixCache | None = (PrefixCache(self.cache, bs) if c.prefix_caching and cache is None
+                                           else None)
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: list[Sequence] = []  # sorted by priority (arrival order)
         self.running: list[Sequence] = []
         self.stats = EngineStats()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._seq_ids = itertools.count()
+        self._seq_ids = itertools.count(first_id)
+        self._guards: dict[str, EngineRequest] = {}  # request id -> a guarded request (until it ends)
+        self.client_busy = False  # a generate() call is draining this engine (it is kept for the next call)
         self._order = itertools.count()
         self._priority: dict[int, tuple[int, int]] = {}  # seq_id -> (request order, index)
         self._grammar_cache: dict[str, Any] = {}
@@ -277,21 +292,64 @@ class Engine:
             raise ConfigError(where, f"token ids must be in [0, {self.vocab_size})", value=bad[:8],
                               fix="encode the prompt with the model's tokenizer")
 
+    def admit(self, guard: RequestGuard) -> None:
+        """Run ``guard``'s input rails (once per guard; thread-safe: it touches no engine state). A server calls
+        this before it tokenizes a rewritten prompt; ``add_request`` calls it for a guard nobody admitted.
+
+        Raises:
+            RequestRefused: an input rail refused the request (already reported through ``plyx_on_response``).
+        """
+        guard.admit()
+
+    def guard_for(self, request_id: str, prompt_ids: Seq[int], prompt_text: str | None = None,
+                  endpoint: str = "engine") -> RequestGuard:
+        """The ``RequestGuard`` of a request queued without one: the hooks see ``prompt_text`` (default: the
+        prompt decoded with the engine's tokenizer; no text without one) and ``context["endpoint"]``."""
+        if prompt_text is None and self.tokenizer is not None:
+            prompt_text = self.tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+        request: dict[str, Any] = {"prompt": prompt_text if prompt_text is not None else list(prompt_ids)}
+        if prompt_text is not None:
+            request["prompt_text"] = prompt_text
+        return RequestGuard(request, {"request_id": request_id, "client": "", "endpoint": endpoint,
+                                      "guardrail_policy": ""})
+
     def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, *,
-                    grammar: Any = None, arrival: float | None = None, adapter: str | None = None) -> EngineRequest:
+                    grammar: Any = None, arrival: float | None = None, adapter: str | None = None,
+                    guard: RequestGuard | None = None, prompt_text: str | None = None) -> EngineRequest:
         """Queue a request; its outputs come from later ``step()`` calls.
+
+        The guardrails run here, at the engine boundary: the input rails when the request enters (once per
+        ``guard``; a refusal raises before anything is queued), the output filters on every text delta it
+        emits, ``plyx_on_response`` when it ends.
 
         Args:
             adapter: a resident LoRA adapter's name (``lora=``), or None for the base model.
+            guard: the guardrails of the caller's request (a server shares one among the prompts of an API
+                call, and re-encodes a rewritten prompt itself); None: one is made for this request
+                (``guard_for``) when ``EngineConfig.guardrails`` is on, and a rewritten prompt is re-encoded
+                with the engine's tokenizer.
+            prompt_text: the text the input rails see (default: the prompt decoded).
 
         Raises:
             ConfigError: a bad prompt, or structured output without a tokenizer.
+            RequestRefused: an input rail refused the prompt.
             QueueFullError: ``max_queue`` requests are already waiting.
             ValueError: ``request_id`` is already in use.
         """
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use; pass a unique id")
         self.check_prompt(prompt_ids)
+        if guard is None and self.config.guardrails:
+            guard = self.guard_for(request_id, prompt_ids, prompt_text)
+            guard.admit()
+            if guard.rewritten is not None:  # an input rail redacted the prompt: the model sees the new text
+                if self.tokenizer is None:
+                    raise ConfigError("prompt", "a guardrail rewrote the prompt, and the engine has no tokenizer "
+                                      "to encode the new text", fix="build the Engine with tokenizer=...")
+                prompt_ids = self.tokenizer.encode(guard.rewritten)
+                self.check_prompt(prompt_ids, where="prompt (after the guardrail's rewrite)")
+        elif guard is not None:
+            guard.admit()  # once per guard: a no-op for the second prompt of an API call
         if adapter is not None and (self.lora is None or adapter not in self.lora.index):
             have = ", ".join(self.lora.names) if self.lora is not None else "none"
             raise ConfigError("adapter", f"adapter {adapter!r} is not resident (adapters: {have})", value=adapter,
@@ -324,6 +382,10 @@ class Engine:
             seq.status = SeqStatus.FOLLOWER
         self._enqueue(req.seqs[0])
         self.requests[request_id] = req
+        if guard is not None:
+            req.guard = guard
+            guard.attach(request_id, len(req.prompt_ids), params.n)
+            self._guards[request_id] = req
         return req
 
     def abort(self, request_id: str) -> list[EngineOutput]:
@@ -337,6 +399,8 @@ class Engine:
             seq.status = SeqStatus.FINISHED
         req.finish_time = time.monotonic()
         self.stats.requests_aborted += 1
+        if self._guards.pop(request_id, None) is not None:
+            req.guard.finish(request_id, aborted=True)
         return [EngineOutput(request_id, 0, None, request_finished=True, aborted=True)]
 
     def has_unfinished(self) -> bool:
@@ -357,9 +421,58 @@ class Engine:
         return u.blocks_used / u.blocks_total
 
     # -- the step ------------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list[EngineOutput]:
-        """Schedule, run one batched forward and sample; the outputs of this step."""
+        """Schedule, run one batched forward and sample; the outputs of this step (their text through each
+        request's output filters)."""
+        outputs = self._step()
+        return self._guard_outputs(outputs) if self._guards else outputs
+
+    def _guard_outputs(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
+        """Each output's text through its request's output filters; a completion a filter blocked ends now
+        (``finish_reason="content_filter"``, its blocks freed); a request that ended reports its response, and
+        only its last output of the step carries ``request_finished``."""
+        done: dict[str, EngineOutput] = {}  # guarded requests that ended this step -> their last output
+        for out in outputs:
+            req = self._guards.get(out.request_id)
+            if req is None:
+                continue
+            ev = out.event
+            if ev is not None:
+                text, blocked = req.guard.feed(out.request_id, out.index, ev.text, ev.finish_reason,
+                                               len(ev.token_ids))
+                if blocked and ev.finish_reason != "content_filter":
+                    self._block(req, out.index)
+                    ev = msgspec.structs.replace(ev, text=text, finish_reason="content_filter")
+                elif text is not ev.text:
+                    ev = msgspec.structs.replace(ev, text=text)
+                out.event = ev
+            if out.request_finished or req.finished:
+                out.request_finished = False
+                done[out.request_id] = out
+        for rid, last in done.items():
+            last.request_finished = True
+            req = self._guards.pop(rid)
+            req.guard.finish(rid, aborted=last.aborted)
+        return outputs
+
+    def _block(self, req: EngineRequest, index: int) -> bool:
+        """End completion ``index`` of ``req`` (an output filter blocked it, maybe on its last text); True when
+        the request is done (then it is no longer in ``requests``)."""
+        seq = req.seqs[index]
+        seq.completion.finish_reason = "content_filter"  # type: ignore[assignment]  # also over "stop"/"length"
+        if seq.status is not SeqStatus.FINISHED:
+            self._free(seq)
+            seq.status = SeqStatus.FINISHED
+        if not req.finished:
+            return False
+        if req.request_id in self.requests:  # it ended here, not in this step's sampling
+            req.finish_time = time.monotonic()
+            self.requests.pop(req.request_id, None)
+            self.stats.requests_finished += 1
+        return True
+
+    @torch.inference_mode()
+    def _step(self) -> list[EngineOutput]:
         if self._block_ahead is not None:  # the multi-step block the last step queued before reading its own
             outputs = accept_ahead(self)
             if outputs or self._block_ahead is not None:
@@ -861,8 +974,17 @@ class Engine:
         reqs = [self.add_request(f"{base}{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
         while any(not r.finished for r in reqs):
             self.step()
-        return [
-            RequestOutput(request_index=i, prompt=None, prompt_token_ids=tuple(r.prompt_ids),
-                          outputs=tuple(s.completion.output() for s in r.seqs))
-            for i, r in enumerate(reqs)
-        ]
+        return [self.request_output(r, i) for i, r in enumerate(reqs)]
+
+    def request_output(self, req: EngineRequest, index: int = 0) -> RequestOutput:
+        """``req``'s completions so far as a ``RequestOutput`` (``request_index=index``), each text as its output
+        filters let it out."""
+        guard = req.guard if req.guard is not None and req.guard.filtering else None
+        outs = []
+        for s in req.seqs:
+            out = s.completion.output()
+            if guard is not None and out.text is not None:
+                out = msgspec.structs.replace(out, text=guard.text(req.request_id, s.index))
+            outs.append(out)
+        return RequestOutput(request_index=index, prompt=None, prompt_token_ids=tuple(req.prompt_ids),
+                             outputs=tuple(outs))

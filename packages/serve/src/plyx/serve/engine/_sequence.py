@@ -85,6 +85,7 @@ class EngineRequest:
         self.finish_time: float | None = None
         self.aborted = False
         self.adapter: str | None = None  # the LoRA adapter it runs through (None: the base model)
+        self.guard: Any = None  # its RequestGuard (the guardrails it passed and its output filters), or None
 
     @property
     def finished(self) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI
 from plyx.serve.disagg._launch import WorkerUnavailableError
-from plyx.serve.engine import AsyncEngine, Engine, QueueFullError
+from plyx.serve.engine import AsyncEngine, Engine, QueueFullError, RequestGuard, RequestRefused
 from plyx.serve.server._chat import ChatTemplate, ChatTemplateError, load_chat_template
 from plyx.serve.server._errors import (
     REFUSAL_CODE,
@@ -102,12 +102,6 @@ class _State:
             self.tool_parser: Any = get_tool_parser(settings.tool_parser)
         else:
             self.tool_parser = None
-
-
-def _pm() -> Any:
-    from plyx.specs.plugins import get_plugin_manager
-
-    return get_plugin_manager().hook
 
 
 def create_app(engine: Engine, *, settings: ServerSettings | None = None, chat_template: ChatTemplate | str | None
@@ -571,46 +565,44 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
                     prompts: list[list[int]], params: Any, raw: dict[str, Any], prompt_text: str, *,
                     tools: ToolPlan | None = None, adapter: str | None = None) -> Response:
     settings = state.settings
-    hook = _pm()
     job_id = new_job_id(kind)  # known before the hooks run, so audit records carry it
     context = {"request_id": job_id, "client": request.client.host if request.client else "", "endpoint":
                request.url.path, "guardrail_policy": settings.guardrail_policy}
-    hook_request = {**raw, "prompt_text": prompt_text}
-    refusal = hook.plyx_on_request_received(request=hook_request, context=context)
-    if refusal:
-        err = _refusal_error(refusal)
-        hook.plyx_on_response(request=hook_request, response={"text": "", "finish_reason": "refused", "usage": {},
-                                                              "status": err.status}, context=context)
-        raise err
+    # the guardrails run at the engine boundary (input rails here, output rails and the response report on the
+    # engine's outputs), once per API call whatever its number of prompts and choices
+    guard = RequestGuard({**raw, "prompt_text": prompt_text}, context)
+    try:
+        state.engine.admit(guard)
+    except RequestRefused as exc:
+        raise _refusal_error(exc.refusal) from None
     if not state.aengine.accepting:
         raise APIError(503, "the server is shutting down; retry on another replica", code="shutting_down")
     if state.inflight >= settings.max_concurrent:
         raise APIError(429, f"too many requests in flight ({settings.max_concurrent}); retry later",
                        code="too_many_requests")
 
-    rewritten = hook_request.get("prompt_text")
-    if isinstance(rewritten, str) and rewritten != prompt_text:  # an input rail redacted the prompt
-        prompts = _reencode(state, kind, rewritten, len(prompts))
+    if guard.rewritten is not None:  # an input rail redacted the prompt
+        prompts = _reencode(state, kind, guard.rewritten, len(prompts))
 
-    def make_filters() -> list[Any]:
-        lists = hook.plyx_output_filters(request=hook_request, context=context)
-        return [f for group in lists or () for f in (group or ())]
-
-    job = Job(state.aengine, prompts, params, make_filters, kind, job_id=job_id, adapter=adapter)
+    job = Job(state.aengine, prompts, params, guard, kind, job_id=job_id, adapter=adapter)
     state.inflight += 1
     try:
-        await job.start()
+        await job.start()  # a failure aborts the prompts already queued: their report carries this status
     except QueueFullError as exc:
         state.inflight -= 1
+        guard.status = 429
         raise APIError(429, str(exc), code="queue_full") from None
     except ConfigError as exc:
         state.inflight -= 1
+        guard.status = 400
         raise from_config_error(exc) from None
     except WorkerUnavailableError as exc:  # disaggregated serving: the prefill worker is gone
         state.inflight -= 1
+        guard.status = 503
         raise APIError(503, f"{exc}; restart the server (or its worker)", code="worker_unavailable") from None
     except BaseException:
         state.inflight -= 1
+        guard.status = 500
         raise
 
     closed = False
@@ -622,6 +614,9 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
             return
         closed = True
         request.scope[COUNTED_KEY] = True  # the guard middleware does not count it again
+        # the engine reports the response (plyx_on_response) when the job's last request ends: a job that ended
+        # on its own did already (status 200); one aborted now reports this status
+        guard.status = status
         job.abort()
         state.inflight -= 1
         end = job.finished_at or time.monotonic()
@@ -629,9 +624,6 @@ async def _generate(request: Request, state: _State, kind: str, stream: bool, st
         reason = job.choices[0].finish_reason or "abort"
         state.metrics.observe(arrival=job.arrival, first_token=job.first_token, finish=end, tokens=tokens,
                               finish_reason=reason, status=status, route=route_of(request.scope))
-        text = "".join(c.text for c in job.choices)
-        hook.plyx_on_response(request=hook_request, response={"text": text, "finish_reason": reason,
-                                                              "usage": job.usage(), "status": status}, context=context)
 
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)

@@ -1,5 +1,5 @@
-"""One API request in flight: its engine requests, per-choice text through the output rails, and the
-OpenAI response bodies (whole, or as server-sent-event chunks)."""
+"""One API request in flight: its engine requests, per-choice text (through the output rails the engine
+applies), and the OpenAI response bodies (whole, or as server-sent-event chunks)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 from plyx.serve._outputs import TokenLogprob
 from plyx.serve._params import SamplingParams
-from plyx.serve.engine import AsyncEngine, EngineOutput, RequestStream
+from plyx.serve.engine import AsyncEngine, EngineOutput, RequestGuard, RequestStream
 
 __all__ = ["Choice", "Job", "new_job_id"]
 
@@ -24,36 +24,16 @@ Event = tuple["Choice", str, list[TokenLogprob], "str | None"]
 
 
 class Choice:
-    """One returned choice: prompt ``p``'s completion ``i``, its text after the output rails, and its logprobs."""
+    """One returned choice: prompt ``p``'s completion ``i``, its text (as the engine's output rails let it out),
+    and its logprobs."""
 
-    def __init__(self, index: int, filters: list[Any]) -> None:
+    def __init__(self, index: int) -> None:
         self.index = index
-        self.filters = filters
         self.text = ""
         self.token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.started = False  # chat: the role delta was sent
-
-    def feed(self, text: str) -> str:
-        """The part of ``text`` the output rails let out now."""
-        for f in self.filters:
-            text = f.feed(text)
-        return text
-
-    def flush(self) -> str:
-        """What the rails held back, at the end of the choice."""
-        out = ""
-        for f in self.filters:
-            out = f.feed(out) + f.finish() if out else f.finish()
-        return out
-
-    @property
-    def blocked(self) -> Any:
-        for f in self.filters:
-            if getattr(f, "blocked", None):
-                return f.blocked
-        return None
 
 
 def new_job_id(kind: str) -> str:
@@ -66,19 +46,22 @@ class Job:
 
     Args:
         aengine: the engine. prompts: token ids per prompt. params: the sampling parameters.
-        make_filters: returns a fresh list of output-rail filters for one choice.
+        guard: the call's guardrails (``RequestGuard``, admitted already): the engine runs its output rails on
+            every choice and reports the response when the last prompt ended. None: the engine guards each
+            prompt on its own.
         adapter: the resident LoRA adapter the request runs through (None: the base model).
     """
 
     def __init__(self, aengine: AsyncEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 make_filters: Any, kind: str, job_id: str | None = None, adapter: str | None = None) -> None:
+                 guard: RequestGuard | None, kind: str, job_id: str | None = None, adapter: str | None = None) -> None:
         self.aengine = aengine
         self.prompts = [list(p) for p in prompts]
         self.params = params
         self.adapter = adapter  # the resident LoRA adapter the request named (None: the base model)
         self.id = job_id or new_job_id(kind)
         self.created = int(time.time())
-        self.choices = [Choice(i, make_filters()) for i in range(len(prompts) * params.n)]
+        self.guard = guard
+        self.choices = [Choice(i) for i in range(len(prompts) * params.n)]
         self.streams: list[RequestStream] = []
         self.arrival = time.monotonic()
         self.first_token: float | None = None
@@ -89,7 +72,8 @@ class Job:
         """Queue every prompt; on failure the ones already queued are aborted."""
         try:
             for p, ids in enumerate(self.prompts):
-                self.streams.append(await self.aengine.add(f"{self.id}-{p}", ids, self.params, adapter=self.adapter))
+                self.streams.append(await self.aengine.add(f"{self.id}-{p}", ids, self.params, adapter=self.adapter,
+                                                           guard=self.guard))
         except BaseException:
             self.abort()
             raise
@@ -173,7 +157,7 @@ class Job:
             for c in self.choices[p * self.params.n:(p + 1) * self.params.n]:
                 if c.finish_reason is None:
                     c.finish_reason = "abort"
-                    events.append((c, c.flush(), [], "abort"))
+                    events.append((c, "", [], "abort"))
             return events
         ev = out.event
         assert ev is not None
@@ -182,17 +166,9 @@ class Job:
         choice.token_ids.extend(ev.token_ids)
         new_lp = list(ev.logprobs or ())
         choice.logprobs.extend(new_lp)
-        text = choice.feed(ev.text or "")
-        if choice.blocked:
-            choice.finish_reason = "content_filter"
-            if all(c.finish_reason is not None for c in self.choices[p * self.params.n:(p + 1) * self.params.n]):
-                self.aengine.abort(f"{self.id}-{p}")
-            return [(choice, text, new_lp, choice.finish_reason)]
+        text = ev.text or ""  # through the output rails already (the engine ends a blocked choice: content_filter)
         if ev.finish_reason is not None:
             choice.finish_reason = ev.finish_reason
-            text += choice.flush()
-            if choice.blocked:  # a rail that holds text back may block on what it held, at the very end
-                choice.finish_reason = "content_filter"
         choice.text += text
         return [(choice, text, new_lp, choice.finish_reason)]
 
