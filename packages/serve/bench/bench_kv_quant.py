@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import math
 import os
 import platform
 import re
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -198,53 +200,152 @@ def quality(p: dict, device: torch.device, dtype: torch.dtype, train_steps: int 
     return rows
 
 
-def _decode_seconds(model, kind: str, prompts: list[list[int]], new_tokens: int, cuda_graphs: bool) -> float:
-    from plyx.serve import SamplingParams
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _engine(model, kind: str, ctx: int, batch: int, new_tokens: int, cuda_graphs: bool):
     from plyx.serve.engine import Engine, EngineConfig
 
-    ctx = len(prompts[0])
-    cfg = EngineConfig(max_batch_size=len(prompts), max_batch_tokens=2048, block_size=16,
+    cfg = EngineConfig(max_batch_size=batch, max_batch_tokens=2048, block_size=16,
                        max_model_len=ctx + new_tokens + 16, prefix_caching=False, kv_cache_dtype=kind,
                        cuda_graphs=cuda_graphs)
-    engine = Engine(model, config=cfg)
-    times = {}
-    for n in (1, new_tokens, 1, new_tokens):  # the second pair is timed (the first warms up and captures graphs)
-        params = SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
-        if model.device_type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.generate(prompts, params)
-        if model.device_type == "cuda":
-            torch.cuda.synchronize()
-        times[n] = time.perf_counter() - t
+    return Engine(model, config=cfg)
+
+
+def _run(engine, prompts: list[list[int]], new_tokens: int, device: torch.device, profile: dict | None = None
+         ) -> dict:
+    """Every prompt to completion through ``engine.step()``; wall seconds of the whole run and of its steady
+    decode: from the step after which every request has its first token (every prompt is in the cache, so
+    the batch decodes alone) to the end, with the tokens generated meanwhile.
+
+    ``profile`` (``{"steps": n}``): the first ``n`` steady steps run under ``torch.profiler`` (CPU and CUDA
+    activity); the profiler object is put back at ``profile["prof"]`` and those steps are not timed.
+    """
+    from plyx.serve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    tag = f"r{next(_RUNS)}-"
+    reqs = [engine.add_request(f"{tag}{i}", p, params) for i, p in enumerate(prompts)]
+    _sync(device)
+    start = time.perf_counter()
+    while any(r.first_token_time is None for r in reqs):
+        engine.step()
+    if profile is not None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        _sync(device)
+        with torch_profile(activities=acts) as prof:
+            for _ in range(profile["steps"]):
+                if not any(not r.finished for r in reqs):
+                    break
+                engine.step()
+            _sync(device)
+        profile["prof"] = prof
+    _sync(device)
+    steady_start, generated = time.perf_counter(), engine.stats.generated_tokens
+    while any(not r.finished for r in reqs):
+        engine.step()
+    _sync(device)
+    end = time.perf_counter()
+    return dict(total=end - start, steady=end - steady_start, steady_tokens=engine.stats.generated_tokens - generated)
+
+
+_RUNS = itertools.count()
+
+
+def _graph_state(engine) -> dict:
+    """Whether the engine's decode steps replay CUDA graphs (a capture that failed falls back to eager steps)."""
+    g = engine.graphs
+    if g is None:
+        return dict(graphs="off")
+    return dict(graphs="captured" if g.capture else "eager-fallback", graph_replays=g.replays, graph_steps=g.steps)
+
+
+def _decode_times(model, kind: str, prompts: list[list[int]], new_tokens: int, device: torch.device,
+                  cuda_graphs: bool, profile_steps: int = 0) -> tuple[dict, object | None]:
+    """Decode timings of cache ``kind`` (the engine warmed up by a first pair of runs: kernels compiled, graphs
+    captured). ``e2e_s``: t(new_tokens) - t(1), the prefill and first token cancelling (decodes of early rows
+    that overlap later prompts' prefill included); ``steady_s``: the steady decode of the timed run (see ``_run``)."""
+    engine = _engine(model, kind, len(prompts[0]), len(prompts), new_tokens, cuda_graphs)
+    with warnings.catch_warnings(record=True) as caught:  # a failed graph capture warns: reported, not hidden
+        warnings.simplefilter("always")
+        times = {}
+        for n in (1, new_tokens, 1, new_tokens):  # the second pair is timed
+            times[n] = _run(engine, prompts, n, device)
+        profile = {"steps": profile_steps} if profile_steps else None
+        if profile is not None:
+            _run(engine, prompts, new_tokens, device, profile)
+    for w in caught:
+        if issubclass(w.category, RuntimeWarning):
+            print(f"[{kind}] warning: {w.message}")
+    last = times[new_tokens]
+    out = dict(e2e_s=times[new_tokens]["total"] - times[1]["total"], steady_s=last["steady"],
+               steady_tokens=last["steady_tokens"], **_graph_state(engine))
     del engine
-    return times[new_tokens] - times[1]
+    return out, (profile or {}).get("prof")
 
 
-def speed(p: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def _kernel_table(prof, device: torch.device, rows: int) -> str:
+    """The profiler's table of kernels (and ops) by self device time (CPU time without a GPU)."""
+    avg = prof.key_averages()
+    keys = ("self_device_time_total", "self_cuda_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
+    for key in keys:
+        try:
+            return avg.table(sort_by=key, row_limit=rows)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return avg.table(row_limit=rows)
+
+
+def speed(p: dict, device: torch.device, dtype: torch.dtype, profile_steps: int = 0, out: Path | None = None,
+          tag: str = "cpu") -> list[dict]:
     cfg = SPEED_MODELS[p["speed_model"]]
     ctx, batch, new = p["context"], p["batch"], p["new_tokens"]
     shape = {k: v for k, v in cfg.items() if k != "vocab_size"}
     model = _model(shape, cfg["vocab_size"], ctx + new + 16, device, dtype).eval()
-    model.device_type = device.type
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(3, cfg["vocab_size"], (batch, ctx), generator=gen).tolist()
     rows = []
     base = None
     for kind in _kv_dtypes(device):
-        seconds = _decode_seconds(model, kind, prompts, new, cuda_graphs=True)
-        tok_s = batch * (new - 1) / seconds
-        base = base or tok_s
+        t, prof = _decode_times(model, kind, prompts, new, device, cuda_graphs=True, profile_steps=profile_steps)
+        tok_s = batch * (new - 1) / t["e2e_s"]
+        steady_tok_s = t["steady_tokens"] / t["steady_s"]
+        base = base or (tok_s, steady_tok_s)
         rows.append(dict(mode="speed", kv_cache_dtype=kind, model=p["speed_model"], context=ctx, batch=batch,
-                         new_tokens=new, decode_s=round(seconds, 4), decode_tok_s=round(tok_s, 1),
-                         speedup=round(tok_s / base, 3)))
+                         new_tokens=new, decode_s=round(t["e2e_s"], 4), decode_tok_s=round(tok_s, 1),
+                         speedup=round(tok_s / base[0], 3), steady_s=round(t["steady_s"], 4),
+                         steady_tokens=t["steady_tokens"], steady_tok_s=round(steady_tok_s, 1),
+                         steady_speedup=round(steady_tok_s / base[1], 3),
+                         **{k: v for k, v in t.items() if k.startswith("graph")}))
+        if prof is not None:
+            table = _kernel_table(prof, device, p.get("profile_rows", 30))
+            print(f"--- profile: {kind}, {profile_steps} steady decode steps (engine.step calls) ---\n{table}")
+            if out is not None:
+                path = out / f"kv-quant-{tag}-profile-{kind}.txt"
+                _write_atomic(path, f"{kind}: {profile_steps} steady engine steps, batch {batch}, context {ctx}\n"
+                                    f"{table}\n")
+                print(f"wrote {path}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
-def _time(fn, args: tuple, device: torch.device, reps: int = 20) -> float:
-    """Median seconds of ``fn(*args)`` (CUDA events on a GPU, after warm-up)."""
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _time(fn, args: tuple, device: torch.device, reps: int = 20) -> tuple[float, float]:
+    """``(device, eager)`` median seconds of one ``fn(*args)``. ``eager``: CUDA events around each Python call
+    (the launch's host work included: below ~200 us a GPU waits on it); ``device``: the same calls captured in
+    a CUDA graph and replayed, the kernels' own time (what a graph-captured decode step pays). On CPU both are
+    the wall time of a call."""
     for _ in range(3):
         fn(*args)
     samples = []
@@ -260,14 +361,50 @@ def _time(fn, args: tuple, device: torch.device, reps: int = 20) -> float:
             t = time.perf_counter()
             fn(*args)
             samples.append(time.perf_counter() - t)
-    return sorted(samples)[len(samples) // 2]
+    eager = sorted(samples)[len(samples) // 2]
+    if device.type != "cuda":
+        return eager, eager
+    calls = 10
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*args)  # torch's rule: a warm call on the capturing stream first
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(*args)
+    graph.replay()
+    samples = []
+    for _ in range(max(reps // 2, 3)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / calls)
+    del graph
+    return sorted(samples)[len(samples) // 2], eager
+
+
+#: launch configs ``--sweep`` tries on the quantised kernel (each at the default split count and at twice it)
+SWEEP_CONFIGS = (
+    dict(block_n=64, num_warps=4, num_stages=3),
+    dict(block_n=128, num_warps=4, num_stages=3),
+    dict(block_n=128, num_warps=8, num_stages=3),
+    dict(block_n=128, num_warps=4, num_stages=2),
+    dict(block_n=256, num_warps=8, num_stages=2),
+)
 
 
 @torch.no_grad()
-def kernels(p: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def kernels(p: dict, device: torch.device, dtype: torch.dtype, sweep: bool = False) -> list[dict]:
     """One decode step's attention of one layer of the speed model's shape: ``paged_attention`` over bf16 pools
-    against ``paged_attention_quant`` over int8 / fp8 pools, through the registry (what a model step calls)."""
+    against ``paged_attention_quant`` over int8 / fp8 pools, through the registry (what a model step calls).
+    ``sweep``: also the quantised Triton kernel at every ``SWEEP_CONFIGS`` launch config and split count."""
     from plyx.kernel import registry
+    from plyx.kernel.attention._paged import num_splits_for
     from plyx.kernel.reference.store_kv_quant import quantize_kv
 
     cfg = SPEED_MODELS[p["speed_model"]]
@@ -277,6 +414,7 @@ def kernels(p: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
     rows = []
     kinds = _kv_dtypes(device)
     storage = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     for ctx in p["kernel_contexts"]:
         for batch in p["kernel_batches"]:
             width = -(-ctx // bs)
@@ -298,11 +436,28 @@ def kernels(p: dict, device: torch.device, dtype: torch.dtype) -> list[dict]:
                     fn = registry().get("paged_attention_quant", q, qk, qv, head_dim=D, fp8=int(kind == "fp8_e4m3"))
                     args = (q, qk, qv, sk, sv, tables, lens)
                     pool_bytes = 2 * (qk.numel() * qk.element_size() + sk.numel() * sk.element_size())
-                seconds = _time(fn, args, device)
+                seconds, eager = _time(fn, args, device)
                 base = base or seconds
-                rows.append(dict(mode="kernel", kv_cache_dtype=kind, impl=getattr(fn, "__name__", "?"), heads=H,
-                                 kv_heads=KV, head_dim=D, context=ctx, batch=batch, us=round(seconds * 1e6, 2),
+                shape = dict(heads=H, kv_heads=KV, head_dim=D, context=ctx, batch=batch)
+                rows.append(dict(mode="kernel", kv_cache_dtype=kind, impl=getattr(fn, "__name__", "?"), **shape,
+                                 us=round(seconds * 1e6, 2), eager_us=round(eager * 1e6, 2),
                                  GB_s=round(pool_bytes / seconds / 1e9, 1), speedup=round(base / seconds, 3)))
+                if sweep and kind != "auto" and device.type == "cuda":
+                    from plyx.kernel.attention import paged_attention_quant_triton
+
+                    splits = num_splits_for(batch, KV, width * bs, 64, sms)
+                    for conf in SWEEP_CONFIGS:
+                        for ns in sorted({splits, 2 * splits, max(1, splits // 2)}):
+                            def run(*a, conf=conf, ns=ns):
+                                return paged_attention_quant_triton(*a, num_splits=ns, config=conf)
+                            try:
+                                sec, _ = _time(run, args, device, reps=10)
+                            except Exception as exc:  # a config that does not compile (shared memory): noted
+                                print(f"sweep {kind} {conf} splits={ns}: {type(exc).__name__}: {exc}"[:300])
+                                continue
+                            rows.append(dict(mode="kernel-sweep", kv_cache_dtype=kind, **shape, **conf,
+                                             num_splits=ns, us=round(sec * 1e6, 2),
+                                             GB_s=round(pool_bytes / sec / 1e9, 1), speedup=round(base / sec, 3)))
                 del args
             del k, v
             if device.type == "cuda":
@@ -317,6 +472,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--train-steps", type=int, default=None, help="override the preset's training steps")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                    help="speed mode: torch.profiler over STEPS steady decode steps (engine.step calls, each up to "
+                         "decode_steps tokens) per cache dtype; the kernel table is printed and written beside the "
+                         "results (kv-quant-<device>-profile-<dtype>.txt)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="kernel mode: also time the quantised kernel at every SWEEP_CONFIGS launch config")
     args = ap.parse_args()
     p = PRESETS[args.preset]
     device = torch.device(args.device)
@@ -328,17 +489,17 @@ def main() -> None:
     meta = dict(device=name, date=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                 torch=torch.__version__, dtype=p["dtype"], preset=args.preset)
     print(f"device: {name}, {meta['date']}")
-    rows: list[dict] = []
-    if args.mode in ("quality", "all"):
-        rows += quality(p, device, dtype, args.train_steps)
-    if args.mode in ("kernel", "all"):
-        rows += kernels(p, device, dtype)
-    if args.mode in ("speed", "all"):
-        rows += speed(p, device, dtype)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_id = re.search(r"\b[A-Z]{1,2}\d{2,4}\b", name)  # "NVIDIA H100 80GB HBM3" -> h100
     tag = "cpu" if device.type == "cpu" else "cuda-" + (model_id.group(0) if model_id else "gpu").lower()
+    rows: list[dict] = []
+    if args.mode in ("quality", "all"):
+        rows += quality(p, device, dtype, args.train_steps)
+    if args.mode in ("kernel", "all"):
+        rows += kernels(p, device, dtype, sweep=args.sweep)
+    if args.mode in ("speed", "all"):
+        rows += speed(p, device, dtype, profile_steps=args.profile, out=out, tag=tag)
     path = out / f"kv-quant-{tag}.jsonl"
     with path.open("a") as f:
         for row in rows:

@@ -40,7 +40,16 @@ def test_engine_decodes_on_a_quantised_cache(kv):
     quant = Engine(model, config=EngineConfig(max_batch_size=4, num_blocks=64, kv_cache_dtype=kv))
     assert type(base.cache) is PagedKVCache
     assert isinstance(quant.cache, QuantizedPagedKVCache) and quant.cache.kv_dtype == kv
+    # the engine path of the unquantised cache: packed steps (decodes ride in the prefill chunks' forward),
+    # attention over the int8/fp8 pools; never a whole sequence dequantised per layer and step (``read``)
+    assert quant.packed and base.packed
+
+    def no_read(*a, **k):
+        raise AssertionError("the engine dequantised a whole sequence (read) in a step")
+
+    quant.cache.read = no_read
     got = [list(o.outputs[0].token_ids) for o in quant.generate(prompts, params)]
+    del quant.cache.read
     # batched, chunked and scheduled by the engine, it decodes what a plain loop over the same cache kind does
     assert got == [_greedy(model, p, 10, f"paged_{kv}") for p in prompts]
     assert quant.cache.bytes_per_block() < 0.75 * base.cache.bytes_per_block()  # head_dim 16 here: (16+4)/64 of f32

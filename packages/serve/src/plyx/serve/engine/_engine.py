@@ -184,15 +184,14 @@ class Engine:
     def _can_pack(self) -> bool:
         """Whether steps run as one packed forward: asked for, a block-addressable cache, a model with the
         prepared-step entry point (``kv_step``), and no resident adapters (they select weights per batch row).
-        A quantised cache (``kv_scales``: int8/fp8 pools) takes the per-group path, whose writes quantise: the
-        packed step's store casts into the pools."""
+        A quantised cache (``kv_scales``: int8/fp8 pools) packs too: its writes quantise (``rope_store_kv_quant``
+        / ``write_slots``) and its groups attend through ``paged_attention_quant``; the per-group path would run
+        each step's decodes apart from the prefill chunks and dequantise every prefilling sequence whole per layer."""
         import inspect
 
         from plyx.attn import supports_static_decode
 
         if not self.config.packed_step or self.lora is not None or not supports_static_decode(self.cache):
-            return False
-        if hasattr(self.cache, "kv_scales"):
             return False
         return "kv_step" in inspect.signature(self.model.forward).parameters
 
