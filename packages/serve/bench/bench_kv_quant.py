@@ -1,6 +1,6 @@
 """Quantised KV cache (``kv_cache_dtype`` int8 / fp8_e4m3) against the unquantised cache, same run.
 
-Two measurements, each written to ``bench/results/kv-quant-<device>.jsonl`` (one JSON line per row, with the
+Three measurements, each written to ``bench/results/kv-quant-<device>.jsonl`` (one JSON line per row, with the
 device, the date and the versions) and printed as a table:
 
 ``quality``: a char-level model trained here on the first 90% of Tiny Shakespeare (plyx-train's copy of
@@ -13,17 +13,28 @@ teacher-forced top-1 agreement (argmax equal to the unquantised run's), and free
 of the common prefix.
 
 ``kernel``: one layer's decode attention at long context (the speed model's heads), ``paged_attention`` over
-bf16 pools against ``paged_attention_quant`` over int8 / fp8 pools, median of CUDA-event timings, with the
-pool bytes read per second.
+bf16 pools against ``paged_attention_quant`` over int8 / fp8 pools. ``us``: the kernels' own time, median of
+CUDA-event timings of ten calls captured in a CUDA graph (what a graph-captured decode step pays);
+``eager_us``: events around each Python call (launch overhead included: below ~200 us the GPU waits on the
+host, which hid the kernels' differences in the first H100 run); with the pool bytes read per second.
+``--sweep`` adds the quantised kernel at every ``SWEEP_CONFIGS`` launch config and split count
+(mode ``kernel-sweep``).
 
 ``speed``: decode throughput at long context with ``plyx.serve``'s engine (CUDA graphs on a GPU): a random
 model of a Llama shape, ``--batch`` prompts of ``--context`` random tokens, ``--new-tokens`` greedy tokens.
-Decode tok/s = batch * (new_tokens - 1) / (t(new_tokens) - t(1)): the prefill and the first token cancel.
+``decode_tok_s`` = batch * (new_tokens - 1) / (t(new_tokens) - t(1)): the prefill and the first token cancel,
+but the decodes of early rows that overlap later prompts' prefill are in it. ``steady_tok_s``: the timed
+run's tokens after every prompt is cached (the batch decodes alone) over that time. ``graphs``: whether the
+decode steps replayed captured graphs (``captured``) or fell back to eager steps after a failed capture (the
+warning is printed). ``--profile STEPS``: ``torch.profiler`` over STEPS steady engine steps of a further run
+per cache dtype; the kernel table (by self device time) is printed and written to
+``kv-quant-<device>-profile-<dtype>.txt`` beside the results.
 
     # CPU, tiny (the proof that the script runs; minutes):
     python packages/serve/bench/bench_kv_quant.py --preset cpu
-    # GPU (bf16; fp8_e4m3 rows on Hopper only):
-    python packages/serve/bench/bench_kv_quant.py --preset gpu
+    # GPU (bf16; fp8_e4m3 rows on Hopper only), each under 3 minutes on an H100:
+    python packages/serve/bench/bench_kv_quant.py --preset gpu --mode kernel --sweep --out $OUT
+    python packages/serve/bench/bench_kv_quant.py --preset gpu --mode speed --profile 4 --out $OUT
 
 Sizes live in PRESETS, never inline.
 """
@@ -49,12 +60,13 @@ PRESETS = {
     "cpu": dict(quality_model=dict(d_model=96, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=256),
                 train_steps=250, train_batch=8, train_len=256, lr=3e-3, contexts=(128, 512), windows=4, chunk=16,
                 gen=48, speed_model="tiny", context=512, batch=2, new_tokens=17, dtype="float32",
-                kernel_contexts=(512,), kernel_batches=(1, 4)),
+                kernel_contexts=(512,), kernel_batches=(1, 4), sweep_shapes=((512, 4),)),
     # one H100/H200: head_dim 64 (the Triton kernels' sizes), trained at the longest context evaluated
     "gpu": dict(quality_model=dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=2, d_ff=1536),
                 train_steps=400, train_batch=4, train_len=8192, lr=1e-3, contexts=(2048, 8192), windows=4, chunk=16,
                 gen=128, speed_model="1.1b", context=8192, batch=16, new_tokens=257, dtype="bfloat16",
-                kernel_contexts=(8192, 32768), kernel_batches=(1, 16, 64)),
+                kernel_contexts=(8192, 32768), kernel_batches=(1, 16, 64),
+                sweep_shapes=((8192, 16), (32768, 16), (8192, 64))),
 }
 
 #: random-weight models of the speed test (Llama shapes)
@@ -267,14 +279,13 @@ def _graph_state(engine) -> dict:
 
 def _decode_times(model, kind: str, prompts: list[list[int]], new_tokens: int, device: torch.device,
                   cuda_graphs: bool, profile_steps: int = 0) -> tuple[dict, object | None]:
-    """Decode timings of cache ``kind`` (the engine warmed up by a first pair of runs: kernels compiled, graphs
-    captured). ``e2e_s``: t(new_tokens) - t(1), the prefill and first token cancelling (decodes of early rows
+    """Decode timings of cache ``kind`` (the engine warmed up by a first run: kernels compiled, graphs captured). ``e2e_s``: t(new_tokens) - t(1), the prefill and first token cancelling (decodes of early rows
     that overlap later prompts' prefill included); ``steady_s``: the steady decode of the timed run (see ``_run``)."""
     engine = _engine(model, kind, len(prompts[0]), len(prompts), new_tokens, cuda_graphs)
     with warnings.catch_warnings(record=True) as caught:  # a failed graph capture warns: reported, not hidden
         warnings.simplefilter("always")
         times = {}
-        for n in (1, new_tokens, 1, new_tokens):  # the second pair is timed
+        for n in (new_tokens, 1, new_tokens):  # the first warms up (kernels compiled, graphs captured)
             times[n] = _run(engine, prompts, n, device)
         profile = {"steps": profile_steps} if profile_steps else None
         if profile is not None:
@@ -341,12 +352,12 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def _time(fn, args: tuple, device: torch.device, reps: int = 20) -> tuple[float, float]:
+def _time(fn, args: tuple, device: torch.device, reps: int = 20, warm: int = 3) -> tuple[float, float]:
     """``(device, eager)`` median seconds of one ``fn(*args)``. ``eager``: CUDA events around each Python call
     (the launch's host work included: below ~200 us a GPU waits on it); ``device``: the same calls captured in
     a CUDA graph and replayed, the kernels' own time (what a graph-captured decode step pays). On CPU both are
     the wall time of a call."""
-    for _ in range(3):
+    for _ in range(warm):
         fn(*args)
     samples = []
     for _ in range(reps):
@@ -388,13 +399,15 @@ def _time(fn, args: tuple, device: torch.device, reps: int = 20) -> tuple[float,
     return sorted(samples)[len(samples) // 2], eager
 
 
-#: launch configs ``--sweep`` tries on the quantised kernel (each at the default split count and at twice it)
+#: launch configs ``--sweep`` tries on the quantised kernel (each at the default split count and at twice it,
+#: at the preset's ``sweep_shapes``)
 SWEEP_CONFIGS = (
-    dict(block_n=64, num_warps=4, num_stages=3),
-    dict(block_n=128, num_warps=4, num_stages=3),
-    dict(block_n=128, num_warps=8, num_stages=3),
-    dict(block_n=128, num_warps=4, num_stages=2),
-    dict(block_n=256, num_warps=8, num_stages=2),
+    dict(block_n=64, num_warps=4, num_stages=3, v_trans=0),  # the first H100 run's config
+    dict(block_n=64, num_warps=4, num_stages=3, v_trans=1),
+    dict(block_n=128, num_warps=4, num_stages=3, v_trans=0),
+    dict(block_n=128, num_warps=4, num_stages=3, v_trans=1),  # the default (GPU_CONFIG_QUANT_SPLIT)
+    dict(block_n=128, num_warps=8, num_stages=3, v_trans=1),
+    dict(block_n=256, num_warps=8, num_stages=2, v_trans=1),
 )
 
 
@@ -415,6 +428,7 @@ def kernels(p: dict, device: torch.device, dtype: torch.dtype, sweep: bool = Fal
     kinds = _kv_dtypes(device)
     storage = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"  # the sweep's code path on CPU (tiles ignored there)
     for ctx in p["kernel_contexts"]:
         for batch in p["kernel_batches"]:
             width = -(-ctx // bs)
@@ -442,16 +456,17 @@ def kernels(p: dict, device: torch.device, dtype: torch.dtype, sweep: bool = Fal
                 rows.append(dict(mode="kernel", kv_cache_dtype=kind, impl=getattr(fn, "__name__", "?"), **shape,
                                  us=round(seconds * 1e6, 2), eager_us=round(eager * 1e6, 2),
                                  GB_s=round(pool_bytes / seconds / 1e9, 1), speedup=round(base / seconds, 3)))
-                if sweep and kind != "auto" and device.type == "cuda":
+                if sweep and kind != "auto" and (ctx, batch) in p["sweep_shapes"] and (device.type == "cuda" or interp):
                     from plyx.kernel.attention import paged_attention_quant_triton
 
                     splits = num_splits_for(batch, KV, width * bs, 64, sms)
-                    for conf in SWEEP_CONFIGS:
-                        for ns in sorted({splits, 2 * splits, max(1, splits // 2)}):
+                    gpu = device.type == "cuda"  # else the interpreter: two configs, once, to prove the path
+                    for conf in SWEEP_CONFIGS if gpu else SWEEP_CONFIGS[:2]:
+                        for ns in sorted({splits, 2 * splits} if gpu else {splits}):
                             def run(*a, conf=conf, ns=ns):
                                 return paged_attention_quant_triton(*a, num_splits=ns, config=conf)
                             try:
-                                sec, _ = _time(run, args, device, reps=10)
+                                sec, _ = _time(run, args, device, reps=10 if gpu else 1, warm=3 if gpu else 0)
                             except Exception as exc:  # a config that does not compile (shared memory): noted
                                 print(f"sweep {kind} {conf} splits={ns}: {type(exc).__name__}: {exc}"[:300])
                                 continue
