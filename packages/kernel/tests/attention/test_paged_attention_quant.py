@@ -189,3 +189,47 @@ def test_sm90_kernel_reads_no_8bit_operand_byte_by_byte(tmp_path):
         got = ptx[f"{pool}:1"]
         assert got["mma"] > 0 and got["ldmatrix_trans"] > 0 and got["byte_loads"] == 0, (pool, got)
     assert ptx["*i8:0"]["byte_loads"] >= 32, ptx  # the control: the layout is what removes them
+
+
+#: aten ops that read a tensor's value on the host: a device sync, which CUDA-graph capture refuses
+_HOST_READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.is_nonzero", "aten.equal")
+
+
+def _host_reads(fn) -> list[str]:
+    """The host-value reads among the aten ops ``fn()`` dispatches (the CPU proxy of a graph-capturable call)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as rec:
+        fn()
+    return [op for op in rec.ops if op.startswith(_HOST_READS)]
+
+
+@needs_triton
+def test_quantised_decode_step_kernels_read_nothing_on_the_host():
+    """Every kernel of a quantised cache's decode step (the fused RoPE + quantising store, the quantising store,
+    the paged attention with split-K) launches without reading a tensor's value on the host, so the step
+    captures into a CUDA graph; the reference store, which checks its slots on the host, is the control."""
+    from plyx.kernel.reference.store_kv_quant import store_kv_quant as store_reference
+    from plyx.kernel.triton_ops.rope_store_kv_quant import rope_store_kv_quant
+    from plyx.kernel.triton_ops.store_kv_quant import store_kv_quant
+
+    dev = TRITON_DEVICE
+    q, k, v, s_k, s_v, tables, lens = _inputs([30, 70], 1, 8, 2, 64, 16, torch.bfloat16, "int8", device=dev)
+    slots = torch.tensor([3, 40], device=dev)
+    flat = (k.view(-1, 2, 64), v.view(-1, 2, 64), s_k.view(-1, 2), s_v.view(-1, 2))
+    new = torch.randn(2, 2, 64, device=dev, dtype=torch.bfloat16)
+    qkv = torch.randn(2, 1, 12, 64, device=dev, dtype=torch.bfloat16)
+    cos, sin = torch.ones(1, 32, device=dev), torch.zeros(1, 32, device=dev)
+    assert _host_reads(lambda: paged_attention_quant_triton(q, k, v, s_k, s_v, tables, lens, num_splits=3)) == []
+    assert _host_reads(lambda: store_kv_quant(new, new, *flat, slots)) == []
+    assert _host_reads(lambda: rope_store_kv_quant(qkv, cos, sin, *flat, slots, n_heads=8, n_kv_heads=2)) == []
+    assert _host_reads(lambda: store_reference(new, new, *flat, slots))  # the control: it syncs
