@@ -270,11 +270,16 @@ _RUNS = itertools.count()
 
 
 def _graph_state(engine) -> dict:
-    """Whether the engine's decode steps replay CUDA graphs (a capture that failed falls back to eager steps)."""
-    g = engine.graphs
-    if g is None:
-        return dict(graphs="off")
-    return dict(graphs="captured" if g.capture else "eager-fallback", graph_replays=g.replays, graph_steps=g.steps)
+    """Whether the engine's decode and mixed (packed) steps replay CUDA graphs (a capture that failed falls back
+    to eager steps), with their replay and step counts."""
+    out = {}
+    for key, g in (("graphs", engine.graphs), ("mixed_graphs", getattr(engine, "mixed_graphs", None))):
+        if g is None:
+            out[key] = "off"
+        else:
+            out[key] = "captured" if g.capture else "eager-fallback"
+            out[f"{key}_replays"], out[f"{key}_steps"] = g.replays, g.steps
+    return out
 
 
 def _decode_times(model, kind: str, prompts: list[list[int]], new_tokens: int, device: torch.device,
@@ -332,7 +337,7 @@ def speed(p: dict, device: torch.device, dtype: torch.dtype, profile_steps: int 
                          speedup=round(tok_s / base[0], 3), steady_s=round(t["steady_s"], 4),
                          steady_tokens=t["steady_tokens"], steady_tok_s=round(steady_tok_s, 1),
                          steady_speedup=round(steady_tok_s / base[1], 3),
-                         **{k: v for k, v in t.items() if k.startswith("graph")}))
+                         **{k: v for k, v in t.items() if "graphs" in k}))
         if prof is not None:
             table = _kernel_table(prof, device, p.get("profile_rows", 30))
             print(f"--- profile: {kind}, {profile_steps} steady decode steps (engine.step calls) ---\n{table}")
