@@ -35,6 +35,7 @@ per cache dtype; the kernel table (by self device time) is printed and written t
     # GPU (bf16; fp8_e4m3 rows on Hopper only), each under 3 minutes on an H100:
     python packages/serve/bench/bench_kv_quant.py --preset gpu --mode kernel --sweep --out $OUT
     python packages/serve/bench/bench_kv_quant.py --preset gpu --mode speed --profile 4 --out $OUT
+    # (--kv-dtypes int8 or fp8_e4m3 runs one quantised dtype beside the baseline, to split a long run)
 
 Sizes live in PRESETS, never inline.
 """
@@ -77,6 +78,8 @@ SPEED_MODELS = {
 }
 
 KV_DTYPES = ("auto", "int8", "fp8_e4m3")
+#: the cache dtypes of this run (``--kv-dtypes``; ``auto``, the baseline of every speedup, always runs)
+SELECTED = list(KV_DTYPES)
 
 
 def _kv_dtypes(device: torch.device) -> list[str]:
@@ -85,6 +88,8 @@ def _kv_dtypes(device: torch.device) -> list[str]:
 
     out = []
     for kv in KV_DTYPES:
+        if kv not in SELECTED and kv != "auto":
+            continue
         try:
             if kv != "auto":
                 check_kv_cache_dtype(kv, device)
@@ -498,7 +503,13 @@ def main() -> None:
                          "results (kv-quant-<device>-profile-<dtype>.txt)")
     ap.add_argument("--sweep", action="store_true",
                     help="kernel mode: also time the quantised kernel at every SWEEP_CONFIGS launch config")
+    ap.add_argument("--kv-dtypes", default=",".join(KV_DTYPES[1:]),
+                    help="quantised cache dtypes to run beside the unquantised baseline (comma-separated: int8,fp8_e4m3)")
     args = ap.parse_args()
+    unknown = set(args.kv_dtypes.split(",")) - set(KV_DTYPES)
+    if unknown:
+        ap.error(f"--kv-dtypes: unknown {sorted(unknown)}; use a comma-separated subset of {', '.join(KV_DTYPES[1:])}")
+    SELECTED[:] = args.kv_dtypes.split(",")
     p = PRESETS[args.preset]
     device = torch.device(args.device)
     dtype = getattr(torch, p["dtype"])
