@@ -10,6 +10,7 @@ from plyx.attn import (
     PagedKVCache,
     QuantizedPagedKVCache,
     StaticDecode,
+    begin_packed_step,
     begin_step,
     check_kv_cache_dtype,
 )
@@ -108,6 +109,39 @@ def test_static_decode_step_writes_through_the_quantising_store(kv_dtype, fused)
         y = attn(x, cos, sin, step=st)
     for row in range(2):
         torch.testing.assert_close(y[row], eager[row], rtol=1e-10, atol=1e-10)
+        for a, b in zip(caches[0].read(0, row), caches[1].read(0, row)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["rope_store_kv_quant", "write_slots"])
+@pytest.mark.parametrize("kv_dtype", KINDS)
+def test_packed_step_attends_over_the_quantised_pools(kv_dtype, fused, monkeypatch):
+    """A packed step (decodes and a prefill chunk in one ``[1, N]`` row, ``begin_packed_step``) quantises its
+    keys and values into the pools and attends through ``paged_attention_quant`` group by group, giving what
+    per-group eager steps give, with the same bytes stored; it never dequantises a sequence whole (``read``)."""
+    attn = _attention()
+    caches = [QuantizedPagedKVCache(_layout(), kv_dtype=kv_dtype) for _ in range(2)]
+    xs = [torch.randn(30, D, dtype=torch.float64) for _ in range(3)]
+    for cache in caches:  # rows 0 and 1 hold a prompt; row 2 arrives with the packed step
+        _step(attn, cache, [xs[0][:9], xs[1][:5]])
+    eager = _step(attn, caches[0], [xs[0][9:10], xs[1][5:6]])  # two decodes
+    eager += _step(attn, caches[0], [xs[2][:20]], seq_ids=(2,))  # a 20-token prompt chunk (> PAGED_MAX_QUERY)
+
+    def no_read(*a, **k):
+        raise AssertionError("a packed step dequantised a whole sequence (read)")
+
+    monkeypatch.setattr(caches[1], "read", no_read)
+    _, positions, st = begin_packed_step(caches[1], [0, 1, 2], [1, 1, 20], [0] * 22, torch.device("cpu"))
+    x = torch.cat([xs[0][9:10], xs[1][5:6], xs[2][:20]])[None]  # (1, 22, D)
+    cos, sin = rope_tables(positions, DH, 10000.0, dtype=torch.float64)
+    attn.pack_projections_()
+    with torch.set_grad_enabled(not fused):  # fused: rope_store_kv_quant; with a gradient: write_slots
+        y = attn(x, cos, sin, step=st)[0]  # (22, D)
+    for got, want, tol in zip((y[0:1], y[1:2], y[2:]), eager, (1e-10, 1e-10, 1e-6)):
+        # the eager chunk's gathered path dequantises in float32 (``read``), the paged kernel in float64
+        torch.testing.assert_close(got, want, rtol=10 * tol, atol=tol)
+    monkeypatch.undo()
+    for row in range(3):
         for a, b in zip(caches[0].read(0, row), caches[1].read(0, row)):
             assert torch.equal(a, b)
 

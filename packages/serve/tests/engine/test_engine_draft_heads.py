@@ -237,6 +237,8 @@ def test_bad_configurations_are_named(trained, tmp_path):
         Engine(base, draft_heads=build_draft_heads("eagle", base.config))
     with pytest.raises(ConfigError, match="packed step"):
         Engine(base, draft_heads=heads, config=EngineConfig(packed_step=False))
+    with pytest.raises(ConfigError, match="tree verification reads the pools unquantised"):
+        Engine(base, draft_heads=heads, config=EngineConfig(kv_cache_dtype="int8", spec_tree=2))
     other = build_draft_heads("medusa", base.config.replace(vocab_size=V + 8), num_heads=2)
     with pytest.raises(ConfigError, match="vocab_size"):
         Engine(base, draft_heads=other)

@@ -40,10 +40,38 @@ def test_engine_decodes_on_a_quantised_cache(kv):
     quant = Engine(model, config=EngineConfig(max_batch_size=4, num_blocks=64, kv_cache_dtype=kv))
     assert type(base.cache) is PagedKVCache
     assert isinstance(quant.cache, QuantizedPagedKVCache) and quant.cache.kv_dtype == kv
+    # the engine path of the unquantised cache: packed steps (decodes ride in the prefill chunks' forward),
+    # attention over the int8/fp8 pools; never a whole sequence dequantised per layer and step (``read``)
+    assert quant.packed and base.packed
+
+    def no_read(*a, **k):
+        raise AssertionError("the engine dequantised a whole sequence (read) in a step")
+
+    quant.cache.read = no_read
     got = [list(o.outputs[0].token_ids) for o in quant.generate(prompts, params)]
+    del quant.cache.read
     # batched, chunked and scheduled by the engine, it decodes what a plain loop over the same cache kind does
     assert got == [_greedy(model, p, 10, f"paged_{kv}") for p in prompts]
     assert quant.cache.bytes_per_block() < 0.75 * base.cache.bytes_per_block()  # head_dim 16 here: (16+4)/64 of f32
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_mixed_step_graph_path_on_a_quantised_cache(kv):
+    """Arrivals spread over the run (most steps mix prefill chunks and decodes): the bucketed static step that
+    CUDA replays as mixed-step graphs (run eagerly here) decodes what the unpadded packed step does, over the
+    quantised pools, and every step takes it."""
+    from .test_mixed_graphs import _run_arrivals, prompts_of
+
+    model = small_lm()
+    prompts = prompts_of(6, seed=3, lo=10, hi=40)
+    sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    kw = dict(max_batch_size=6, max_batch_tokens=48, block_size=4, num_blocks=120, cuda_graphs=False,
+              kv_cache_dtype=kv)
+    plain = Engine(model, config=EngineConfig(mixed_graphs=False, **kw))
+    bucketed = Engine(model, config=EngineConfig(mixed_graphs=True, **kw))
+    assert plain.packed and bucketed.mixed_graphs is not None
+    assert _run_arrivals(bucketed, prompts, sp)[0] == _run_arrivals(plain, prompts, sp)[0]
+    assert bucketed.mixed_graphs.steps == bucketed.stats.steps
 
 
 def test_bf16_and_unknown_dtypes():

@@ -201,10 +201,18 @@ class Attention(nn.Module):
         """Paged attention of ``q`` over what ``step`` cached (the new tokens included)."""
         k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
         tables, lens = step.paged  # type: ignore[misc]
+        return self._paged_kernel(q, k_pool, v_pool, tables, lens, step)
+
+    def _paged_kernel(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                      lens: torch.Tensor, step: KVStep) -> torch.Tensor:
+        """``paged_attention`` of ``q [B, Tq, H, Dh]`` over this layer's pools, or ``paged_attention_quant`` over a
+        quantised cache's int8 / fp8 pools and their scales (q keeps its dtype: the 8-bit tiles are widened in
+        registers). The kernel is looked up once per step and shape (``KVStep.kernel_for``), not per layer."""
         scales = step.scales(self.layer_idx)
-        if scales is not None:  # int8 / fp8 pools, (num_blocks, block_size, KV) float32 scales: q keeps its dtype
+        if scales is not None:  # int8 / fp8 pools, (num_blocks, block_size, KV) float32 scales
             fp8 = int(k_pool.dtype == torch.float8_e4m3fn)
-            fn = kernel("paged_attention_quant", q, k_pool, v_pool, head_dim=self.head_dim, fp8=fp8)
+            fn = step.kernel_for("paged_attention_quant", (q.shape, q.dtype, k_pool.dtype), q, k_pool, v_pool,
+                                 head_dim=self.head_dim, fp8=fp8)
             return fn(q, k_pool, v_pool, *scales, tables, lens, scale=self.scale,  # type: ignore[no-any-return]
                       window=self.sliding_window)
         q = q.to(k_pool.dtype)
@@ -214,10 +222,11 @@ class Attention(nn.Module):
 
     def _attend_varlen(self, q: torch.Tensor, step: KVStep) -> torch.Tensor:
         """Paged attention of a packed step's queries ``[1, N, H, Dh]``, one launch per group of rows that feed
-        the same number of tokens (``plyx.attn.begin_packed_step``); ``[1, N, H, Dh]``."""
+        the same number of tokens (``plyx.attn.begin_packed_step``); ``[1, N, H, Dh]``. A quantised cache's
+        pools are read by ``paged_attention_quant`` (never dequantised whole)."""
         k_pool, v_pool = step.pools(self.layer_idx)  # (num_blocks, block_size, KV, Dh) each
         H, Dh = self.n_heads, self.head_dim
-        flat = q.to(k_pool.dtype).reshape(-1, H, Dh)  # (N, H, Dh)
+        flat = q.reshape(-1, H, Dh)  # (N, H, Dh)
         outs = []
         for g in step.varlen:  # type: ignore[union-attr]
             qg = flat[g.start:g.start + g.rows * g.query_len].view(g.rows, g.query_len, H, Dh)
@@ -226,8 +235,7 @@ class Attention(nn.Module):
 
                 outs.append(tree_attention(qg, k_pool, v_pool, g, scale=self.scale).reshape(-1, H, Dh))
                 continue
-            fn = step.kernel_for("paged_attention", (qg.shape, qg.dtype, k_pool.dtype), qg, k_pool, v_pool, head_dim=Dh)
-            o = fn(qg, k_pool, v_pool, g.block_tables, g.context_lens, scale=self.scale, window=self.sliding_window)
+            o = self._paged_kernel(qg, k_pool, v_pool, g.block_tables, g.context_lens, step)
             outs.append(o.reshape(-1, H, Dh))  # (rows * query_len, H, Dh)
         return (outs[0] if len(outs) == 1 else torch.cat(outs))[None]  # (1, N, H, Dh)
 

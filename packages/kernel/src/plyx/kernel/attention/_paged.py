@@ -59,6 +59,7 @@ def _paged_fwd(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_TILES: tl.constexpr,
     SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_GDC: tl.constexpr, QUANT: tl.constexpr,
+    V_T: tl.constexpr,
 ):
     # programmatic dependent launch: the previous kernel may have written the new keys, q or the tables, so
     # nothing is read before the wait
@@ -106,8 +107,16 @@ def _paged_fwd(
                      + offs_d[:, None], mask=valid[None, :], other=0.0)  # [D, BN]
         # the values are issued with the keys, not after the scores: at decode sizes the program is a chain
         # of memory round trips (length, block ids, keys, values), and this takes one out of it
-        v = tl.load(V_POOL + blk[:, None] * stride_vblk + slot[:, None] * stride_vslot + kvh * stride_vh
-                    + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BN, D]
+        if V_T:
+            # 8-bit values: loaded as [D, BN] and transposed in registers. Loaded as [BN, D], the 8-bit tile sat in
+            # shared memory and the tensor cores' B operand (pairs of consecutive tokens) was gathered from it one
+            # byte at a time (64 ld.shared.b8 per thread and 128-token tile, sm_90 PTX); transposed after the load,
+            # the tile is widened in registers and read back with ldmatrix.trans like a bf16 one
+            v = tl.trans(tl.load(V_POOL + blk[None, :] * stride_vblk + slot[None, :] * stride_vslot
+                                 + kvh * stride_vh + offs_d[:, None], mask=valid[None, :], other=0.0))  # [BN, D]
+        else:
+            v = tl.load(V_POOL + blk[:, None] * stride_vblk + slot[:, None] * stride_vslot + kvh * stride_vh
+                        + offs_d[None, :], mask=valid[:, None], other=0.0)  # [BN, D]
         if QUANT:
             # int8 / fp8 pools, one float32 scale per (token, kv head): the integers (exact in 16 bits) go
             # through the tensor cores in q's dtype and the scales multiply the [BM, BN] scores and
@@ -195,6 +204,16 @@ def _interpreting() -> bool:
 #: with 128-token tiles (3-4% faster at batch 64)
 GPU_CONFIG_SPLIT = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 GPU_CONFIG_SINGLE = {"block_n": 128, "num_warps": 4, "num_stages": 3}
+#: quantised pools: the same grid and split count, twice the tokens per tile. An 8-bit tile cannot go from
+#: global memory straight into the tensor cores' shared-memory operands as a bf16 tile does (it is widened in
+#: registers first), so each key tile is a serial round trip; at 64 tokens the program made as many of them
+#: as the bf16 one for half the bytes (H100, batch 16 at 8k: 367 against 751 GB/s, 2026-11-24). 128 tokens of
+#: int8 are the bytes of 64 of bf16; ``bench_kv_quant.py --mode kernel --sweep`` measures the alternatives
+#: ``v_trans``: values loaded transposed (see ``_paged_fwd``: no byte-wise shared-memory reads of 8-bit tiles)
+GPU_CONFIG_QUANT_SPLIT = {"block_n": 128, "num_warps": 4, "num_stages": 3, "v_trans": 1}
+GPU_CONFIG_QUANT_SINGLE = {"block_n": 128, "num_warps": 4, "num_stages": 3, "v_trans": 1}
+#: the keys a launch config takes (``paged_attention(config=...)``)
+CONFIG_KEYS = frozenset({"block_n", "num_warps", "num_stages", "v_trans"})
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -228,6 +247,7 @@ def paged_attention(
     num_splits: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """The ``paged_attention`` contract (see ``paged_attention_reference``) in Triton.
 
@@ -236,6 +256,7 @@ def paged_attention(
     Context lengths are trusted (no host sync): each must be >= Tq and fit the table.
     With ``k_scale``/``v_scale`` (``[num_blocks, block_size, KV]`` float32) the pools are
     int8 / float8_e4m3fn and are dequantised in registers (``paged_attention_quant``).
+    ``config`` overrides the GPU launch config (``block_n``, ``num_warps``, ``num_stages``; benchmarks).
     """
     quant = k_scale is not None
     if quant:
@@ -263,11 +284,22 @@ def paged_attention(
     context_lens = context_lens.to(torch.int32) if context_lens.dtype != torch.int32 else context_lens
     interp = _interpreting()
     max_context = block_tables.shape[1] * block_size
-    config = {"block_n": 16, "num_warps": 4, "num_stages": 1} if interp else GPU_CONFIG_SPLIT
+    split_cfg, single_cfg = (GPU_CONFIG_QUANT_SPLIT, GPU_CONFIG_QUANT_SINGLE) if quant else (GPU_CONFIG_SPLIT,
+                                                                                           GPU_CONFIG_SINGLE)
+    if config is not None:
+        if set(config) - CONFIG_KEYS:
+            raise ValueError(f"paged_attention: unknown launch config keys {sorted(set(config) - CONFIG_KEYS)}; "
+                             f"use {sorted(CONFIG_KEYS)}")
+        split_cfg = single_cfg = {**split_cfg, **config}
+    # the split count comes from the bf16 kernel's 64-token tiles whatever the tile: the same grid (B x KV x
+    # splits) for every storage, so that batch 16 at 8k fills the GPU alike (16-token tiles in the interpreter)
     if num_splits is None:
-        num_splits = num_splits_for(B, KV, max_context, config["block_n"], _sm_count(q.device))
-    if num_splits <= 1 and not interp:
-        config = GPU_CONFIG_SINGLE
+        num_splits = num_splits_for(B, KV, max_context, 16 if interp else GPU_CONFIG_SPLIT["block_n"],
+                                    _sm_count(q.device))
+    if interp:  # small tiles; the value layout of the GPU config (both layouts are tested)
+        config = {"block_n": 16, "num_warps": 4, "num_stages": 1, "v_trans": split_cfg.get("v_trans", 0)}
+    else:
+        config = single_cfg if num_splits <= 1 else split_cfg
     block_n = config["block_n"] if D <= 128 else min(config["block_n"], 32)
     num_splits = max(1, min(int(num_splits), triton.cdiv(max_context, block_n)))
     chunk = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
@@ -290,7 +322,8 @@ def paged_attention(
         o.stride(0), o.stride(1), o.stride(2),
         Tq, KV, scale * LOG2E, window or 0, chunk, block_tables.shape[1],
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, ROW_TILES=row_tiles,
-        SPLIT=split, HAS_WINDOW=window is not None, USE_GDC=gdc, QUANT=quant, num_warps=config["num_warps"],
+        SPLIT=split, HAS_WINDOW=window is not None, USE_GDC=gdc, QUANT=quant,
+        V_T=bool(config.get("v_trans", 0)), num_warps=config["num_warps"],
         num_stages=config["num_stages"], launch_pdl=gdc,
     )
     if split:
@@ -313,8 +346,10 @@ def paged_attention_quant(
     scale: float | None = None,
     window: int | None = None,
     num_splits: int | None = None,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """The ``paged_attention_quant`` contract (see ``paged_attention_quant_reference``) in Triton: the paged
-    kernel above with int8 / float8_e4m3fn pools dequantised in registers (float8 on Hopper or newer)."""
+    kernel above with int8 / float8_e4m3fn pools dequantised in registers (float8 on Hopper or newer).
+    ``config`` overrides the GPU launch config (``GPU_CONFIG_QUANT_SPLIT`` / ``_SINGLE``; benchmarks)."""
     return paged_attention(q, k_pool, v_pool, block_tables, context_lens, scale=scale, window=window,
-                           num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+                           num_splits=num_splits, k_scale=k_scale, v_scale=v_scale, config=config)

@@ -207,15 +207,14 @@ class Engine:
     def _can_pack(self) -> bool:
         """Whether steps run as one packed forward: asked for, a block-addressable cache, a model with the
         prepared-step entry point (``kv_step``), and no resident adapters (they select weights per batch row).
-        A quantised cache (``kv_scales``: int8/fp8 pools) takes the per-group path, whose writes quantise: the
-        packed step's store casts into the pools."""
+        A quantised cache (``kv_scales``: int8/fp8 pools) packs too: its writes quantise (``rope_store_kv_quant``
+        / ``write_slots``) and its groups attend through ``paged_attention_quant``; the per-group path would run
+        each step's decodes apart from the prefill chunks and dequantise every prefilling sequence whole per layer."""
         import inspect
 
         from plyx.attn import supports_static_decode
 
         if not self.config.packed_step or self.lora is not None or not supports_static_decode(self.cache):
-            return False
-        if hasattr(self.cache, "kv_scales"):
             return False
         return "kv_step" in inspect.signature(self.model.forward).parameters
 
@@ -532,9 +531,15 @@ class Engine:
                               fix="set speculative_ngram=0 or drop draft_heads")
         if not self.packed:
             raise ConfigError("EngineConfig.draft_heads", "draft heads ride in the packed step, which this engine "
-                              "does not run (packed_step off, resident adapters, or a quantised KV cache)",
+                              "does not run (packed_step off or resident adapters)",
                               value=str(heads) if isinstance(heads, str) else type(heads).__name__,
-                              fix="leave packed_step on and serve without --lora and --kv-cache-dtype int8/fp8")
+                              fix="leave packed_step on and serve without --lora")
+        if c.spec_tree > 1 and c.kv_cache_dtype != "auto":
+            # a tree group gathers its keys and values from the pools as stored (plyx.attn.tree_attention);
+            # chains attend through paged_attention_quant like every other row
+            raise ConfigError("EngineConfig.spec_tree", f"tree verification reads the pools unquantised, and this "
+                              f"cache stores {c.kv_cache_dtype}", value=c.spec_tree,
+                              fix="use chains (spec_tree=0 / no --spec-tree) or kv_cache_dtype='auto'")
         from plyx.serve.engine._draft_proposer import HeadsProposer
 
         return HeadsProposer.build(heads, self.model, k=c.speculative_k, topk=c.spec_tree)
