@@ -11,10 +11,19 @@ host logic) the engine runs ``k`` steps back to back, each fed the previous step
   bucket holds the batch) and ``k`` device-side samplings, every row with its own processors and seeded
   generator, and one device-to-host copy of the ``[B, k]`` tokens at the end.
 
-The tokens are then accepted one at a time per row, in order, so a row that finishes inside the block
-(EOS, a stop token id, ``max_tokens``) keeps exactly what a one-step engine would have emitted; its later
-tokens are discarded with its cache entry. Seeded and greedy rows produce the same tokens as with ``k = 1``:
-each row draws from its own generator in the same order, and ``min_tokens`` sees the count it would see.
+Each row's ``k`` tokens are then accepted in one call (``Completion.add`` takes them in order and stops at the
+first that finishes the row: EOS, a stop token id, ``max_tokens``), so a row keeps exactly what a one-step
+engine would have emitted and its later tokens are discarded with its cache entry. A row streams one event per
+block (its ``k`` tokens and their text), not ``k`` events: the block's tokens reach the host together anyway,
+and the per-event work (the engine's output, the server's delta and SSE chunk) was most of the host time of a
+decode-heavy H100 run (a server busy 2.52 CPU s of a 2.50 s run; ``bench/results``' decode-c32 analysis).
+Seeded and greedy rows produce the same tokens as with ``k = 1``: each row draws from its own generator in the
+same order, and ``min_tokens`` sees the count it would see.
+
+A block needs ``k`` free slots per row. When the pool is short, blocks the prefix cache alone holds are
+evicted first, as many as the rows' real tokens need (what the one-step scheduler would evict on its way to
+the same tokens); only then is ``k`` halved. Without that, a full pool (32 rows near the end of 512-token
+completions beside the prefix cache's prompt blocks) ran its last ~25 tokens per row one step per schedule.
 """
 
 from __future__ import annotations
@@ -66,9 +75,26 @@ def block_steps(engine: Engine, planned: list[tuple[Sequence, int]]) -> int:
         return 1
     k = 1 << (k.bit_length() - 1)
     ids = [s.seq_id for s in seqs]
-    while k > 1 and engine.cache.blocks_needed(ids, [k] * len(ids)) > engine.cache.num_free_blocks():
-        k //= 2  # never evict or preempt for a block's speculative tail
+    while k > 1 and not _room(engine, ids, left, k):
+        k //= 2  # never preempt (nor evict beyond the rows' real tokens) for a block's speculative tail
     return k
+
+
+def _room(engine: Engine, ids: list[int], left: list[int], k: int) -> bool:
+    """Whether the pool holds ``k`` more slots for each row of ``ids``. When it does not, prefix-cache blocks
+    nobody else holds are evicted (LRU) for the slots the rows will really use (``min(k, left)`` each: a
+    one-step engine evicts them too on its way to those tokens), never for a row's tail past its end."""
+    cache = engine.cache
+    need = cache.blocks_needed(ids, [k] * len(ids))
+    free = cache.num_free_blocks()
+    if need <= free:
+        return True
+    if engine.prefix is None:
+        return False
+    real = cache.blocks_needed(ids, [min(k, max(1, n)) for n in left])
+    if real > free:
+        engine.prefix.evict(real - free)
+    return need <= cache.num_free_blocks()
 
 
 def _may_wait(engine: Engine) -> bool:
@@ -124,20 +150,39 @@ def run_block(engine: Engine, seqs: list[Sequence], k: int) -> list[EngineOutput
     """
     out = _queue_block(engine, seqs, [s.tokens[s.num_computed] for s in seqs], k)
     _queue_next(engine, seqs, out, k)
-    return accept_block(engine, seqs, _to_host(out))  # the block's one device-to-host copy
+    return accept_block(engine, seqs, _to_host(engine, out))  # the block's one device-to-host copy
 
 
-def _to_host(tokens: torch.Tensor) -> list[list[int]]:
+def _to_host(engine: Engine, tokens: torch.Tensor) -> list[list[int]]:
     """``tokens.tolist()``, waiting for the device with the GIL released (a CUDA event's wait): the server's
-    event loop streams the previous block's tokens meanwhile instead of waiting for the engine thread."""
+    event loop streams the previous block's tokens meanwhile instead of waiting for the engine thread.
+
+    The copy lands in a pinned buffer kept on the engine (one per block shape; a block is read before the next
+    one's copy is queued, so one buffer each is enough) and the event is reused: no allocation per block."""
     if tokens.device.type != "cuda":
         return tokens.tolist()  # type: ignore[no-any-return]
-    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return host.tolist()  # type: ignore[no-any-return]
+    reader = getattr(engine, "_block_reader", None)
+    if reader is None:
+        reader = engine._block_reader = _HostReader()
+    return reader.read(tokens)
+
+
+class _HostReader:
+    """Preallocated pinned host buffers and one CUDA event for reading blocks' tokens back."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, ...], torch.Tensor] = {}
+        self.done = torch.cuda.Event()
+
+    def read(self, tokens: torch.Tensor) -> list[list[int]]:
+        key = tuple(tokens.shape)
+        host = self.buffers.get(key)
+        if host is None:
+            host = self.buffers[key] = torch.empty(key, dtype=torch.long, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        self.done.record()
+        self.done.synchronize()
+        return host.tolist()  # type: ignore[no-any-return]
 
 
 def _queue_next(engine: Engine, seqs: list[Sequence], out: torch.Tensor, k: int) -> None:
@@ -156,7 +201,7 @@ def _queue_next(engine: Engine, seqs: list[Sequence], out: torch.Tensor, k: int)
         return
     k2 = 1 << (k2.bit_length() - 1)
     ids = [s.seq_id for s in seqs]
-    if engine.cache.blocks_needed(ids, [k2] * len(ids)) > engine.cache.num_free_blocks():
+    if not _room(engine, ids, left, k2):
         return
     engine._block_ahead = (seqs, _queue_block(engine, seqs, out[:, -1], k2))
     engine.stats.looked_ahead += k2 * len(seqs)
@@ -177,17 +222,16 @@ def accept_ahead(engine: Engine) -> list[EngineOutput]:
     engine.stats.steps += k
     engine.stats.multi_step_blocks += 1
     _queue_next(engine, seqs, out, k)
-    return accept_block(engine, seqs, _to_host(out))
+    return accept_block(engine, seqs, _to_host(engine, out))
 
 
 def accept_block(engine: Engine, seqs: list[Sequence], rows: list[list[int]]) -> list[EngineOutput]:
-    """Accept each row's tokens in order, one event per token, up to the token that finishes it (its cache
+    """Accept each row's tokens in order, one event per row, up to the token that finishes it (its cache
     entry, holding the block's later tokens too, is freed then)."""
     outputs: list[EngineOutput] = []
     for seq, row in zip(seqs, rows):
-        for token in row:
-            seq.num_computed += 1  # the token fed before this one is in the cache
-            outputs.extend(engine._accept(seq, token, None))
-            if seq.finished:
-                break
+        # every token fed in the block is in the cache: the row's pending token and all chosen but the last
+        # (a row that finishes inside the block is freed, its count clamped, by ``_accept_tokens``)
+        seq.num_computed += len(row)
+        outputs.extend(engine._accept_tokens(seq, row))
     return outputs

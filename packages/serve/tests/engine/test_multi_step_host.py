@@ -1,0 +1,84 @@
+"""Multi-step decode's host side: one event per row per block, and blocks that keep their length when the
+pool is short but the prefix cache holds blocks nobody else reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from plyx.serve import SamplingParams
+from plyx.serve.engine import Engine, EngineConfig
+
+
+def _engine(lm, k, *, prefix, num_blocks, look_ahead=False):
+    return Engine(lm, config=EngineConfig(max_batch_size=4, max_batch_tokens=64, block_size=4, num_blocks=num_blocks,
+                                          max_model_len=64, prefix_caching=prefix, decode_steps=k,
+                                          look_ahead=look_ahead))
+
+
+def _drive(engine, prompts, params):
+    """Step to the end; (each request's streamed token ids, each request's event count, schedules run)."""
+    reqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    streamed: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    events: dict[str, int] = dict.fromkeys(streamed, 0)
+    calls = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            streamed[out.request_id] += list(out.event.token_ids)
+            events[out.request_id] += 1
+        calls += 1
+    assert [r.seqs[0].completion.token_ids for r in reqs] == [streamed[r.request_id] for r in reqs]
+    return [streamed[r.request_id] for r in reqs], [events[r.request_id] for r in reqs], calls
+
+
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_a_block_streams_one_event_per_row(lm, look_ahead):
+    """Same tokens as one step per schedule, in far fewer events: a row's block of k tokens is one event."""
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14], [20, 21]]
+    params = SamplingParams(temperature=0, max_new_tokens=21, ignore_eos=True)
+    want, one_events, _ = _drive(_engine(lm, 1, prefix=False, num_blocks=64), prompts, params)
+    got, events, calls = _drive(_engine(lm, 4, prefix=False, num_blocks=64, look_ahead=look_ahead), prompts, params)
+    assert got == want
+    assert one_events == [21, 21, 21]  # one event per token without blocks
+    assert all(e <= 8 for e in events), events  # the first token, then blocks of up to 4 (21 = 1 + 4 * 5)
+    assert calls < 21
+
+
+def test_blocks_evict_prefix_blocks_instead_of_shrinking(lm):
+    """A pool that the rows fill near their end, beside prompt blocks only the prefix cache holds: blocks evict
+    those (as many as the one-step engine evicts on its way to the same tokens) and keep their length, so the
+    run takes as many schedules as with the prefix cache off (before, blocks shrank to single steps there)."""
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    prompts = [list(range(50, 55 + i)) for i in range(4)]  # staggered lengths: rows cross blocks at different steps
+
+    def run(k, prefix):
+        engine = _engine(lm, k, prefix=prefix, num_blocks=50)  # 4 rows end holding 48 blocks
+        engine.generate([list(range(1, 41))], SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))
+        held = engine.cache.usage().blocks_used  # the first prompt's 10 blocks, held by the prefix cache alone
+        tokens, _, calls = _drive(engine, prompts, params)
+        evicted = engine.prefix.evicted_blocks if engine.prefix is not None else 0
+        return held, tokens, calls, evicted
+
+    held, want, one_calls, one_evicted = run(1, True)
+    assert held == 10 and one_calls == 40 and one_evicted > 0  # the one-step engine had to evict too
+    _, plain, plain_calls, _ = run(4, False)
+    _, got, calls, evicted = run(4, True)
+    assert got == want == plain
+    assert calls == plain_calls  # no block shortened for lack of room
+    assert evicted == one_evicted  # and no prefix block evicted that the one-step engine kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_block_reads_reuse_one_pinned_buffer_on_cuda():
+    from .conftest import small_lm
+
+    model = small_lm().to("cuda")
+    engine = Engine(model, config=EngineConfig(max_batch_size=4, max_batch_tokens=64, block_size=4, num_blocks=128,
+                                               prefix_caching=False, decode_steps=4))
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14]]
+    params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in Engine(model, config=EngineConfig(
+        max_batch_size=4, max_batch_tokens=64, block_size=4, num_blocks=128, prefix_caching=False,
+        decode_steps=1)).generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, params)] == want
+    reader = engine._block_reader
+    assert all(b.is_pinned() for b in reader.buffers.values()) and len(reader.buffers) <= 3  # one per block shape
