@@ -102,3 +102,9 @@ def test_step_trace_records_every_measured_step_and_summarises_mixed_and_decode_
     mixed = [s["wall_ms"] for s in steps if s["prefill_tokens"]]
     assert abs(summary["mixed_step_ms"] - sum(mixed) / len(mixed)) < 1e-6
     assert "mixed-step mean (ms) / steps" in (tmp_path / "t.md").read_text()
+    # what each step emitted adds up to every output token; one decode step each (CPU: decode_steps 1)
+    assert sum(s["tokens"] for s in steps) == run["total_output_tokens"] == 4 * 5
+    assert {s["steps"] for s in steps} == {1}
+    where = summary["where"]
+    assert sum(e["steps"] for e in where["by_kind"].values()) == len(steps)
+    assert "where the serving run's time went" in (tmp_path / "t.md").read_text()
