@@ -216,13 +216,22 @@ def accept_ahead(engine: Engine) -> list[EngineOutput]:
     if not alive:
         return []
     if len(alive) != len(seqs):
-        out = out.index_select(0, torch.tensor(alive, device=out.device))  # [B', k]
+        out = out.index_select(0, _device_index(alive, out.device))  # [B', k]
         seqs = [seqs[i] for i in alive]
     k = out.shape[1]
     engine.stats.steps += k
     engine.stats.multi_step_blocks += 1
     _queue_next(engine, seqs, out, k)
     return accept_block(engine, seqs, _to_host(engine, out))
+
+
+def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices as a long tensor on ``device`` without waiting for the GPU (a pinned, non-blocking copy): a
+    copy from pageable memory would wait for the queued block, and the next block would be queued only then."""
+    index = torch.tensor(rows, dtype=torch.long)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def accept_block(engine: Engine, seqs: list[Sequence], rows: list[list[int]]) -> list[EngineOutput]:
