@@ -1,5 +1,5 @@
-"""Multi-step decode's host side: one event per row per block, and blocks that keep their length when the
-pool is short but the prefix cache holds blocks nobody else reads."""
+"""Multi-step decode's host side: a block's tokens streamed in fewer events (``stream_interval``), and blocks that
+keep their length when the pool is short but the prefix cache holds blocks nobody else reads."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from plyx.serve import SamplingParams
 from plyx.serve.engine import Engine, EngineConfig
 
 
-def _engine(lm, k, *, prefix, num_blocks, look_ahead=False):
+def _engine(lm, k, *, prefix, num_blocks, look_ahead=False, stream_interval=1):
     return Engine(lm, config=EngineConfig(max_batch_size=4, max_batch_tokens=64, block_size=4, num_blocks=num_blocks,
                                           max_model_len=64, prefix_caching=prefix, decode_steps=k,
-                                          look_ahead=look_ahead))
+                                          look_ahead=look_ahead, stream_interval=stream_interval))
 
 
 def _drive(engine, prompts, params):
@@ -31,16 +31,44 @@ def _drive(engine, prompts, params):
 
 
 @pytest.mark.parametrize("look_ahead", [False, True])
-def test_a_block_streams_one_event_per_row(lm, look_ahead):
-    """Same tokens as one step per schedule, in far fewer events: a row's block of k tokens is one event."""
+def test_stream_interval_groups_a_blocks_tokens_into_fewer_events(lm, look_ahead):
+    """Same tokens as one step per schedule; by default one event per token in blocks too, with
+    ``stream_interval`` a row's block streams in events of up to that many tokens."""
     prompts = [[7, 8, 9], [10, 11, 12, 13, 14], [20, 21]]
     params = SamplingParams(temperature=0, max_new_tokens=21, ignore_eos=True)
     want, one_events, _ = _drive(_engine(lm, 1, prefix=False, num_blocks=64), prompts, params)
+    assert one_events == [21, 21, 21]
     got, events, calls = _drive(_engine(lm, 4, prefix=False, num_blocks=64, look_ahead=look_ahead), prompts, params)
-    assert got == want
-    assert one_events == [21, 21, 21]  # one event per token without blocks
-    assert all(e <= 8 for e in events), events  # the first token, then blocks of up to 4 (21 = 1 + 4 * 5)
-    assert calls < 21
+    assert got == want and events == one_events and calls < 21  # blocks ran, still one event per token
+    for every, most in ((4, 8), (2, 13)):
+        engine = _engine(lm, 4, prefix=False, num_blocks=64, look_ahead=look_ahead, stream_interval=every)
+        got, events, _ = _drive(engine, prompts, params)
+        assert got == want
+        # the first token (prefill), then blocks of up to 4 in events of up to ``every`` tokens
+        assert all(e <= most for e in events), (every, events)
+        assert engine.cache.usage().blocks_used == 0
+
+
+def test_stream_interval_with_stops_inside_blocks(lm):
+    """Rows that end by a stop id or EOS inside an event's tokens keep exactly the one-step output."""
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14], [20, 21], [3, 4, 5, 6]]
+    free = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    plain, _, _ = _drive(_engine(lm, 1, prefix=False, num_blocks=96), prompts, free)
+    stop = plain[0][5]  # a token one row emits mid-way: rows stop at it (some inside a block's event)
+    params = SamplingParams(temperature=0, max_new_tokens=24, stop_token_ids=(stop,), ignore_eos=True)
+    want, _, _ = _drive(_engine(lm, 1, prefix=False, num_blocks=96), prompts, params)
+    assert len(want[0]) == 6 and any(len(w) == 24 for w in want)
+    engine = _engine(lm, 8, prefix=False, num_blocks=96, stream_interval=3)
+    got, _, _ = _drive(engine, prompts, params)
+    assert got == want and engine.stats.multi_step_blocks > 0
+    assert engine.cache.usage().blocks_used == 0
+
+
+def test_stream_interval_must_be_positive():
+    from plyx.specs.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="stream_interval"):
+        EngineConfig(stream_interval=0)
 
 
 def test_blocks_evict_prefix_blocks_instead_of_shrinking(lm):

@@ -11,14 +11,13 @@ host logic) the engine runs ``k`` steps back to back, each fed the previous step
   bucket holds the batch) and ``k`` device-side samplings, every row with its own processors and seeded
   generator, and one device-to-host copy of the ``[B, k]`` tokens at the end.
 
-Each row's ``k`` tokens are then accepted in one call (``Completion.add`` takes them in order and stops at the
-first that finishes the row: EOS, a stop token id, ``max_tokens``), so a row keeps exactly what a one-step
-engine would have emitted and its later tokens are discarded with its cache entry. A row streams one event per
-block (its ``k`` tokens and their text), not ``k`` events: the block's tokens reach the host together anyway,
-and the per-event work (the engine's output, the server's delta and SSE chunk) was most of the host time of a
-decode-heavy H100 run (a server busy 2.52 CPU s of a 2.50 s run; ``bench/results``' decode-c32 analysis).
-Seeded and greedy rows produce the same tokens as with ``k = 1``: each row draws from its own generator in the
-same order, and ``min_tokens`` sees the count it would see.
+Each row's tokens are then accepted in order up to the first that finishes the row (EOS, a stop token id,
+``max_tokens``), so a row keeps exactly what a one-step engine would have emitted and its later tokens are
+discarded with its cache entry. They stream one event per token, or with ``EngineConfig.stream_interval = s``
+in events of up to ``s`` tokens (one ``Completion.add`` and one text delta each): the block's tokens reach the
+host together anyway, and fewer events means less work for the engine and the server's event loop, which share
+the GIL with the engine thread. Seeded and greedy rows produce the same tokens as with ``k = 1``: each row draws
+from its own generator in the same order, and ``min_tokens`` sees the count it would see.
 
 A block needs ``k`` free slots per row. When the pool is short, blocks the prefix cache alone holds are
 evicted first, as many as the rows' real tokens need (what the one-step scheduler would evict on its way to
@@ -235,12 +234,24 @@ def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
 
 
 def accept_block(engine: Engine, seqs: list[Sequence], rows: list[list[int]]) -> list[EngineOutput]:
-    """Accept each row's tokens in order, one event per row, up to the token that finishes it (its cache
-    entry, holding the block's later tokens too, is freed then)."""
+    """Accept each row's tokens in order, up to the token that finishes it (its cache entry, holding the block's
+    later tokens too, is freed then): one event per token, or per ``EngineConfig.stream_interval`` tokens."""
     outputs: list[EngineOutput] = []
+    every = engine.config.stream_interval
     for seq, row in zip(seqs, rows):
-        # every token fed in the block is in the cache: the row's pending token and all chosen but the last
-        # (a row that finishes inside the block is freed, its count clamped, by ``_accept_tokens``)
-        seq.num_computed += len(row)
-        outputs.extend(engine._accept_tokens(seq, row))
+        if every == 1:
+            for token in row:
+                seq.num_computed += 1  # the token fed before this one is in the cache
+                outputs.extend(engine._accept(seq, token, None))
+                if seq.finished:
+                    break
+            continue
+        for start in range(0, len(row), every):
+            part = row[start:start + every]
+            # the tokens fed before these are in the cache (a row that finishes inside ``part`` is freed and its
+            # count clamped by ``_accept_tokens``)
+            seq.num_computed += len(part)
+            outputs.extend(engine._accept_tokens(seq, part))
+            if seq.finished:
+                break
     return outputs
