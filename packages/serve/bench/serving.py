@@ -241,7 +241,8 @@ class StepTrace:
     around each call: prefill tokens are the step's computed prompt tokens; decode rows are the step's
     other fed tokens (one each without speculation) plus rows sampled from a look-ahead forward. A step
     is ``mixed-graph`` / ``decode-graph`` when a mixed-step / decode graph was replayed, else ``eager``.
-    ``tokens`` are the tokens the step emitted, ``steps`` the decode steps it ran (k for a multi-step block).
+    ``tokens`` are the tokens the step emitted, ``steps`` the decode steps it ran (k for a multi-step block),
+    ``wait_ms`` how long the engine thread waited for the device to read a block's tokens back.
     ``step_trace_report.py`` splits a trace's wall time by kind of step and into waves.
     """
 
@@ -265,6 +266,7 @@ class StepTrace:
         st = self.engine.stats
         steps, prompt, ahead, emitted = st.steps, st.prompt_tokens, st.looked_ahead, st.generated_tokens
         mixed, decode = self._replays()
+        waited = self._waited()
         t = time.perf_counter()
         out = self._step()
         wall = time.perf_counter() - t
@@ -277,8 +279,15 @@ class StepTrace:
                           "decode_rows": st.last_batch_tokens - prefill + (st.looked_ahead - ahead),
                           "prefill_tokens": prefill, "batch_seqs": st.last_batch_seqs, "path": kind,
                           # what the step emitted and how many decode steps it ran (a multi-step block: k)
-                          "tokens": st.generated_tokens - emitted, "steps": st.steps - steps})
+                          "tokens": st.generated_tokens - emitted, "steps": st.steps - steps,
+                          # ms the engine thread waited for the device to read a block back (CUDA): ~0 when the
+                          # host is the bottleneck, ~the block's device time when the device is
+                          "wait_ms": round((self._waited() - waited) * 1e3, 3)})
         return out
+
+    def _waited(self) -> float:
+        reader = getattr(self.engine, "_block_reader", None)  # (serve >= 1.7, CUDA: multi-step block reads)
+        return float(getattr(reader, "wait_s", 0.0))
 
     def summary(self) -> dict[str, Any]:
         """Mean wall ms of mixed steps (a prefill chunk on board) and of decode-only steps; step counts by path."""

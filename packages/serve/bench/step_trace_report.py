@@ -2,7 +2,9 @@
 
 Every line of a step trace is one ``Engine.step`` call (``t_s`` its start after the measured run's start,
 ``wall_ms`` its length, ``decode_rows``, ``prefill_tokens``, ``batch_seqs``, ``path``; traces written since
-serve 1.7 also carry ``tokens``, the tokens the step emitted, and ``steps``, the decode steps it ran). The
+serve 1.7 also carry ``tokens``, the tokens the step emitted, ``steps``, the decode steps it ran, and ``wait_ms``, how
+long the engine thread waited for the device to read a block back: near zero in the blocks' rows means the
+host, not the device, set their pace). The
 report splits the run into:
 
 * **before the first step**: the client's first request on its way (HTTP, admission);
@@ -64,6 +66,8 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                  "mean_ms": statistics.fmean(r["wall_ms"] for r in mine) if mine else 0.0}
         if mine and all("tokens" in r for r in mine):
             entry["tokens"] = sum(r["tokens"] for r in mine)
+        if mine and all("wait_ms" in r for r in mine):
+            entry["wait_ms"] = sum(r["wait_ms"] for r in mine)
         by_kind[kind] = entry
     phases: list[dict[str, Any]] = []
     for i, r in enumerate(rows):
@@ -81,14 +85,16 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     """The analysis as a markdown table and a list of phases."""
     total = report["total_ms"]
-    lines = ["| where | steps | ms | share | mean ms |", "|---|---|---|---|---|",
+    lines = ["| where | steps | ms | share | mean ms | waiting for the device (ms) |", "|---|---|---|---|---|---|",
              f"| before the first step | - | {report['before_first_ms']:.0f} | "
-             f"{report['before_first_ms'] / total:.1%} | - |"]
+             f"{report['before_first_ms'] / total:.1%} | - | - |"]
     for kind, e in report["by_kind"].items():
         tokens = f" ({e['tokens']} tokens)" if "tokens" in e else ""
-        lines.append(f"| {kind}{tokens} | {e['steps']} | {e['ms']:.0f} | {e['ms'] / total:.1%} | {e['mean_ms']:.2f} |")
-    lines.append(f"| between steps | - | {report['between_ms']:.0f} | {report['between_ms'] / total:.1%} | - |")
-    lines.append(f"| **total** | - | {total:.0f} | 100% | - |")
+        wait = f"{e['wait_ms']:.1f}" if "wait_ms" in e else "-"
+        lines.append(f"| {kind}{tokens} | {e['steps']} | {e['ms']:.0f} | {e['ms'] / total:.1%} | {e['mean_ms']:.2f} "
+                     f"| {wait} |")
+    lines.append(f"| between steps | - | {report['between_ms']:.0f} | {report['between_ms'] / total:.1%} | - | - |")
+    lines.append(f"| **total** | - | {total:.0f} | 100% | - | - |")
     lines += ["", f"median multi-step block: {report['block_ms']:.2f} ms", "", "phases (consecutive steps of one kind):"]
     for p in report["phases"]:
         lines.append(f"- {p['kind']}: steps {p['first']}..{p['last']}, from {p['start_ms']:.0f} ms, {p['ms']:.0f} ms")

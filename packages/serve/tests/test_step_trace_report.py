@@ -47,14 +47,17 @@ def test_a_trace_of_two_waves_splits_into_kinds_and_phases(report, tmp_path):
         ("other steps", 0, 1), ("blocks", 2, 3), ("other steps", 4, 4), ("blocks", 5, 5)]
     assert got["phases"][1]["ms"] == pytest.approx(20.0)
     text = report.render(got)
-    assert "| multi-step blocks | 3 | 30 |" in text and "median multi-step block: 10.00 ms" in text
+    assert "| multi-step blocks | 3 | 30 | 53.6% | 10.00 | - |" in text and "median multi-step block: 10.00 ms" in text
 
 
 def test_recorded_steps_and_tokens_decide_the_kind(report):
-    rows = [_row(0.0, 8.0, decode_rows=4, steps=8, tokens=32), _row(0.01, 1.0, decode_rows=4, steps=1, tokens=4)]
-    kinds = report.analyse(rows)["by_kind"]
-    assert kinds["multi-step blocks"] == {"steps": 1, "ms": 8.0, "mean_ms": 8.0, "tokens": 32}
+    rows = [_row(0.0, 8.0, decode_rows=4, steps=8, tokens=32, wait_ms=0.5),
+            _row(0.01, 1.0, decode_rows=4, steps=1, tokens=4, wait_ms=0.0)]
+    got = report.analyse(rows)
+    kinds = got["by_kind"]
+    assert kinds["multi-step blocks"] == {"steps": 1, "ms": 8.0, "mean_ms": 8.0, "tokens": 32, "wait_ms": 0.5}
     assert kinds["single decode steps"]["tokens"] == 4
+    assert "| multi-step blocks (32 tokens) | 1 | 8 | 72.7% | 8.00 | 0.5 |" in report.render(got)
 
 
 def test_an_empty_trace_is_a_clear_error(report):

@@ -27,6 +27,7 @@ completions beside the prefix cache's prompt blocks) ran its last ~25 tokens per
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -167,11 +168,16 @@ def _to_host(engine: Engine, tokens: torch.Tensor) -> list[list[int]]:
 
 
 class _HostReader:
-    """Preallocated pinned host buffers and one CUDA event for reading blocks' tokens back."""
+    """Preallocated pinned host buffers and one CUDA event for reading blocks' tokens back.
+
+    ``wait_s`` sums the seconds the host waited for the device in ``read``: near zero means the device had
+    finished before the host asked (the host is the bottleneck), about a block's device time means the device
+    is (``bench/serving.py --step-trace`` records it per step)."""
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[int, ...], torch.Tensor] = {}
         self.done = torch.cuda.Event()
+        self.wait_s = 0.0
 
     def read(self, tokens: torch.Tensor) -> list[list[int]]:
         key = tuple(tokens.shape)
@@ -180,7 +186,9 @@ class _HostReader:
             host = self.buffers[key] = torch.empty(key, dtype=torch.long, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         self.done.record()
+        start = time.perf_counter()
         self.done.synchronize()
+        self.wait_s += time.perf_counter() - start
         return host.tolist()  # type: ignore[no-any-return]
 
 
