@@ -9,7 +9,7 @@ engine outputs (events a server streams) per run, and CPU microseconds per emitt
 ``--repeats``.
 
 Compare two trees on one machine by alternating runs of this script with ``PYTHONPATH`` set to each tree's
-``packages/serve/src``.
+``packages/serve/src``; ``--stream-interval`` sets ``EngineConfig.stream_interval`` (serve >= 1.7).
 
     python packages/serve/bench/bench_multistep_host.py --repeats 5
 """
@@ -38,9 +38,11 @@ def run_once(model, tok, args: argparse.Namespace) -> tuple[float, int, int]:
 
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(8, 1000) for _ in range(args.input_len)] for _ in range(args.batch)]
+    extra = {"stream_interval": args.stream_interval} if args.stream_interval > 1 else {}  # (serve >= 1.7)
     engine = Engine(model, tokenizer=tok, config=EngineConfig(
         max_batch_size=args.batch, max_batch_tokens=max(512, args.batch * args.input_len), block_size=16,
-        max_model_len=args.input_len + args.output_len, prefix_caching=False, decode_steps=args.decode_steps))
+        max_model_len=args.input_len + args.output_len, prefix_caching=False, decode_steps=args.decode_steps,
+        **extra))
     params = SamplingParams(temperature=0, max_new_tokens=args.output_len, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, params)
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval (serve >= 1.7)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="append the result as a JSON line to this file")
@@ -74,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     import plyx.serve
 
     result = {"serve": str(Path(plyx.serve.__file__).parent), "batch": args.batch, "output_len": args.output_len,
-              "decode_steps": args.decode_steps, "cpu_s_best": min(cpu), "cpu_s_median": statistics.median(cpu),
+              "decode_steps": args.decode_steps, "stream_interval": args.stream_interval, "cpu_s_best": min(cpu),
+              "cpu_s_median": statistics.median(cpu),
               "outputs": outputs, "tokens": tokens, "cpu_us_per_token_best": min(cpu) / tokens * 1e6}
     print(json.dumps(result))
     if args.out:
