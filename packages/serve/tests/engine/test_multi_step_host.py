@@ -110,3 +110,22 @@ def test_block_reads_reuse_one_pinned_buffer_on_cuda():
     assert [o.outputs[0].token_ids for o in engine.generate(prompts, params)] == want
     reader = engine._block_reader
     assert all(b.is_pinned() for b in reader.buffers.values()) and len(reader.buffers) <= 3  # one per block shape
+
+
+def test_the_look_ahead_goes_on_for_the_rows_left_when_one_ends_by_length(lm, monkeypatch):
+    """Rows of different lengths, nothing waiting: when a row ends by length inside a block, the next block is
+    still queued before the host reads this one, for the rows that go on; only the first block is scheduled
+    afresh (``run_block``). Same tokens as one step at a time."""
+    import plyx.serve.engine._engine as engine_module
+
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14], [20, 21]]
+    params = [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True) for n in (9, 13, 21)]
+    want = [o.outputs[0].token_ids for o in _engine(lm, 1, prefix=False, num_blocks=64).generate(prompts, params)]
+    fresh = []
+    run = engine_module.run_block
+    monkeypatch.setattr(engine_module, "run_block", lambda *a: fresh.append(a[2]) or run(*a))
+    engine = _engine(lm, 4, prefix=False, num_blocks=64, look_ahead=True)
+    got = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+    assert got == want
+    assert fresh == [4]  # one block scheduled afresh; every later block was queued ahead
+    assert engine.stats.multi_step_blocks >= 5 and engine.cache.usage().blocks_used == 0

@@ -194,14 +194,24 @@ class _HostReader:
 
 def _queue_next(engine: Engine, seqs: list[Sequence], out: torch.Tensor, k: int) -> None:
     """Queue the block after ``out`` (``[B, k]``, not read yet) when the next step would run exactly that block:
-    the look-ahead is on, nothing waits (or the batch is full), these rows are every running row and none ends
-    by length inside ``out``. A row that ends inside ``out`` by EOS or a stop id wastes its share (its cache entry is freed
-    when it finishes; the device writes into those blocks before anything later on its stream)."""
+    the look-ahead is on, nothing waits (or the batch is full), these rows are every running row, and either none
+    ends by length inside ``out`` or nothing waits: then the block is queued for the rows that go on (what a fresh
+    schedule after reading ``out`` would run, minus the device's idle time while the host reads and schedules).
+    With requests waiting for a full batch, a row ending by length frees a slot: the next step schedules afresh.
+    A row that ends inside ``out`` by EOS or a stop id wastes its share (its cache entry is freed when it
+    finishes; the device writes into those blocks before anything later on its stream)."""
     if not engine.look_ahead or not _may_wait(engine) or len(seqs) != len(engine.running):
         return
     left = [s.completion.limit - len(s.completion.token_ids) - k for s in seqs]  # after this block
-    if min(left) <= 0:
-        return  # a row ends by length inside this block: the batch changes, schedule it afresh
+    last = out[:, -1]  # [B]: each row's next input
+    if min(left) <= 0:  # a row ends by length inside this block
+        if engine.waiting:
+            return  # its slot goes to a waiting request: schedule afresh
+        keep = [i for i, n in enumerate(left) if n > 0]
+        if not keep:
+            return
+        seqs, left = [seqs[i] for i in keep], [left[i] for i in keep]
+        last = last.index_select(0, _device_index(keep, last.device))  # [B']
     room = min(engine.max_model_len - len(s.tokens) - k + 1 for s in seqs)
     k2 = min(engine.decode_steps, min(left) if engine.waiting else max(left), room)
     if k2 <= 1:
@@ -210,7 +220,7 @@ def _queue_next(engine: Engine, seqs: list[Sequence], out: torch.Tensor, k: int)
     ids = [s.seq_id for s in seqs]
     if not _room(engine, ids, left, k2):
         return
-    engine._block_ahead = (seqs, _queue_block(engine, seqs, out[:, -1], k2))
+    engine._block_ahead = (seqs, _queue_block(engine, seqs, last, k2))
     engine.stats.looked_ahead += k2 * len(seqs)
 
 
