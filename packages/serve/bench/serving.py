@@ -279,10 +279,11 @@ class StepTrace:
                           "decode_rows": st.last_batch_tokens - prefill + (st.looked_ahead - ahead),
                           "prefill_tokens": prefill, "batch_seqs": st.last_batch_seqs, "path": kind,
                           # what the step emitted and how many decode steps it ran (a multi-step block: k)
-                          "tokens": st.generated_tokens - emitted, "steps": st.steps - steps,
-                          # ms the engine thread waited for the device to read a block back (CUDA): ~0 when the
-                          # host is the bottleneck, ~the block's device time when the device is
-                          "wait_ms": round((self._waited() - waited) * 1e3, 3)})
+                          "tokens": st.generated_tokens - emitted, "steps": st.steps - steps})
+        if self.engine.device.type == "cuda":
+            # ms the engine thread waited for the device to read a block back: ~0 when the host is the
+            # bottleneck, ~the block's device time when the device is (CPU: the forward runs inline, no wait)
+            self.rows[-1]["wait_ms"] = round((self._waited() - waited) * 1e3, 3)
         return out
 
     def _waited(self) -> float:
