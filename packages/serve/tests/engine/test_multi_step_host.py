@@ -129,3 +129,32 @@ def test_the_look_ahead_goes_on_for_the_rows_left_when_one_ends_by_length(lm, mo
     assert got == want
     assert fresh == [4]  # one block scheduled afresh; every later block was queued ahead
     assert engine.stats.multi_step_blocks >= 5 and engine.cache.usage().blocks_used == 0
+
+
+def test_min_tokens_in_blocks_queued_ahead(lm):
+    """A block queued before the host read the one before it counts that block's tokens as generated: EOS is
+    allowed from exactly ``min_tokens`` on, as one step at a time allows it (greedy and seeded sampled rows)."""
+    from collections import Counter
+
+    prompts = [[7, 8, 9], [10, 11, 12, 13, 14], [20, 21], [3, 4, 5, 6]]
+
+    def run(k, look_ahead, eos, min_tokens=13):
+        params = [SamplingParams(temperature=0.0 if i % 2 else 0.7, seed=i, min_tokens=min_tokens, max_new_tokens=30,
+                                 ignore_eos=eos is None) for i in range(len(prompts))]
+        engine = Engine(lm, config=EngineConfig(max_batch_size=4, max_batch_tokens=64, block_size=4, num_blocks=96,
+                                                max_model_len=64, prefix_caching=False, decode_steps=k,
+                                                look_ahead=look_ahead), eos_token_id=eos)
+        outs = engine.generate(prompts, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], engine
+
+    free, _ = run(1, False, None, 0)
+    # an EOS that one step at a time suppresses before min_tokens and takes after it in some row
+    for eos, _ in Counter(t for ids, _ in free for t in ids[:13]).most_common(8):
+        want, _ = run(1, False, eos)
+        if any(r == "stop" for _, r in want):
+            break
+    assert any(r == "stop" and len(ids) >= 13 for ids, r in want)
+    assert all(len(ids) >= 13 for ids, _ in want)
+    got, engine = run(4, True, eos)
+    assert got == want
+    assert engine.stats.looked_ahead > 0
