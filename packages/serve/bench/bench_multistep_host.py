@@ -1,0 +1,91 @@
+"""The host side of multi-step decode alone: a decode-heavy batch through ``Engine.step`` with a real tokenizer.
+
+``--batch`` requests of ``--input-len`` random tokens, each decoding ``--output-len`` tokens (greedy, EOS
+ignored), in an engine with ``EngineConfig.decode_steps = --decode-steps``, stepped to the end; a model so
+small (the ``tiny`` shape) that the forward is a small share of the time, so what is measured is the engine's
+host work per token: scheduling, reading blocks back, accepting tokens, detokenising, building the outputs
+the server streams. Reported: process CPU seconds per run (the machine's other jobs do not count in it),
+engine outputs (events a server streams) per run, and CPU microseconds per emitted token; best and median of
+``--repeats``.
+
+Compare two trees on one machine by alternating runs of this script with ``PYTHONPATH`` set to each tree's
+``packages/serve/src``; ``--stream-interval`` sets ``EngineConfig.stream_interval`` (serve >= 1.7).
+
+    python packages/serve/bench/bench_multistep_host.py --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving import build_models  # (the serving benchmark's random Llama weights and BPE tokenizer)
+
+
+def run_once(model, tok, args: argparse.Namespace) -> tuple[float, int, int]:
+    """One engine run to completion: (process CPU s, outputs, tokens)."""
+    from plyx.serve import SamplingParams
+    from plyx.serve.engine import Engine, EngineConfig
+
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(8, 1000) for _ in range(args.input_len)] for _ in range(args.batch)]
+    extra = {"stream_interval": args.stream_interval} if args.stream_interval > 1 else {}  # (serve >= 1.7)
+    engine = Engine(model, tokenizer=tok, config=EngineConfig(
+        max_batch_size=args.batch, max_batch_tokens=max(512, args.batch * args.input_len), block_size=16,
+        max_model_len=args.input_len + args.output_len, prefix_caching=False, decode_steps=args.decode_steps,
+        **extra))
+    params = SamplingParams(temperature=0, max_new_tokens=args.output_len, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    outputs = 0
+    start = time.process_time()
+    while engine.has_unfinished():
+        outputs += len(engine.step())
+    cpu = time.process_time() - start
+    return cpu, outputs, engine.stats.generated_tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--decode-steps", type=int, default=8)
+    p.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval (serve >= 1.7)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="append the result as a JSON line to this file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    ns = argparse.Namespace(model=args.model, dtype="float32", device="cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        _, model, tok = build_models(ns, Path(tmp))
+    run_once(model, tok, argparse.Namespace(**{**vars(args), "output_len": 8}))  # warm-up (imports, allocator)
+    runs = [run_once(model, tok, args) for _ in range(args.repeats)]
+    cpu = [r[0] for r in runs]
+    outputs, tokens = runs[0][1], runs[0][2]
+    import plyx.serve
+
+    result = {"serve": str(Path(plyx.serve.__file__).parent), "batch": args.batch, "output_len": args.output_len,
+              "decode_steps": args.decode_steps, "stream_interval": args.stream_interval, "cpu_s_best": min(cpu),
+              "cpu_s_median": statistics.median(cpu),
+              "outputs": outputs, "tokens": tokens, "cpu_us_per_token_best": min(cpu) / tokens * 1e6}
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
