@@ -28,6 +28,7 @@ __all__ = [
     "pack_linears_",
     "packed_for_inference",
     "packed_linear",
+    "stacked_for_training",
     "supports_static_decode",
     "varlen_groups",
     "weight_reads_exact",
