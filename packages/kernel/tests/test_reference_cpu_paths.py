@@ -164,3 +164,17 @@ def test_rmsnorm_closed_form_each_gradient_alone_matches_autograd(wanted):
     for a, c in zip(_grads(y, inputs), _grads(ref, inputs)):
         torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
     assert torch.autograd.gradcheck(lambda *t: reference.rmsnorm(*t, eps=1e-5), (x, w))
+
+
+@pytest.mark.parametrize("bad", [68, -3])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_one_block_loss_answers_a_bad_target_with_the_clear_error(bad, smoothing):
+    """The CPU one-block loss leaves the target bounds check to ``F.cross_entropy`` (no extra pass); an id outside
+    [0, V) that is not ignore_index still gets the message naming it and the fix."""
+    from plyx.kernel._errors import KernelInputError
+
+    h = torch.randn(6, 4, dtype=F64, requires_grad=True)
+    w = torch.randn(68, 4, dtype=F64)
+    t = torch.tensor([1, 2, -100, bad, 5, 6])
+    with pytest.raises(KernelInputError, match=f"holds id {bad} outside \\[0, 68\\)"):
+        reference.linear_cross_entropy(h, w, t, label_smoothing=smoothing)
