@@ -20,8 +20,9 @@ is also taken per round (median of the rounds' ratios). CPU time (``process_time
 
 ``--baseline REF`` adds a third side, ``plyx@REF``: the same model with the reference kernels of git commit
 REF (``swiglu``, ``rmsnorm``, ``rope``, ``rope_qk``, ``linear_cross_entropy``, read with ``git show`` and
-registered above the installed ones only while that side runs) and RoPE tables computed each step (explicit
-positions, as before the model cached them): before and after measured in one process under the same load.
+registered above the installed ones only while that side runs), RoPE tables computed each step (explicit
+positions, as before the model cached them) and q, k, v as three GEMMs (no ``stacked_for_training``, as before
+plyx-attn 1.7): before and after measured in one process under the same load.
 
 Appends a JSON line to ``<out>/step-vs-nanogpt-cpu-<date>.jsonl`` (default: bench/results).
 """
@@ -171,12 +172,22 @@ class Baseline:
         self.positions = torch.arange(m.max_seq_len)
 
     def enter(self) -> None:
+        import plyx.attn._attention as attention
+
         for impl in self.impls:
             self.registry.register(impl)
+        # before the stacked CPU training projection (plyx-attn 1.7): q, k and v as three GEMMs, rope_qk on each
+        self._stacked = getattr(attention, "stacked_for_training", None)
+        if self._stacked is not None:
+            attention.stacked_for_training = lambda *args, **kwargs: None
 
     def exit(self) -> None:
+        import plyx.attn._attention as attention
+
         for impl in self.impls:
             self.registry.unregister(impl.name, impl.impl)
+        if self._stacked is not None:
+            attention.stacked_for_training = self._stacked
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         hidden = self.model(ids, position_ids=self.positions[: ids.shape[1]], return_hidden=True)  # (B, T, D)

@@ -29,6 +29,7 @@ __all__ = [
     "pack_linears_",
     "packed_for_inference",
     "packed_linear",
+    "stacked_for_training",
     "supports_static_decode",
     "tree_attention",
     "tree_depths",

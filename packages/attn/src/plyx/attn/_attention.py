@@ -11,13 +11,14 @@ Masks, all handled by the ``attention`` kernel: causal always; padding through
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from plyx.attn._kernels import kernel
 from plyx.attn._norm import RMSNorm
-from plyx.attn._packing import pack_linears_, packed_for_inference
+from plyx.attn._packing import pack_linears_, packed_for_inference, stacked_for_training
 from plyx.attn._step import KVStep
 from plyx.specs.kernels import KernelNotFoundError
 from torch import nn
@@ -108,13 +109,20 @@ class Attention(nn.Module):
                 return out
             q, k, v = self._rotate_packed(qkv, cos, sin)  # QK-norm or no rope_store_kv: the same projection
         else:
-            q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, Dh)
-            k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, KV, Dh)
-            v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim)
-            if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            # q and k rotated in one kernel call (one launch on CUDA, whatever their head counts)
-            q, k = kernel("rope_qk", q, k, cos, sin, head_dim=self.head_dim)(q, k, cos, sin)
+            H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+            pairs = self.q_norm is None and 2 * cos.shape[-1] == Dh  # RoPE over whole heads, no QK-norm
+            stacked = None if step is not None else stacked_for_training(
+                (self.q_proj, self.k_proj, self.v_proj), x, arrange=partial(_pairs_of_qk, Dh) if pairs else None)
+            if stacked is not None:  # a CPU training step: one GEMM, the heads split off as views
+                q, k, v = self._rotate_trained(F.linear(x, *stacked).view(B, T, H + 2 * KV, Dh), cos, sin, pairs)
+            else:
+                q = self.q_proj(x).view(B, T, H, Dh)  # (B, T, H, Dh)
+                k = self.k_proj(x).view(B, T, KV, Dh)  # (B, T, KV, Dh)
+                v = self.v_proj(x).view(B, T, KV, Dh)
+                if self.q_norm is not None and self.k_norm is not None:
+                    q, k = self.q_norm(q), self.k_norm(k)
+                # q and k rotated in one kernel call (one launch on CUDA, whatever their head counts)
+                q, k = kernel("rope_qk", q, k, cos, sin, head_dim=Dh)(q, k, cos, sin)
         if step is None:
             if key_mask is not None:  # the kernels take [B|1, H|1, T, S]: a broadcast view, no copy
                 key_mask = key_mask.expand(B, 1, T, key_mask.shape[-1])
@@ -131,6 +139,29 @@ class Attention(nn.Module):
         """Stack the q, k and v weights in one buffer (same parameters and values): one GEMV per decode step."""
         pack_linears_((self.q_proj, self.k_proj, self.v_proj))
 
+
+    def _rotate_trained(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of a training step's stacked projection ``[B, T, H + 2 KV, Dh]`` (``stacked_for_training``),
+        q and k normed (QK-norm) and rotated, each split off as a view (a split's backward is one concatenation).
+
+        ``pairs``: the stacked weight's q and k rows were reordered per head from the rotate-half layout
+        ``(a_0 .. a_{Dh/2-1}, b_0 .. b_{Dh/2-1})`` to pairs ``(a_0, b_0, a_1, b_1, ..)`` (``_pairs_of_qk``), so
+        RoPE is the interleaved one: on CPU one complex product over q and k together, each way (nanoGPT's CPU
+        recipe, issue 20). q and k then hold their dims in one other order, the same for both: every score
+        ``q . k`` is the same sum, and v, hence the output, keeps its layout.
+        """
+        H, KV, Dh = self.n_heads, self.n_kv_heads, self.head_dim
+        if pairs:
+            qk, v = qkv.split((H + KV, KV), dim=2)  # (B, T, H + KV, Dh), (B, T, KV, Dh)
+            rotated = kernel("rope", qk, cos, sin, head_dim=Dh)(qk, cos, sin, interleaved=True)
+            q, k = rotated.split((H, KV), dim=2)
+            return q, k, v
+        q, k, v = qkv.split((H, KV, KV), dim=2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = kernel("rope_qk", q, k, cos, sin, head_dim=Dh)(q, k, cos, sin)
+        return q, k, v
 
     def _rotate_packed(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -258,3 +289,12 @@ class Attention(nn.Module):
             f"heads={self.n_heads}, kv_heads={self.n_kv_heads}, head_dim={self.head_dim}, "
             f"qk_norm={self.q_norm is not None}, window={self.sliding_window}"
         )
+
+
+def _pairs_of_qk(head_dim: int, index: int, rows: torch.Tensor) -> torch.Tensor:
+    """``stacked_for_training``'s ``arrange`` for (q, k, v): q's and k's rows (weight ``[heads * Dh, D]`` or bias
+    ``[heads * Dh]``) with each head's rotate-half halves interleaved into pairs; v's as they are."""
+    if index == 2:
+        return rows
+    # (heads * Dh, ...) -> (heads, 2, Dh/2, ...) -> (heads, Dh/2, 2, ...) -> (heads * Dh, ...): one copy
+    return rows.unflatten(0, (-1, 2, head_dim // 2)).transpose(1, 2).flatten(0, 2)

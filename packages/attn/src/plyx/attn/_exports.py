@@ -7,7 +7,13 @@ from plyx.attn._contiguous import ContiguousKVCache
 from plyx.attn._decode import STATIC_MAX_QUERY, StaticDecode, supports_static_decode
 from plyx.attn._factory import cache_kinds, cache_layout, make_cache
 from plyx.attn._norm import RMSNorm
-from plyx.attn._packing import pack_linears_, packed_for_inference, packed_linear, weight_reads_exact
+from plyx.attn._packing import (
+    pack_linears_,
+    packed_for_inference,
+    packed_linear,
+    stacked_for_training,
+    weight_reads_exact,
+)
 from plyx.attn._paged import PagedKVCache
 from plyx.attn._paged_quant import KV_CACHE_DTYPES, QuantizedPagedKVCache, check_kv_cache_dtype
 from plyx.attn._step import PAGED_MAX_QUERY, KVStep, begin_step, reserve_tokens

@@ -14,12 +14,12 @@ one by one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["pack_linears_", "packed_for_inference", "packed_linear", "weight_reads_exact"]
+__all__ = ["pack_linears_", "packed_for_inference", "packed_linear", "stacked_for_training", "weight_reads_exact"]
 
 
 @torch.no_grad()
@@ -95,3 +95,45 @@ def packed_for_inference(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, to
     if torch.is_grad_enabled() and any(p.requires_grad for lin in linears for p in lin.parameters()):
         return None
     return packed_linear(linears)
+
+
+def stacked_for_training(linears: Sequence[nn.Module], x: torch.Tensor, *,
+                         arrange: Callable[[int, torch.Tensor], torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight, bias)`` of ``linears`` concatenated along their output rows, with autograd history, for one GEMM
+    over an input they all read (nanoGPT's ``c_attn``): ``F.linear(x, *stacked)`` is the linears' outputs side by
+    side, and its backward hands each parameter its own row slice of the one weight gradient.
+
+    Taken for a training forward on CPU, where each GEMM and its two backward GEMMs are dispatched ops of a
+    step that runs a few hundred (nanoGPT's CPU recipe: one ``[768, 128] x [128, 384]`` GEMM per layer instead of
+    three of ``[128, 128]``; issue 20). None elsewhere (the caller runs the linears one by one): no gradient
+    wanted, ``torch.compile``/export tracing, another device, a linear whose output is not its weight's alone
+    (``weight_reads_exact``), one with hooks, or parameters that are tensor subclasses (e.g. DTensor shards).
+
+    Args:
+        linears: the projections, in the order their outputs are wanted.
+        x: the input they read (its device and whether a gradient is being recorded decide).
+        arrange: ``arrange(i, t)`` reorders the output rows of linear ``i``'s weight or bias ``t`` before they are
+            stacked (e.g. RoPE's pairs side by side); differentiable ops only.
+
+    Returns:
+        ``(weight [sum of out_features, in], bias or None)``, or None.
+    """
+    if x.device.type != "cpu" or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    weights, biases = [], []
+    for lin in linears:
+        if type(lin) is not nn.Linear or lin._forward_hooks or lin._forward_pre_hooks:
+            return None
+        weights.append(lin.weight)
+        biases.append(lin.bias)
+    if not any(w.requires_grad for w in weights) or any(type(w) is not nn.Parameter for w in weights):
+        return None
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return None
+    if any(b is not None and type(b) is not nn.Parameter for b in biases):
+        return None
+    if arrange is not None:
+        weights = [arrange(i, w) for i, w in enumerate(weights)]
+        biases = [None if b is None else arrange(i, b) for i, b in enumerate(biases)]
+    return torch.cat(weights), (None if biases[0] is None else torch.cat(biases))  # type: ignore[arg-type]

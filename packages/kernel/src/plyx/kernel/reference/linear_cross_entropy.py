@@ -153,10 +153,21 @@ def linear_cross_entropy(
 
     ``chunk_size`` (rows per chunk) defaults to about 4M logits per chunk.
     """
-    check_linear_cross_entropy("linear_cross_entropy:reference", hidden, weight, targets, bias, ignore_index,
-                               label_smoothing, z_loss, reduction, check_values=True)
+    kernel = "linear_cross_entropy:reference"
     chunk = chunk_size or default_chunk_rows(hidden.shape[0], weight.shape[0])
-    if chunk >= hidden.shape[0] and not z_loss and hidden.dtype in (torch.float32, torch.float64):
-        return _one_block(hidden, weight, bias, targets, ignore_index, float(label_smoothing), reduction)
+    one_block = chunk >= hidden.shape[0] and not z_loss and hidden.dtype in (torch.float32, torch.float64)
+    # on CPU, F.cross_entropy bounds-checks every target itself (an IndexError, answered below with this
+    # check's message): no second pass over the targets and no host read of its verdict per step (issue 20)
+    checked_by_torch = one_block and hidden.device.type == "cpu"
+    check_linear_cross_entropy(kernel, hidden, weight, targets, bias, ignore_index, label_smoothing, z_loss,
+                               reduction, check_values=not checked_by_torch)
+    if one_block:
+        try:
+            return _one_block(hidden, weight, bias, targets, ignore_index, float(label_smoothing), reduction)
+        except IndexError:
+            if checked_by_torch:  # a target outside [0, V): the clear error, naming the id and the fix
+                check_targets(kernel, targets, hidden.shape[0], ("hidden", hidden), check_values=True,
+                              vocab=weight.shape[0], ignore_index=ignore_index)
+            raise
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, float(label_smoothing),
                                      float(z_loss), reduction, int(chunk))
