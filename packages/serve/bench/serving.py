@@ -381,7 +381,7 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
     max_len = max(len(r.prompt) + r.output_len for r in reqs)
     # (an engine before multi-step decode has no decode_steps: the script measures it too)
     multi = {"decode_steps": args.decode_steps or None} if "decode_steps" in EngineConfig.__struct_fields__ else {}
-    if args.stream_interval > 1:  # (an engine before serve 1.7 has no stream_interval)
+    if args.stream_interval is not None:  # (an engine before serve 1.7 has no stream_interval)
         multi["stream_interval"] = args.stream_interval
     engine = Engine(model, tokenizer=tokenizer, config=EngineConfig(
         max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
@@ -433,8 +433,8 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
               f"steps, {t['decode_ms_total']:.0f} ms), by path {t['paths']}")
     step = "" if packed else ", one forward per group"
     step += f", decode_steps {getattr(engine, 'decode_steps', 1)}"
-    if args.stream_interval > 1:
-        step += f", stream_interval {args.stream_interval}"
+    if hasattr(engine.config, "stream_interval"):
+        step += f", stream_interval {engine.config.stream_interval}"
     extra["multi_step_blocks"] = getattr(engine.stats, "multi_step_blocks", 0) - marks["blocks"]
     return summarize(f"plyx serve (prefix caching {'on' if prefix_caching else 'off'}{step})", reqs, timings,
                      duration, extra)
@@ -607,10 +607,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="EngineConfig.decode_steps (multi-step decode; 0: the device's default, 8 on CUDA, 1 on CPU)")
     p.add_argument("--compare-decode-steps", type=int, default=0,
                    help="also run the server with this EngineConfig.decode_steps (e.g. 1: one step per schedule)")
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="EngineConfig.stream_interval: tokens per streamed event of a multi-step block (1: each token)")
-    p.add_argument("--compare-stream-interval", type=int, default=0,
-                   help="also run the server with this EngineConfig.stream_interval (e.g. 8: a row's block per event)")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="EngineConfig.stream_interval: tokens per streamed event of a multi-step block (default: the "
+                        "engine's, 0: a row's block per event; 1: each token)")
+    p.add_argument("--compare-stream-interval", type=int, default=None,
+                   help="also run the server with this EngineConfig.stream_interval (e.g. 1: every token its own event)")
     p.add_argument("--skip-prefix-off", action="store_true", help="skip the run with prefix caching off")
     p.add_argument("--vs-generate", action="store_true",
                    help="also time plyx generate on the same requests, --max-concurrency at a time, and report "
@@ -638,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_decode_steps:
         other = argparse.Namespace(**{**vars(args), "decode_steps": args.compare_decode_steps})
         runs.append(bench_plyx(model, tok, reqs, other, True))
-    if args.compare_stream_interval:
+    if args.compare_stream_interval is not None:
         other = argparse.Namespace(**{**vars(args), "stream_interval": args.compare_stream_interval})
         runs.append(bench_plyx(model, tok, reqs, other, True))
     extra: dict[str, Any] = {}

@@ -111,14 +111,14 @@ def test_step_trace_records_every_measured_step_and_summarises_mixed_and_decode_
 
 
 def test_stream_interval_run_beside_the_default(serving, tmp_path):
-    """``--decode-steps 4 --compare-stream-interval 4``: a second server run with ``stream_interval`` 4, named so,
+    """``--decode-steps 4 --compare-stream-interval 1``: a second server run with ``stream_interval`` 1, named so,
     every token of both runs counted (from the usage, whatever the chunking) and blocks run in both."""
     argv = ["--model", "tiny", "--num-prompts", "2", "--max-concurrency", "2", "--input-len", "8", "--prefix-len", "0",
             "--output-len", "12", "--range-ratio", "0", "--threads", "1", "--skip-hf", "--skip-prefix-off",
-            "--decode-steps", "4", "--compare-stream-interval", "4", "--out", str(tmp_path / "s")]
+            "--decode-steps", "4", "--compare-stream-interval", "1", "--out", str(tmp_path / "s")]
     assert serving.main(argv) == 0
     default, grouped = json.loads((tmp_path / "s.json").read_text())["runs"]
-    assert "stream_interval 4" in grouped["name"] and "stream_interval" not in default["name"]
+    assert "stream_interval 1" in grouped["name"] and "stream_interval 0" in default["name"]
     for run in (default, grouped):
         assert (run["completed"], run["failed"], run["total_output_tokens"]) == (2, 0, 24)
         assert run["multi_step_blocks"] > 0

@@ -32,15 +32,15 @@ def _drive(engine, prompts, params):
 
 @pytest.mark.parametrize("look_ahead", [False, True])
 def test_stream_interval_groups_a_blocks_tokens_into_fewer_events(lm, look_ahead):
-    """Same tokens as one step per schedule; by default one event per token in blocks too, with
-    ``stream_interval`` a row's block streams in events of up to that many tokens."""
+    """Same tokens as one step per schedule; with ``stream_interval=1`` one event per token in blocks too, with
+    k a row's block streams in events of up to k tokens, with 0 (the default) one event per block."""
     prompts = [[7, 8, 9], [10, 11, 12, 13, 14], [20, 21]]
     params = SamplingParams(temperature=0, max_new_tokens=21, ignore_eos=True)
     want, one_events, _ = _drive(_engine(lm, 1, prefix=False, num_blocks=64), prompts, params)
     assert one_events == [21, 21, 21]
     got, events, calls = _drive(_engine(lm, 4, prefix=False, num_blocks=64, look_ahead=look_ahead), prompts, params)
     assert got == want and events == one_events and calls < 21  # blocks ran, still one event per token
-    for every, most in ((4, 8), (2, 13)):
+    for every, most in ((4, 8), (2, 13), (0, 8)):
         engine = _engine(lm, 4, prefix=False, num_blocks=64, look_ahead=look_ahead, stream_interval=every)
         got, events, _ = _drive(engine, prompts, params)
         assert got == want
@@ -64,11 +64,11 @@ def test_stream_interval_with_stops_inside_blocks(lm):
     assert engine.cache.usage().blocks_used == 0
 
 
-def test_stream_interval_must_be_positive():
+def test_stream_interval_must_not_be_negative():
     from plyx.specs.errors import ConfigError
 
     with pytest.raises(ConfigError, match="stream_interval"):
-        EngineConfig(stream_interval=0)
+        EngineConfig(stream_interval=-1)
 
 
 def test_blocks_evict_prefix_blocks_instead_of_shrinking(lm):

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 def test_concurrent_streams_over_blocks_equal_alone(serving, server_lm, bpe, greedy_reference):
     import httpx
 
-    app = serving.make_app(server_lm, bpe, engine_kw={"decode_steps": 4, "max_batch_size": 4, "look_ahead": True})
+    app = serving.make_app(server_lm, bpe, engine_kw={"decode_steps": 4, "max_batch_size": 4, "look_ahead": True,
+                                                      "stream_interval": 1})
     prompts = ["hello world", "the quick brown fox", "You are a helpful", "count 3", "yes ok", "answer"]
     lengths = [13, 22, 9, 17, 30, 5]
     with serving.serve(app) as s:

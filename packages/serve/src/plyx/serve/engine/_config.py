@@ -104,11 +104,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     The cost: a request arriving mid-block waits for the block's end (at most ``decode_steps - 1`` steps) and
     tokens are streamed in bursts. None: 8 on CUDA, 1 elsewhere (on CPU the forward, not the host, dominates).
     Values are used rounded down to a power of two, at most 32."""
-    stream_interval: int = 1
-    """Tokens per streamed event of a multi-step block (vLLM's ``stream_interval``): 1 streams every token as
-    its own event (and SSE chunk); k > 1 streams a row's block in events of up to k tokens (its text in one
-    delta), so the engine and the server's event loop handle up to k times fewer events for the same bytes.
-    The tokens of a block reach the host together either way; single steps always emit one token per event."""
+    stream_interval: int = 0
+    """Tokens per streamed event of a multi-step block (vLLM's ``stream_interval``). 0 (the default): a row's
+    tokens of one block in one event (its text in one delta): they reach the host together anyway, so this
+    costs no latency, and the engine and the server's event loop handle up to ``decode_steps`` times fewer
+    events (H100, 32 x 512 decode-heavy: 0.67 -> 0.78 of ``generate``'s tok/s). 1: every token its own event
+    (and SSE chunk), as a one-step engine streams; k > 1: events of up to k tokens. Single steps always emit
+    one token per event."""
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_batch_tokens", "block_size", "max_queue"):
@@ -137,9 +139,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         if self.decode_steps is not None and not 1 <= self.decode_steps <= 32:
             raise ConfigError("EngineConfig.decode_steps", "decode_steps must be in [1, 32]", value=self.decode_steps,
                               fix="use 1 (one step per schedule), e.g. 8, or None for the device's default")
-        if self.stream_interval < 1:
-            raise ConfigError("EngineConfig.stream_interval", "stream_interval must be >= 1",
-                              value=self.stream_interval, fix="use 1 (every token its own event) or e.g. 8")
+        if self.stream_interval < 0:
+            raise ConfigError("EngineConfig.stream_interval", "stream_interval must be >= 0",
+                              value=self.stream_interval,
+                              fix="use 0 (a block's tokens in one event), 1 (every token its own event) or e.g. 8")
         from plyx.serve._ngram import check_lookup
 
         check_lookup(self.prompt_lookup_min, self.prompt_lookup_max)

@@ -256,10 +256,11 @@ def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
 
 def accept_block(engine: Engine, seqs: list[Sequence], rows: list[list[int]]) -> list[EngineOutput]:
     """Accept each row's tokens in order, up to the token that finishes it (its cache entry, holding the block's
-    later tokens too, is freed then): one event per token, or per ``EngineConfig.stream_interval`` tokens."""
+    later tokens too, is freed then): one event per ``EngineConfig.stream_interval`` tokens (0: per block)."""
     outputs: list[EngineOutput] = []
-    every = engine.config.stream_interval
+    interval = engine.config.stream_interval
     for seq, row in zip(seqs, rows):
+        every = interval or len(row)  # 0: the row's whole block in one event
         if every == 1:
             for token in row:
                 seq.num_computed += 1  # the token fed before this one is in the cache

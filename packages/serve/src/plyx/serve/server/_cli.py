@@ -39,6 +39,9 @@ def _configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-chunk", type=int, default=-1,
                    help="prefill chunk (<= 16) run inside the decode forward; -1: 16 on CUDA, 0 (off) on CPU")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    p.add_argument("--stream-interval", type=int, default=0, metavar="N",
+                   help="tokens per streamed event of a multi-step decode block (0, the default: a block's tokens "
+                        "in one event; 1: every token its own SSE chunk)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests before HTTP 429")
     p.add_argument("--max-request-bytes", type=int, default=1_048_576, help="largest request body (HTTP 413)")
     p.add_argument("--max-concurrent", type=int, default=512, help="most requests in flight (HTTP 429)")
@@ -126,7 +129,7 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
                  drain_timeout: float = 30.0, mixed_chunk: int = -1, lora: dict[str, str] | None = None,
                  tool_parser: str = "hermes", kv_cache_dtype: str = "auto",
                  disaggregate: dict[str, Any] | None = None, draft_heads: str = "", speculative_k: int = 0,
-                 spec_tree: int = 0) -> Any:
+                 spec_tree: int = 0, stream_interval: int = 0) -> Any:
     """The FastAPI app of a ``ServeConfig`` (model loaded, engine built; its thread starts with the app).
 
     ``lora`` maps served names to PEFT adapter directories (``plyx.serve.MultiLora``); a name is then a model
@@ -157,7 +160,7 @@ def build_server(cfg: Any, *, chat_template: str | None = None, max_concurrent: 
             max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens, block_size=cfg.block_size,
             num_blocks=_num_blocks(cfg, model, torch.device(device), kv_cache_dtype), max_model_len=cfg.max_model_len,
             kv_cache_dtype=kv_cache_dtype, draft_heads=draft_heads, speculative_k=speculative_k, spec_tree=spec_tree,
-            prefix_caching=cfg.prefix_caching, max_queue=cfg.max_queue,
+            prefix_caching=cfg.prefix_caching, max_queue=cfg.max_queue, stream_interval=stream_interval,
             mixed_chunk=(16 if torch.device(device).type == "cuda" else 0) if mixed_chunk < 0 else mixed_chunk,
         ),
     )
@@ -199,7 +202,8 @@ def _run(args: argparse.Namespace) -> int:
                            drain_timeout=args.drain_timeout, mixed_chunk=args.mixed_chunk,
                            lora=lora_specs(args.lora), tool_parser=args.tool_call_parser,
                            kv_cache_dtype=args.kv_cache_dtype, disaggregate=_disagg_options(args),
-                           draft_heads=args.draft_heads, speculative_k=args.speculative_k, spec_tree=args.spec_tree)
+                           draft_heads=args.draft_heads, speculative_k=args.speculative_k, spec_tree=args.spec_tree,
+                           stream_interval=args.stream_interval)
     except (PathError, PlyxError, ValueError, WorkerUnavailableError, KVTransferError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
