@@ -539,8 +539,11 @@ def bench_generate(model: Any, reqs: list[Request], args: argparse.Namespace) ->
     # after the timed run, not in it: one wave's prefill and first token alone, so the report can split a wave
     # into prefill and decode (the headline tok/s above counts both, as the serving run's does)
     chunk = reqs[:min(len(reqs), batch)]
+    one = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+    generate(model, [r.prompt for r in chunk], one)  # untimed: a one-token call captures graphs of its own
+    sync()
     t0 = time.perf_counter()
-    generate(model, [r.prompt for r in chunk], SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True))
+    generate(model, [r.prompt for r in chunk], one)
     sync()
     prefill = time.perf_counter() - t0
     steps = max(r.output_len for r in chunk) - 1
@@ -726,7 +729,7 @@ def render(report: dict[str, Any]) -> str:
                   "figure only. That is a cost of serving, kept in the headline ratio."]
         if gen and traced:
             blocks = traced[0]["step_trace"]["where"]["by_kind"]["multi-step blocks"]
-            if blocks.get("tokens") and blocks["ms"]:
+            if blocks.get("tokens") and blocks["ms"] and gen[0]["decode_step_ms"] > 0:
                 mine = blocks["tokens"] / blocks["ms"] * 1e3
                 theirs = (a["max_concurrency"] or a["num_prompts"]) / gen[0]["decode_step_ms"] * 1e3
                 lines.append(f"Steady state (diagnostic, not the target): serving's multi-step blocks emit "
