@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -43,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +131,20 @@ def summarize(name: str, reqs: list[Request], timings: list[Timing], duration: f
 # client, not the server, set TTFT there) runs in a spawned process, as vLLM's
 # benchmark_serving runs apart from the server: in the server's process it would take the GIL from the
 # event loop and the engine thread at every token and add its own parsing to the measured latencies.
+@contextlib.asynccontextmanager
+async def _post_stream(client: Any, url: str, body: dict[str, Any]) -> AsyncIterator[tuple[int, Any, Any]]:
+    """POST ``body`` and yield ``(status, lines, read)``: the response's status, an async iterator over its
+    lines and a coroutine function reading the whole body. ``client`` is an aiohttp ``ClientSession`` (as
+    vLLM's benchmark_serving: its C-accelerated parser keeps up with 128+ concurrent streams, where httpx's
+    pure-Python one made the client, not the server, the bottleneck) or an ``httpx.AsyncClient``."""
+    if hasattr(client, "stream"):  # httpx
+        async with client.stream("POST", url, json=body) as r:
+            yield r.status_code, r.aiter_lines(), r.aread
+    else:  # aiohttp: its content iterates lines, separators included
+        async with client.post(url, json=body) as r:
+            yield r.status, (raw.decode().rstrip("\r\n") async for raw in r.content), r.read
+
+
 async def _one(client: Any, url: str, req: Request, start: float, sem: asyncio.Semaphore | None) -> Timing:
     await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
     timing = Timing()
@@ -138,11 +154,11 @@ async def _one(client: Any, url: str, req: Request, start: float, sem: asyncio.S
         await sem.acquire()
     try:
         sent = last = time.perf_counter()
-        async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                print("request failed:", r.status_code, (await r.aread())[:200], file=sys.stderr)
+        async with _post_stream(client, url, body) as (status, lines, read):
+            if status != 200:
+                print("request failed:", status, (await read())[:200], file=sys.stderr)
                 return timing
-            async for line in r.aiter_lines():
+            async for line in lines:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -151,43 +167,6 @@ async def _one(client: Any, url: str, req: Request, start: float, sem: asyncio.S
                     timing.output_tokens = chunk["usage"]["completion_tokens"]
                 # one chunk per token event: per token, or per up to --stream-interval tokens of a multi-step block
                 # (ITL is then between chunks; TPOT and tok/s count tokens from the usage)
-                if chunk["choices"]:
-                    if timing.ttft == 0.0:
-                        timing.ttft = now - sent
-                    else:
-                        timing.itl.append(now - last)
-                    last = now
-        timing.e2e = time.perf_counter() - sent
-        timing.ok = timing.output_tokens == req.output_len
-    finally:
-        if sem is not None:
-            sem.release()
-    return timing
-
-
-async def _one_aiohttp(session: Any, url: str, req: Request, start: float, sem: asyncio.Semaphore | None) -> Timing:
-    """``_one`` through aiohttp (as vLLM's benchmark_serving): its C-accelerated HTTP parser keeps up with 128+
-    concurrent streams, where httpx's pure-Python one made the client, not the server, the bottleneck."""
-    await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
-    timing = Timing()
-    body = {"model": "bench", "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    if sem is not None:
-        await sem.acquire()
-    try:
-        sent = last = time.perf_counter()
-        async with session.post(url, json=body) as r:
-            if r.status != 200:
-                print("request failed:", r.status, (await r.read())[:200], file=sys.stderr)
-                return timing
-            async for raw in r.content:  # one line per iteration (SSE events end with a blank line)
-                line = raw.decode().rstrip("\r\n")
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    timing.output_tokens = chunk["usage"]["completion_tokens"]
                 if chunk["choices"]:
                     if timing.ttft == 0.0:
                         timing.ttft = now - sent
@@ -212,29 +191,29 @@ async def _client(url: str, reqs: list[Request], max_concurrency: int, conn: Any
         connector = aiohttp.TCPConnector(limit=len(reqs) + 8)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
                                          read_bufsize=1 << 20) as session:
-            await _load(session, _one_aiohttp, url, reqs, max_concurrency, conn)
+            await _load(session, url, reqs, max_concurrency, conn)
         return
     import httpx
 
     limits = httpx.Limits(max_connections=len(reqs) + 8, max_keepalive_connections=len(reqs) + 8)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        await _load(client, _one, url, reqs, max_concurrency, conn)
+        await _load(client, url, reqs, max_concurrency, conn)
 
 
-async def _load(client: Any, one: Any, url: str, reqs: list[Request], max_concurrency: int, conn: Any) -> None:
-    """The warm-up, the handshake and the measured requests, each sent by ``one(client, ...)``."""
+async def _load(client: Any, url: str, reqs: list[Request], max_concurrency: int, conn: Any) -> None:
+    """The warm-up, the handshake and the measured requests (``_one`` each)."""
     # warm-up, not counted: a few short requests at once compile the kernels of every shape class
     # (prefill chunks, mixed and decode steps) and fill the allocator
     # (as many as run at once, long enough for multi-step decode blocks: every graph of the measured
     # batch size is captured here, not in the measured run)
     warm = [Request(r.prompt, 24, 0.0) for r in reqs[:max(16, min(len(reqs), max_concurrency or 16))]]
-    await asyncio.gather(*(one(client, url, r, time.perf_counter(), None) for r in warm))
+    await asyncio.gather(*(_one(client, url, r, time.perf_counter(), None) for r in warm))
     conn.send("warm")
     if conn.recv() != "go":  # the server side resets its prefix cache and counters meanwhile
         return
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     start = time.perf_counter()
-    timings = await asyncio.gather(*(one(client, url, r, start, sem) for r in reqs))
+    timings = await asyncio.gather(*(_one(client, url, r, start, sem) for r in reqs))
     conn.send(([vars(t) for t in timings], time.perf_counter() - start))
 
 
