@@ -270,6 +270,11 @@ def _tile_kernel(OFFS, TILE_E, TILE_ROW, E, GRID_M, BLOCK_M: tl.constexpr, EP: t
     tl.store(TILE_ROW + ids, row.to(tl.int64), mask=keep)
 
 
+def tile_table_block(ep: int) -> int:
+    """Tiles per program of ``_tile_kernel`` for ``ep`` (a power of two) experts: 2,048 / ep within [16, 128]."""
+    return max(16, min(128, 2048 // ep))
+
+
 @triton.jit
 def _source_rows_kernel(POS, ROWS, WEIGHTS, ROW_WEIGHTS, TK, TOPK: tl.constexpr, BLOCK: tl.constexpr,
                         HAS_WEIGHTS: tl.constexpr = 0):
@@ -476,9 +481,12 @@ def _tiles(offsets: torch.Tensor, block_m: int, m: int) -> tuple[torch.Tensor, t
     grid_m = triton.cdiv(m, block_m) + e
     tile_e = torch.empty(grid_m, dtype=torch.int32, device=offsets.device)
     tile_row = torch.empty(grid_m, dtype=torch.int64, device=offsets.device)
-    block = 16 if interpreting() else 128
-    _tile_kernel[(triton.cdiv(grid_m, block),)](offsets, tile_e, tile_row, e, grid_m, BLOCK_M=block_m,
-                                                EP=triton.next_power_of_2(max(e, 1)), BLOCK=block)
+    ep = triton.next_power_of_2(max(e, 1))
+    # the program holds [BLOCK, EP] comparisons: about 2,048 of them keep it in registers at 4 warps (at
+    # BLOCK 128 x EP 64, Triton 3.0 spilled 304 bytes a thread to the stack)
+    block = 16 if interpreting() else tile_table_block(ep)
+    _tile_kernel[(triton.cdiv(grid_m, block),)](offsets, tile_e, tile_row, e, grid_m, BLOCK_M=block_m, EP=ep,
+                                                BLOCK=block)
     return tile_e, tile_row, grid_m
 
 
