@@ -1,5 +1,6 @@
-"""The server over a multi-step engine (``EngineConfig.decode_steps``): concurrent streams get every token as its
-own event, in order, and the same text and tokens as the requests run alone one step at a time."""
+"""The server over a multi-step engine (``EngineConfig.decode_steps``): concurrent streams get the same text,
+tokens and usage as the requests run alone one step at a time, every token its own event with
+``stream_interval=1`` and a block's tokens in fewer SSE chunks with a larger interval."""
 
 from __future__ import annotations
 
@@ -7,13 +8,10 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 
-def test_concurrent_streams_over_blocks_equal_alone(serving, server_lm, bpe, greedy_reference):
+def _stream_all(serving, app, prompts, lengths):
+    """Stream every prompt at once; ``(chunk texts, usage)`` per prompt and the engine's multi-step block count."""
     import httpx
 
-    app = serving.make_app(server_lm, bpe, engine_kw={"decode_steps": 4, "max_batch_size": 4, "look_ahead": True,
-                                                      "stream_interval": 1})
-    prompts = ["hello world", "the quick brown fox", "You are a helpful", "count 3", "yes ok", "answer"]
-    lengths = [13, 22, 9, 17, 30, 5]
     with serving.serve(app) as s:
 
         def stream(i: int) -> tuple[list[str], dict]:
@@ -34,8 +32,33 @@ def test_concurrent_streams_over_blocks_equal_alone(serving, server_lm, bpe, gre
 
         with ThreadPoolExecutor(len(prompts)) as pool:  # more requests than the batch: some wait for blocks
             results = list(pool.map(stream, range(len(prompts))))
-        assert s.engine.stats.multi_step_blocks > 0
+        return results, s.engine.stats.multi_step_blocks
+
+
+def test_concurrent_streams_over_blocks_equal_alone(serving, server_lm, bpe, greedy_reference):
+    app = serving.make_app(server_lm, bpe, engine_kw={"decode_steps": 4, "max_batch_size": 4, "look_ahead": True,
+                                                      "stream_interval": 1})
+    prompts = ["hello world", "the quick brown fox", "You are a helpful", "count 3", "yes ok", "answer"]
+    lengths = [13, 22, 9, 17, 30, 5]
+    results, blocks = _stream_all(serving, app, prompts, lengths)
+    assert blocks > 0
     for i, (chunks, usage) in enumerate(results):
         want = greedy_reference(server_lm, bpe, bpe.encode(prompts[i]).ids, lengths[i])
         assert len(chunks) == usage["completion_tokens"] == lengths[i]  # one event per token, as without blocks
         assert "".join(chunks) == want.text
+
+
+def test_streams_in_chunks_of_up_to_the_interval_equal_alone(serving, server_lm, bpe, greedy_reference):
+    app = serving.make_app(server_lm, bpe, engine_kw={"decode_steps": 4, "max_batch_size": 4, "look_ahead": True,
+                                                      "stream_interval": 4})
+    prompts = ["hello world", "the quick brown fox", "count 3", "yes ok"]
+    lengths = [13, 22, 17, 30]
+    results, blocks = _stream_all(serving, app, prompts, lengths)
+    assert blocks > 0
+    fewer = 0
+    for i, (chunks, usage) in enumerate(results):
+        want = greedy_reference(server_lm, bpe, bpe.encode(prompts[i]).ids, lengths[i])
+        assert usage["completion_tokens"] == lengths[i] and "".join(chunks) == want.text
+        assert len(chunks) >= -(-lengths[i] // 4)  # no chunk carries more than the interval
+        fewer += len(chunks) < lengths[i]
+    assert fewer  # blocks streamed several tokens per chunk
