@@ -30,12 +30,12 @@ import datetime as dt
 import json
 import os
 import re
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from sweep_grouped_gemm import _timer  # this folder is first on sys.path when a script runs
 
 RESULTS = Path(__file__).parent / "results"
 OLMOE = dict(d_model=2048, d_expert=1024, experts=64, top_k=8, tokens=4096)
@@ -44,20 +44,6 @@ TINY = dict(d_model=48, d_expert=40, experts=4, top_k=2, tokens=24)
 CUDA_TILES = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
               (128, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 256, 64, 8, 3)]
 TINY_TILES = [(16, 32, 32, 4, 1), (16, 16, 16, 4, 1)]
-
-
-def _timer(cuda: bool) -> Callable[[Callable[[], Any]], float]:
-    if cuda:
-        from triton.testing import do_bench
-
-        return lambda fn: float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
-
-    def wall(fn: Callable[[], Any]) -> float:
-        fn()
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    return wall
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -83,7 +69,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = OLMOE if cuda else TINY
     tiles = CUDA_TILES if cuda else TINY_TILES
-    time_ms = _timer(cuda)
+    time_ms = _timer(device)  # sweep_grouped_gemm's: do_bench medians on CUDA, a wall clock on CPU
     t, d, f, e, k = (shape[key] for key in ("tokens", "d_model", "d_expert", "experts", "top_k"))
     gen = torch.Generator().manual_seed(0)
     ids = torch.rand(t, e, generator=gen).topk(k, dim=1).indices.to(device)
