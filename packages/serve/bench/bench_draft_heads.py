@@ -49,6 +49,7 @@ import json
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -210,15 +211,21 @@ def engine_mode(args, model, heads, dtype, device_name: str, date: str, train_s:
                     f"| {row['drafted_per_row']:.1f} | {d['steps']} | {same}/{batch} |")
             lines.append(line)
             print(line)
+    _write(args, "draft-heads-engine", lines, rows, date=date, device=device_name, size=args.size, dtype=str(dtype),
+           k=args.k, tree=args.tree, base_steps=args.base_steps, heads_steps=args.heads_steps,
+           new_tokens=args.new_tokens)
+
+
+def _write(args: argparse.Namespace, stem: str, lines: list[str], rows: list[dict], **run: Any) -> None:
+    """The table to ``OUT/<stem>-<cuda|cpu>-<size>.md``; each row, with ``run``'s fields, appended to
+    ``OUT/draft-heads-<cuda|cpu>.jsonl``."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    (out / f"draft-heads-engine-{tag}-{args.size}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}-{tag}-{args.size}.md").write_text("\n".join(lines) + "\n")
     with open(out / f"draft-heads-{tag}.jsonl", "a") as f:
         for row in rows:
-            f.write(json.dumps({"date": date, "device": device_name, "size": args.size, "dtype": str(dtype),
-                                "k": args.k, "tree": args.tree, "base_steps": args.base_steps,
-                                "heads_steps": args.heads_steps, "new_tokens": args.new_tokens, **row}) + "\n")
+            f.write(json.dumps({**run, **row}) + "\n")
 
 
 def main() -> None:
@@ -324,15 +331,9 @@ def main() -> None:
                    f"{times['greedy'] / graphs_t:.2f}x | 1.00 | - | - |"
             lines.append(line)
             print(line)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = "cuda" if args.device.startswith("cuda") else "cpu"
-    (out / f"draft-heads-{tag}-{args.size}.md").write_text("\n".join(lines) + "\n")
-    with open(out / f"draft-heads-{tag}.jsonl", "a") as f:
-        for row in rows:
-            f.write(json.dumps({"date": date, "device": device_name, "size": args.size, "dtype": str(dtype),
-                                "k": args.k, "base_steps": args.base_steps, "heads_steps": args.heads_steps,
-                                "new_tokens": args.new_tokens, "cache": args.cache, **row}) + "\n")
+    _write(args, "draft-heads", lines, rows, date=date, device=device_name, size=args.size, dtype=str(dtype),
+           k=args.k, base_steps=args.base_steps, heads_steps=args.heads_steps, new_tokens=args.new_tokens,
+           cache=args.cache)
 
 
 if __name__ == "__main__":

@@ -158,3 +158,16 @@ def test_min_tokens_in_blocks_queued_ahead(lm):
     got, engine = run(4, True, eos)
     assert got == want
     assert engine.stats.looked_ahead > 0
+
+
+def test_default_pool_holds_the_batch_and_the_copy_on_write_block(lm):
+    """``num_blocks=0`` sizes the pool the engine's own minimum accepts, at any batch size (one included)."""
+    from plyx.specs.errors import ConfigError
+
+    engine = Engine(lm, config=EngineConfig(max_batch_size=1, block_size=16, prefix_caching=False))
+    per_seq = -(-engine.max_model_len // 16)
+    assert engine.cache.layout.num_blocks == per_seq + 1
+    out = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(ConfigError, match="copy-on-write block"):
+        Engine(lm, config=EngineConfig(max_batch_size=1, block_size=16, num_blocks=per_seq))

@@ -27,7 +27,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     block_size: int = 16
     """Tokens per KV-cache block (and per prefix-cache entry)."""
     num_blocks: int = 0
-    """Blocks in the KV pool; 0 sizes it for max_batch_size sequences of max_model_len tokens."""
+    """Blocks in the KV pool; 0 sizes it for max_batch_size sequences of max_model_len tokens (plus the one
+    copy-on-write block a fork may need)."""
     max_model_len: int = 0
     """Longest prompt + completion; 0 means the model's max_seq_len."""
     prefix_caching: bool = True

@@ -155,7 +155,8 @@ class Engine:
         else:
             bs = c.block_size
             per_seq = -(-self.max_model_len // bs)
-            num_blocks = c.num_blocks or c.max_batch_size * per_seq
+            # the default holds max_batch_size full sequences and the copy-on-write block the check below asks for
+            num_blocks = c.num_blocks or c.max_batch_size * per_seq + 1
             if num_blocks < per_seq + 1:
                 raise ConfigError("EngineConfig.num_blocks",
                                   f"the pool must hold one sequence of max_model_len={self.max_model_len} tokens "
