@@ -535,12 +535,12 @@ class Engine:
                               "does not run (packed_step off or resident adapters)",
                               value=str(heads) if isinstance(heads, str) else type(heads).__name__,
                               fix="leave packed_step on and serve without --lora")
-        if c.spec_tree > 1 and c.kv_cache_dtype != "auto":
+        if c.spec_tree > 1 and getattr(self.cache, "kv_scales", None) is not None:  # int8 / fp8 pools
             # a tree group gathers its keys and values from the pools as stored (plyx.attn.tree_attention);
             # chains attend through paged_attention_quant like every other row
             raise ConfigError("EngineConfig.spec_tree", f"tree verification reads the pools unquantised, and this "
                               f"cache stores {c.kv_cache_dtype}", value=c.spec_tree,
-                              fix="use chains (spec_tree=0 / no --spec-tree) or kv_cache_dtype='auto'")
+                              fix="use chains (spec_tree=0 / no --spec-tree) or kv_cache_dtype 'auto' or 'bf16'")
         from plyx.serve.engine._draft_proposer import HeadsProposer
 
         return HeadsProposer.build(heads, self.model, k=c.speculative_k, topk=c.spec_tree)
