@@ -38,7 +38,7 @@ from plyx.serve._completion import Completion
 from plyx.serve._outputs import RequestOutput, StreamEvent
 from plyx.serve._params import SamplingParams
 from plyx.serve._tokenizer import TokenizerView
-from plyx.serve.engine._config import EngineConfig
+from plyx.serve.engine._config import DEFAULT_CUDA_DECODE_STEPS, EngineConfig
 from plyx.serve.engine._guard import RequestGuard
 from plyx.serve.engine._multistep import accept_ahead, block_steps, multi_step_row, run_block
 from plyx.serve.engine._prefix_cache import PrefixCache
@@ -181,7 +181,7 @@ class Engine:
         self._lm_head = getattr(model, "lm_head_weight", None) is not None
         # resident adapters (``plyx.serve.MultiLora``): requests name one; a step's rows may mix them
         self.lora = lora
-        steps = c.decode_steps if c.decode_steps is not None else (8 if self.device.type == "cuda" else 1)
+        steps = c.decode_steps if c.decode_steps is not None else (DEFAULT_CUDA_DECODE_STEPS if self.device.type == "cuda" else 1)
         # multi-step decode (``_multistep``): plain rows only; drafts and adapters keep one step per schedule
         heads = draft_heads if draft_heads is not None else (c.draft_heads or None)
         self.decode_steps = 1 if lora is not None or c.speculative_ngram or heads is not None else steps
