@@ -271,6 +271,7 @@ def step_beams(engine: Engine, finishing: list[Sequence], rows: list[torch.Tenso
         else:  # wait for the other beams (prefilling, preempted, or over this step's token budget)
             for seq in group.live:
                 if seq.index in group.rows and seq.status is SeqStatus.RUNNING:
-                    engine._ahead[seq.seq_id] = group.rows.pop(seq.index)
+                    # a copy: a decode graph's rows are views of its output buffer, rewritten by the next replay
+                    engine._ahead[seq.seq_id] = group.rows.pop(seq.index).clone()
             group.rows.clear()
     return rest, rest_rows, outputs
