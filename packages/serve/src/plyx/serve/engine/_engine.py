@@ -396,7 +396,7 @@ class Engine:
             self.beam_groups[request_id] = BeamGroup(self, req, beam, stops)
         if guard is not None:
             req.guard = guard
-            guard.attach(request_id, len(req.prompt_ids), params.n)
+            guard.attach(request_id, len(req.prompt_ids), params.n if beam is None else beam.num_return_sequences)
             self._guards[request_id] = req
         return req
 
