@@ -158,10 +158,13 @@ class BeamGroup:
         worst_fin = torch.where(self.fin_done, self.fin_scores.min(dim=1, keepdim=True).values,
                                 torch.full_like(self.fin_scores, _NEG))
         self.unsat = self.unsat & (best_running > worst_fin).any(dim=-1, keepdim=True)
-        open_beams = not (bool(self.fin_done.all()) and es is True)  # a host sync: the step's one
-        if not (bool(self.unsat.any()) and open_beams and not bool(hits.all())):
+        # the step's one host sync: the stop flags, each beam's parent and new token
+        flags = torch.stack([self.unsat.any(), self.fin_done.all(), hits.all()]).long()  # [3]
+        host = torch.cat([flags, new_parent[0], self.running[0, :, step - 1]]).tolist()  # [3 + 2N]
+        unsat, all_done, all_hit = host[:3]
+        if not (unsat and not (all_done and es is True) and not all_hit):
             return self._finish(engine)
-        self._follow(engine, new_parent[0].tolist(), self.running[0, :, step - 1].tolist())
+        self._follow(engine, host[3:3 + nb], host[3 + nb:])
         return []
 
     def _follow(self, engine: Engine, parents: list[int], tokens: list[int]) -> None:
