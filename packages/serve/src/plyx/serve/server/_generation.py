@@ -196,7 +196,8 @@ class Job:
         return out
 
     def usage(self) -> dict[str, int]:
-        """Tokens of every computed sequence (``best_of`` and beams count whole, as OpenAI bills them)."""
+        """Tokens of every choice computed: all ``best_of`` samples (as OpenAI bills them); a beam search's returned
+        hypotheses."""
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
