@@ -173,7 +173,7 @@ MAX_BEST_OF = 16
 #: sampling fields a beam search has no use for: (field, its default); a request setting one is refused
 _NOT_FOR_BEAMS = (("stop", None), ("response_format", None), ("logit_bias", None), ("presence_penalty", 0.0),
                   ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("top_p", None), ("top_k", 0),
-                  ("min_p", 0.0), ("min_tokens", 0), ("ignore_eos", False), ("seed", None))
+                  ("min_p", 0.0), ("min_tokens", 0), ("ignore_eos", False))  # a seed is harmless: no draw
 
 
 def best_of_params(req: CompletionRequest, params: SamplingParams) -> tuple[SamplingParams | BeamSearchParams, int]:
