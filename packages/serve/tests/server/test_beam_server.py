@@ -71,3 +71,27 @@ def test_beam_and_best_of_refusals(client, kwargs, extra, param, words):
     assert words in info.value.message and info.value.body["param"] == param
     ok = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2)  # the server still answers
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_beams_beside_a_streamed_request(client, server_lm, bpe, greedy_reference):
+    """A beam request and a streamed sampled request in flight together: each answers as it does alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from plyx.serve import BeamSearchParams, beam_search
+
+    def streamed():
+        chunks = client.completions.create(model=MODEL_NAME, prompt="the quick brown", max_tokens=24, temperature=0,
+                                           stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    def beams():
+        return client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=3,
+                                         extra_body={"use_beam_search": True})
+
+    with ThreadPoolExecutor(2) as pool:
+        text, r = pool.submit(streamed), pool.submit(beams)
+        text, r = text.result(), r.result()
+    assert text == greedy_reference(server_lm, bpe, bpe.encode("the quick brown").ids, 24).text
+    want = beam_search(server_lm, [PROMPT], BeamSearchParams(num_beams=3, num_return_sequences=3, max_new_tokens=8),
+                       tokenizer=bpe)
+    assert [c.text for c in r.choices] == [o.text for o in want[0].outputs]
