@@ -193,7 +193,9 @@ def test_engine_beams_after_multi_step_and_look_ahead(hf_pair, device):
     tol = 1e-3 if device == "cuda" else 1e-4  # another device's matmuls: scores agree to float32 rounding
     if device == "cuda":
         _check_beams(hf, beam_search(dev, PROMPTS, params, eos_token_id=STOPS), params, tol=tol)
-    kw = {"mixed_graphs": True} if device == "cuda" else {"decode_steps": 8, "look_ahead": True}
+    # CUDA: the defaults there (graphs, look-ahead, 8-step blocks), mixed-step buckets up to 128 tokens (capture time)
+    kw = {"mixed_graphs": True, "max_batch_tokens": 128} if device == "cuda" else {"decode_steps": 8,
+                                                                                   "look_ahead": True}
     engine = Engine(dev, config=EngineConfig(max_batch_size=16, block_size=4, max_model_len=32, **kw),
                     eos_token_id=STOPS)
     greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
