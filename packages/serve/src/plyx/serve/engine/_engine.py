@@ -198,6 +198,12 @@ class Engine:
         self.proposer = self._draft_proposer(heads)
         self.spec_k = (self.proposer.k if self.proposer is not None else c.speculative_ngram) if self.packed else 0
         self._drafts: dict[int, list[int]] = {}  # seq_id -> this step's draft tokens
+        # greedy verification (and the heads' next proposal) as one static step per rows bucket, captured on CUDA;
+        # and the per-step rule that turns speculation off where it measures slower than plain decoding
+        from plyx.serve.engine._spec_graphs import SpecPolicy, build
+
+        self.spec_graphs = build(self)
+        self.spec_policy = SpecPolicy(c.spec_policy) if self.spec_k else None
         self._draft_parents: dict[int, list[int]] = {}  # seq_id -> a tree row's parents (fed indices; chains absent)
         ahead = self.device.type == "cuda" if c.look_ahead is None else c.look_ahead
         self.look_ahead = ahead and (self.packed or self.graphs is not None) and not self.spec_k
@@ -483,6 +489,12 @@ class Engine:
         self.stats.steps += 1
         self.stats.last_batch_seqs = len(planned)
         self.stats.last_batch_tokens = sum(n for _, n in planned)
+        if self.spec_graphs is not None and self._drafts:  # a graph-replayed verification step
+            from plyx.serve.engine._spec_graphs import spec_step
+
+            outputs = spec_step(self, planned)
+            if outputs is not None:
+                return outputs
         k = block_steps(self, planned) if self.decode_steps > 1 else 1
         if k > 1:  # a block of k decode steps, the tokens read once (``_multistep``)
             seqs = [s for s, _ in planned]
@@ -884,6 +896,7 @@ class Engine:
         self._drafts = {}
         self._draft_parents = {}
         preempted = False
+        speculate = self.spec_k and (self.spec_policy is None or self.spec_policy.decide(self))
 
         taken = 0  # blocks the planned rows will take: kept as a sum (summing planned per call is O(B^2))
 
@@ -930,7 +943,7 @@ class Engine:
                 self._preempt(seq)
                 preempted = True
                 continue
-            if self.spec_k and n == 1 and seq.pending == 1 and self._speculates(seq):
+            if speculate and n == 1 and seq.pending == 1 and self._speculates(seq):
                 drafts = self._propose(seq, budget)
                 more = self.cache.blocks_needed([seq.seq_id], [1 + len(drafts)]) if drafts else need
                 if drafts and more <= free_blocks():  # drafts never evict or preempt anything
