@@ -187,3 +187,18 @@ def test_policy_ignores_steps_that_are_not_comparable():
     assert SpecPolicy("always").decide(engine) and not SpecPolicy("never").decide(engine)
     with pytest.raises(ValueError, match="speculation policy"):
         SpecPolicy("often")
+
+
+def test_plain_steps_of_a_speculating_engine_run_multi_step_blocks(trained):
+    """Where the rule leaves a step plain, the engine decodes as without speculation, multi-step blocks included
+    (so at a batch where speculation does not pay it is not slower than plain decoding); 'always' never does."""
+    base, heads = trained
+    sp = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    kw = dict(block_size=4, num_blocks=120, max_batch_size=8, decode_steps=4)
+    ref = Engine(base, config=EngineConfig(**kw)).generate(PROMPTS, sp)
+    for policy in ("never", "always"):
+        engine = Engine(base, draft_heads=heads, config=EngineConfig(spec_policy=policy, mixed_graphs=True, **kw))
+        out = engine.generate(PROMPTS, sp)
+        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+        assert (engine.stats.multi_step_blocks > 0) == (policy == "never")
+        assert (engine.stats.spec_rows > 0) == (policy == "always")

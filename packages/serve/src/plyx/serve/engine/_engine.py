@@ -182,9 +182,12 @@ class Engine:
         # resident adapters (``plyx.serve.MultiLora``): requests name one; a step's rows may mix them
         self.lora = lora
         steps = c.decode_steps if c.decode_steps is not None else (8 if self.device.type == "cuda" else 1)
-        # multi-step decode (``_multistep``): plain rows only; drafts and adapters keep one step per schedule
+        # multi-step decode (``_multistep``): plain rows only; drafts and adapters keep one step per schedule (a
+        # speculating engine under spec_policy 'auto' runs blocks on the steps its rule leaves plain)
         heads = draft_heads if draft_heads is not None else (c.draft_heads or None)
-        self.decode_steps = 1 if lora is not None or c.speculative_ngram or heads is not None else steps
+        speculating = bool(c.speculative_ngram) or heads is not None
+        self.decode_steps = 1 if lora is not None or (speculating and c.spec_policy == "always") else steps
+        self._spec_step = False  # this step's schedule may attach drafts (the policy said speculate)
         self.graphs = self._decode_graphs() if lora is None else None  # graphs bake in one adapter map
         # one packed (varlen) forward per step: every scheduled token in one [1, N] row
         self.packed = self._can_pack()
@@ -495,7 +498,7 @@ class Engine:
             outputs = spec_step(self, planned)
             if outputs is not None:
                 return outputs
-        k = block_steps(self, planned) if self.decode_steps > 1 else 1
+        k = block_steps(self, planned) if self.decode_steps > 1 and not self._spec_step else 1
         if k > 1:  # a block of k decode steps, the tokens read once (``_multistep``)
             seqs = [s for s, _ in planned]
             self.stats.steps += k - 1
@@ -896,7 +899,7 @@ class Engine:
         self._drafts = {}
         self._draft_parents = {}
         preempted = False
-        speculate = self.spec_k and (self.spec_policy is None or self.spec_policy.decide(self))
+        speculate = self._spec_step = bool(self.spec_k) and (self.spec_policy is None or self.spec_policy.decide(self))
 
         taken = 0  # blocks the planned rows will take: kept as a sum (summing planned per call is O(B^2))
 

@@ -387,7 +387,8 @@ class SpecPolicy:
         speculate  iff  a[b] / t_spec[b]  >  (1 + margin) / t_plain[b]
 
     i.e. the expected tokens per verify step, over the verify step's measured cost relative to a plain step,
-    must exceed 1. The first ``warm`` decode steps of each bucket speculate and the next ``warm`` do not (to
+    must exceed 1. A plain schedule may run a multi-step block (``EngineConfig.decode_steps``, CUDA's default):
+    ``t_plain`` is then its time per token-step, so speculation must beat the engine's fastest plain decoding. The first ``warm`` decode steps of each bucket speculate and the next ``warm`` do not (to
     measure both); after that the losing mode still runs one step in ``probe_every`` so its estimate follows
     the workload (acceptance changes with the text, step costs with the batch). A step's time is the interval
     between two consecutive decisions, counted only when the step was decode-only and the batch did not
@@ -433,10 +434,12 @@ class SpecPolicy:
             return
         spec, b, t0, before = self._last
         after = self._snapshot(engine)
-        # one decode-only step over an unchanged batch (none finished, none admitted or prefilled)
-        if after[0] != before[0] + 1 or after[1] != before[1] or after[3:] != before[3:] or not before[3]:
+        # decode-only steps over an unchanged batch (none finished, none admitted or prefilled); a plain schedule
+        # may run a multi-step block of several steps: its time and tokens per step
+        steps = after[0] - before[0]
+        if steps < 1 or after[1] != before[1] or after[3:] != before[3:] or not before[3]:
             return
-        dt = now - t0
+        dt = (now - t0) / steps
         table = self.t_spec if spec else self.t_plain
         if b in table:
             dt = min(dt, 4 * table[b])
