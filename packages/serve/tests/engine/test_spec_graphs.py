@@ -202,3 +202,21 @@ def test_plain_steps_of_a_speculating_engine_run_multi_step_blocks(trained):
         assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
         assert (engine.stats.multi_step_blocks > 0) == (policy == "never")
         assert (engine.stats.spec_rows > 0) == (policy == "always")
+
+
+def test_quantised_cache_chains_verify_in_the_static_step_trees_stay_refused(trained):
+    """An int8 cache: chains verify in the static step (attention through the quantised paged kernel, nothing
+    moved) with the eager path's tokens; trees stay refused (their path's keys would move without their
+    scales, and ``tree_attention`` reads the pools as stored), in the engine and in ``SpecGraphs`` itself."""
+    from plyx.specs import ConfigError
+
+    base, heads = trained
+    _, ref = _run(base, None, kv_cache_dtype="int8")
+    eager, out_eager = _run(base, heads, kv_cache_dtype="int8")
+    static, out = _run(base, heads, kv_cache_dtype="int8", mixed_graphs=True)
+    assert out == out_eager == ref and static.spec_graphs.steps > 0
+    assert static.stats.spec_accepted == eager.stats.spec_accepted > 0
+    with pytest.raises(ConfigError, match="tree verification reads the pools unquantised"):
+        _run(base, heads, kv_cache_dtype="int8", mixed_graphs=True, spec_tree=2)
+    with pytest.raises(ValueError, match="unquantised cache"):
+        SpecGraphs(base, static.cache, parents=[-1, 0, 0], max_rows=2, capture=False)
