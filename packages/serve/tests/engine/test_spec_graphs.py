@@ -123,7 +123,7 @@ class _Clock:
 
 def _fake_engine(rows: int):
     stats = SimpleNamespace(steps=0, prompt_tokens=0, generated_tokens=0, requests_finished=0)
-    return SimpleNamespace(stats=stats, running=[object()] * rows, waiting=[])
+    return SimpleNamespace(stats=stats, running=[object()] * rows, waiting=[], _drafts={}, proposer=None)
 
 
 def _drive(policy, engine, clock, steps, t_spec, t_plain, accept):
@@ -220,3 +220,23 @@ def test_quantised_cache_chains_verify_in_the_static_step_trees_stay_refused(tra
         _run(base, heads, kv_cache_dtype="int8", mixed_graphs=True, spec_tree=2)
     with pytest.raises(ValueError, match="unquantised cache"):
         SpecGraphs(base, static.cache, parents=[-1, 0, 0], max_rows=2, capture=False)
+
+
+def test_policy_waits_for_the_heads_first_drafts():
+    """With draft heads a speculating step right after a plain one has no drafts (the heads read that step's
+    features): it is not measured as a verify step, and the next step speculates again."""
+    clock = _Clock()
+    policy = SpecPolicy(clock=clock, warm=1)
+    engine = _fake_engine(1)
+    engine.proposer = object()
+    assert policy.decide(engine)  # warm: speculate; this step finds no drafts
+    clock.now += 1.0
+    engine.stats.steps += 1
+    engine.stats.generated_tokens += 1
+    assert policy.decide(engine) and policy.t_spec == {}  # not measured; speculate again
+    engine._drafts = {0: [5, 6]}  # this one verified drafts
+    clock.now += 1.5
+    engine.stats.steps += 1
+    engine.stats.generated_tokens += 3
+    assert not policy.decide(engine)  # measured (warm for spec done): now a plain step to measure
+    assert policy.t_spec[1] == pytest.approx(1.5) and policy.accept[1] == pytest.approx(3.0)

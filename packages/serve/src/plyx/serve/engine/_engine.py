@@ -896,10 +896,11 @@ class Engine:
         if self.mixed_graphs is not None:  # every step fits a captured bucket: no eager step, no compile mid-serving
             budget = min(budget, self.mixed_graphs.max_tokens)
         planned: dict[Sequence, tuple[int, int]] = {}  # seq -> (tokens, blocks)
+        # before the drafts are reset: the rule reads whether the previous step had any
+        speculate = self._spec_step = bool(self.spec_k) and (self.spec_policy is None or self.spec_policy.decide(self))
         self._drafts = {}
         self._draft_parents = {}
         preempted = False
-        speculate = self._spec_step = bool(self.spec_k) and (self.spec_policy is None or self.spec_policy.decide(self))
 
         taken = 0  # blocks the planned rows will take: kept as a sum (summing planned per call is O(B^2))
 

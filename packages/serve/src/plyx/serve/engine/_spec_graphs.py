@@ -390,7 +390,9 @@ class SpecPolicy:
     must exceed 1. A plain schedule may run a multi-step block (``EngineConfig.decode_steps``, CUDA's default):
     ``t_plain`` is then its time per token-step, so speculation must beat the engine's fastest plain decoding. The first ``warm`` decode steps of each bucket speculate and the next ``warm`` do not (to
     measure both); after that the losing mode still runs one step in ``probe_every`` so its estimate follows
-    the workload (acceptance changes with the text, step costs with the batch). A step's time is the interval
+    the workload (acceptance changes with the text, step costs with the batch). Draft heads draft from the
+    previous step's features, so after a plain step their first speculating step has no drafts: it is not
+    measured, and the next step speculates too. A step's time is the interval
     between two consecutive decisions, counted only when the step was decode-only and the batch did not
     change (no admission, prefill or finished row), and clipped to 4x the running estimate (an idle gap
     between two client calls is not a step).
@@ -433,6 +435,8 @@ class SpecPolicy:
         if self._last is None:
             return
         spec, b, t0, before = self._last
+        if spec and not engine._drafts and engine.proposer is not None:
+            return  # heads without features yet (the step after a plain one): not a verify step
         after = self._snapshot(engine)
         # decode-only steps over an unchanged batch (none finished, none admitted or prefilled); a plain schedule
         # may run a multi-step block of several steps: its time and tokens per step
@@ -456,7 +460,10 @@ class SpecPolicy:
         self._record(engine, now)
         b = self.bucket(max(1, len(engine.running)))
         n = self.decisions[b] = self.decisions.get(b, 0) + 1
-        spec = self.choose(b, n)
+        # draft heads need one step's features before they draft: a speculating step that had no drafts is
+        # followed by another, so the rule measures a real verify step (prompt lookup finding nothing is real)
+        pending = self._last is not None and self._last[0] and not engine._drafts and engine.proposer is not None
+        spec = pending or self.choose(b, n)
         if not spec:
             self.off_steps += 1
         self._last = (spec, b, now, self._snapshot(engine))
