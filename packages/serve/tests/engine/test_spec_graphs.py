@@ -240,3 +240,29 @@ def test_policy_waits_for_the_heads_first_drafts():
     engine.stats.generated_tokens += 3
     assert not policy.decide(engine)  # measured (warm for spec done): now a plain step to measure
     assert policy.t_spec[1] == pytest.approx(1.5) and policy.accept[1] == pytest.approx(3.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (captured verification graphs)")
+def test_ngram_on_cuda_replays_the_verification_graphs():
+    """CUDA defaults (decode, mixed-step and verification graphs captured at start-up): n-gram speculation
+    replays the verification graphs and gives the plain engine's float32 greedy tokens, under 'always' and
+    under the per-step rule."""
+    from plyx.model import TransformerLM
+    from plyx.specs import ModelConfig
+
+    torch.manual_seed(0)
+    lm = TransformerLM(ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+                                   max_seq_len=160, init_std=0.1)).eval().cuda()
+    rng = random.Random(90)
+    passage = [rng.randrange(256) for _ in range(12)]
+    prompts = [passage * 3 + passage[:i] for i in range(1, 7)]
+    sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    kw = dict(max_batch_size=8, max_batch_tokens=64, block_size=16, num_blocks=64)
+    want = [o.outputs[0].token_ids for o in Engine(lm, config=EngineConfig(**kw)).generate(prompts, sp)]
+    for policy in ("always", "auto"):
+        engine = Engine(lm, config=EngineConfig(speculative_ngram=4, spec_policy=policy, **kw))
+        assert engine.spec_graphs is not None and engine.spec_graphs.captured == engine.spec_graphs.buckets
+        got = [o.outputs[0].token_ids for o in engine.generate(prompts, sp)]
+        assert got == want
+        if policy == "always":
+            assert engine.spec_graphs.replays > 0 and engine.stats.spec_accepted > 0

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ class SpecGraphs:
         hm = self._host_meta.numpy()
         self._tables, self._lens = hm[:r * w].reshape(r, w), hm[r * w:]
         self._depth = torch.tensor(depths, device=device)  # [T]
+        self._depth_host = np.asarray(depths, dtype=np.int64)
         self._mask = torch.tensor(mask, dtype=torch.bool, device=device)  # [T, T]
         self._mask_f = self._mask.float()
         self._parents = torch.tensor([max(p, 0) for p in self.parents], device=device)  # [T]: the root's is itself
@@ -168,10 +170,9 @@ class SpecGraphs:
             self._lens[i] = end
             ids[i, :len(row)] = row
             ids[i, len(row):] = 0
-            for j in range(T):
-                p = end - T + j
-                slots[i, j] = blocks[p // bs] * bs + p % bs
-            pos[i] = self._positions(end - T)
+            p = np.arange(end - T, end)  # feed order takes consecutive slots
+            slots[i] = tables[i, p // bs].astype(np.int64) * bs + p % bs
+            pos[i] = end - T + self._depth_host  # node j sits at root + depth(j)
             self._count[i] = len(row) - 1
         if bucket > R:  # padding rows repeat row 0: the same writes into the same slots
             for part in (ids, pos, slots, tables):
@@ -188,13 +189,6 @@ class SpecGraphs:
             self._copied = torch.cuda.Event()
             self._copied.record()
         return bucket
-
-    def _positions(self, root: int) -> Any:
-        if not hasattr(self, "_depth_host"):
-            import numpy as np
-
-            self._depth_host = np.asarray(self._depth.tolist(), dtype=np.int64)
-        return root + self._depth_host
 
     # -- device side ---------------------------------------------------------------------
     def _forward(self, R: int) -> torch.Tensor:
