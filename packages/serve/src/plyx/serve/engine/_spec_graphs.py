@@ -48,6 +48,10 @@ if TYPE_CHECKING:
 
 __all__ = ["SpecGraphs", "SpecPolicy", "build", "spec_buckets", "spec_step"]
 
+#: a tree step gathers every row's keys over the whole context (``tree_attention``, static width): tree graphs
+#: hold at most this many rows x max_seq_len key rows per layer (larger batches verify trees eagerly)
+TREE_KEY_ROWS = 1 << 17
+
 #: the scratch sequence id ``warm_up`` runs on (engine ids count up from 0; MixedGraphs uses -(1 << 40))
 _SCRATCH_ID = -(1 << 40) - 1
 
@@ -364,8 +368,10 @@ def build(engine: Engine) -> SpecGraphs | None:
     else:
         return None
     cuda = engine.device.type == "cuda"
-    graphs = SpecGraphs(engine.model, engine.cache, parents=parents, max_rows=engine.config.max_batch_size,
-                        heads=proposer, capture=cuda)
+    rows = engine.config.max_batch_size
+    if proposer is not None and proposer.is_tree:
+        rows = min(rows, max(1, TREE_KEY_ROWS // int(engine.cache.layout.max_seq_len)))
+    graphs = SpecGraphs(engine.model, engine.cache, parents=parents, max_rows=rows, heads=proposer, capture=cuda)
     if cuda:
         graphs.warm_up()
     return graphs
