@@ -266,3 +266,32 @@ def test_ngram_on_cuda_replays_the_verification_graphs():
         assert got == want
         if policy == "always":
             assert engine.spec_graphs.replays > 0 and engine.stats.spec_accepted > 0
+
+
+@pytest.mark.parametrize("verify_cost", [10.0, 1.1])
+def test_the_rule_in_the_engine(trained, verify_cost):
+    """The engine under ``spec_policy='auto'`` with a clock that charges a speculating step ``verify_cost`` plain
+    steps: at 10x (acceptance ~1.3 cannot pay) it decodes plainly after measuring both, at 1.1x it speculates;
+    the tokens are plain greedy's either way."""
+    base, heads = trained
+    sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    kw = dict(block_size=4, num_blocks=200, max_batch_size=8, max_model_len=96)
+    ref = Engine(base, config=EngineConfig(**kw)).generate(PROMPTS, sp)
+    engine = Engine(base, draft_heads=heads, config=EngineConfig(mixed_graphs=True, **kw))
+    assert engine.config.spec_policy == "auto"
+    now = [0.0]
+
+    def clock() -> float:  # called as each step is scheduled: charge the step before it
+        now[0] += verify_cost if engine._spec_step else 1.0
+        return now[0]
+
+    engine.spec_policy.clock = clock
+    out = engine.generate(PROMPTS, sp)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    policy = engine.spec_policy
+    assert policy.accept[8] > 1.0
+    verified = engine.stats.spec_rows / len(PROMPTS)
+    if verify_cost > 2:
+        assert policy.off_steps > 2 * verified, (policy.off_steps, verified)
+    else:
+        assert verified > 2 * policy.off_steps, (policy.off_steps, verified)
