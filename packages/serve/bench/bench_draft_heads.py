@@ -26,16 +26,18 @@ appended as JSON lines to ``bench/results/draft-heads-<device>.jsonl``.
 
 ``--mode engine`` measures the serving engine instead (``plyx.serve.engine.Engine``, what ``plyx serve``
 runs): no speculation vs Medusa heads as the engine's proposer with chain verification and with tree
-verification (``--tree`` candidates per head), each batch submitted at once and run to completion, same
-run, same prompts. The engine keeps its device defaults (on CUDA: decode graphs, multi-step decode and
-mixed-step graphs without speculation; with heads, chain steps replay the mixed-step graphs and tree steps
-run eagerly). Acceptance length = 1 + accepted drafts / row-steps that verified drafts. Only Medusa heads are
-trained in this mode (the engine does not run EAGLE drafts). Results: ``draft-heads-engine-<device>-<size>.md``
-and the same JSON lines file with ``"mode": "engine"``.
+verification (``--tree`` candidates per head), each under ``spec_policy="always"`` (every decode step
+speculates) and ``"auto"`` (the per-step rule: speculate only where the measured acceptance length over the
+measured verify-step cost beats a plain step), each batch submitted at once and run to completion, same run,
+same prompts. The engine keeps its device defaults (on CUDA: decode graphs, multi-step decode and mixed-step
+graphs without speculation; with heads, decode-only verification steps replay the verification graphs,
+``SpecGraphs``, captured per rows bucket at start-up). Acceptance length = 1 + accepted drafts / row-steps
+that verified drafts. Only Medusa heads are trained in this mode (the engine does not run EAGLE drafts).
+Results: ``draft-heads-engine-<device>-<size>.md`` and the same JSON lines file with ``"mode": "engine"``.
 
-    # CPU proof:
+    # CPU proof (--static: the verification graphs' static step, run eagerly):
     python packages/serve/bench/bench_draft_heads.py --mode engine --size tiny --base-steps 300 \
-        --heads-steps 300 --batch 1,8 --new-tokens 48 --work /tmp/draft-bench
+        --heads-steps 300 --batch 1,8 --new-tokens 48 --static --work /tmp/draft-bench
     # GPU (bf16, about 3 minutes on an H100 with training):
     python packages/serve/bench/bench_draft_heads.py --mode engine --size small --base-steps 2000 \
         --heads-steps 1000 --batch 1,8 --new-tokens 128 --k 4 --tree 3 --work /tmp/draft-bench --out $OUT
@@ -131,20 +133,27 @@ def run(model, prompts, new_tokens: int, cache: str, graphs: bool = False, **spe
 
 
 def run_engine(engine, prompts, new_tokens: int) -> tuple[float, list, dict]:
-    """One batch through ``engine`` (all requests at once); seconds, completions, speculation counter deltas."""
+    """One batch through ``engine`` (all requests at once); seconds, completions, speculation counter deltas
+    (verification steps run as graphs, ``graph_steps``; decode steps the per-step rule ran plain, ``off``)."""
     from plyx.serve import SamplingParams
 
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     s = engine.stats
-    before = (s.steps, s.spec_drafted, s.spec_accepted, s.spec_rows)
+
+    def counters() -> tuple[int, ...]:
+        graphs, policy = getattr(engine, "spec_graphs", None), getattr(engine, "spec_policy", None)
+        return (s.steps, s.spec_drafted, s.spec_accepted, s.spec_rows, graphs.steps if graphs else 0,
+                policy.off_steps if policy else 0)
+
+    before = counters()
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     sync()
     took = time.perf_counter() - start
-    after = (s.steps, s.spec_drafted, s.spec_accepted, s.spec_rows)
-    delta = dict(zip(("steps", "drafted", "accepted", "rows"), (a - b for a, b in zip(after, before))))
+    delta = dict(zip(("steps", "drafted", "accepted", "rows", "graph_steps", "off"),
+                     (a - b for a, b in zip(counters(), before))))
     return took, [o.outputs[0] for o in outs], delta
 
 
@@ -157,13 +166,16 @@ def engine_mode(args, model, heads, dtype, device_name: str, date: str, train_s:
     # the token budget (and so the mixed-step graph buckets captured at start-up) holds a full batch's trees
     tree_nodes = len(TokenTree(min(args.k, heads.num_heads), args.tree))
     budget = max(256, -(-max(batches) * (1 + tree_nodes) // 16) * 16)
-    kw = dict(max_batch_size=max(batches), max_batch_tokens=256)
-    methods = {
-        "engine": (None, EngineConfig(**kw)),
-        "engine + medusa chain": (heads, EngineConfig(speculative_k=args.k, **kw)),
-        f"engine + medusa tree (top-{args.tree})": (heads, EngineConfig(speculative_k=args.k, spec_tree=args.tree,
-                                                                        **{**kw, "max_batch_tokens": budget})),
-    }
+    kw: dict[str, Any] = dict(max_batch_size=max(batches), max_batch_tokens=256)
+    if args.static:  # CPU: the verification graphs' static step, run eagerly (CUDA captures it by default)
+        kw["mixed_graphs"] = True
+    tree = f"tree (top-{args.tree})"
+    methods = {"engine": (None, EngineConfig(**kw))}
+    for policy in ("always", "auto"):  # every step speculates / the per-step rule (SpecPolicy) decides
+        methods[f"engine + medusa chain ({policy})"] = (heads, EngineConfig(speculative_k=args.k, spec_policy=policy,
+                                                                            **kw))
+        methods[f"engine + medusa {tree} ({policy})"] = (heads, EngineConfig(
+            speculative_k=args.k, spec_tree=args.tree, spec_policy=policy, **{**kw, "max_batch_tokens": budget}))
     engines = {}
     for name, (h, cfg) in methods.items():
         t0 = time.perf_counter()
@@ -178,8 +190,9 @@ def engine_mode(args, model, heads, dtype, device_name: str, date: str, train_s:
         f"(CUDA graphs: {engines['engine'].graphs is not None}, mixed-step graphs: "
         f"{engines['engine'].mixed_graphs is not None}, decode_steps {engines['engine'].decode_steps})",
         "",
-        "| method | batch | tok/s | speedup vs engine | acceptance length | drafted / row-step | steps | rows identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | batch | tok/s | speedup vs engine | acceptance length | drafted / row-step | steps | "
+        "verify graph steps | steps without speculation | rows identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines))
     rows = []
@@ -205,10 +218,12 @@ def engine_mode(args, model, heads, dtype, device_name: str, date: str, train_s:
                        speedup=times["engine"] / times[name],
                        acceptance_length=1 + d["accepted"] / d["rows"] if d["rows"] else 1.0,
                        drafted_per_row=d["drafted"] / d["rows"] if d["rows"] else 0.0, steps=d["steps"],
+                       verify_graph_steps=d["graph_steps"], steps_off=d["off"],
                        rows_identical=same, tree_nodes=tree_nodes if "tree" in name else None)
             rows.append(row)
             line = (f"| {name} | {batch} | {row['tok_s']:.1f} | {row['speedup']:.2f}x | {row['acceptance_length']:.2f} "
-                    f"| {row['drafted_per_row']:.1f} | {d['steps']} | {same}/{batch} |")
+                    f"| {row['drafted_per_row']:.1f} | {d['steps']} | {d['graph_steps']} | {d['off']} "
+                    f"| {same}/{batch} |")
             lines.append(line)
             print(line)
     _write(args, "draft-heads-engine", lines, rows, date=date, device=device_name, size=args.size, dtype=str(dtype),
@@ -233,6 +248,9 @@ def main() -> None:
     ap.add_argument("--mode", default="generate", choices=["generate", "engine"],
                     help="generate: plyx.serve.generate's decoders (Medusa, EAGLE, n-gram); engine: the serving engine")
     ap.add_argument("--tree", type=int, default=3, help="engine mode: candidates per head of the tree (spec_tree)")
+    ap.add_argument("--static", action="store_true",
+                    help="engine mode: run the verification graphs' static step on CPU too (mixed_graphs=True; "
+                    "CUDA captures it by default)")
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
     ap.add_argument("--base", help="a base checkpoint to reuse (default: train one)")
     ap.add_argument("--medusa", help="Medusa heads to reuse (default: train them)")

@@ -8,8 +8,21 @@ weights; the tokens must be identical (checked). Two prompt sets, so the figure 
 - ``random``: distinct random tokens (nothing to copy from the prompt; drafts come only from loops of the
   output itself).
 
-Both sides run eager steps (speculation has no CUDA-graph path yet); on CUDA the greedy path with CUDA graphs
-is timed as well (``greedy_graphs_tok_s`` in the results).
+Both sides run ``plyx.serve.generate``'s eager steps; on CUDA the greedy path with CUDA graphs is timed as well
+(``greedy_graphs_tok_s`` in the results).
+
+``--mode engine`` measures the serving engine instead (``plyx.serve.engine.Engine``, device defaults: on CUDA
+decode graphs, multi-step decode and mixed-step graphs, and with ``speculative_ngram`` the verification graphs,
+``SpecGraphs``): no speculation vs n-gram speculation under ``spec_policy="always"`` and ``"auto"`` (the
+per-step rule), each batch submitted at once, same run; tok/s, acceptance length (1 + accepted drafts /
+row-steps that verified drafts) and the speedup vs the engine without speculation. Results:
+``speculative-ngram-engine-<device>-<config>.md`` and JSON lines with ``"mode": "engine"``.
+
+    # CPU proof (--static: the verification graphs' static step, run eagerly):
+    python packages/serve/bench/bench_speculative.py --mode engine --config tiny --batch 1,8 --new-tokens 48 --static
+    # GPU (bf16, under a minute on an H100):
+    python packages/serve/bench/bench_speculative.py --mode engine --config 100m --batch 1,8 --new-tokens 128 \
+        --k 4 --out $OUT
 
 The weights are random (no trained checkpoint is fetched here), so the acceptance measured is that of a
 random model's greedy output, which tends to fall into repeating loops; the speedup at a given acceptance
@@ -28,6 +41,7 @@ import json
 import platform
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,6 +101,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="best of N timings per side")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--mode", default="generate", choices=["generate", "engine"],
+                    help="generate: plyx.serve.generate's decoders; engine: the serving engine")
+    ap.add_argument("--static", action="store_true",
+                    help="engine mode: run the verification graphs' static step on CPU too (mixed_graphs=True)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -95,6 +113,9 @@ def main() -> None:
     lo, hi = (int(x) for x in args.lookup.split(","))
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     date = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if args.mode == "engine":
+        engine_mode(args, model, dtype, device_name, date, lo, hi)
+        return
     print(f"# n-gram speculation vs greedy: {args.config}, {args.device} ({device_name}), {dtype}, {date}; "
           f"k={args.k}, lookup n in [{lo}, {hi}], {args.new_tokens} new tokens, prompt {PROMPT}")
     print("| prompts | batch | greedy tok/s | n-gram tok/s | speedup | tokens / step | acceptance rate |")
@@ -146,6 +167,77 @@ def main() -> None:
             f.write(json.dumps({"date": date, "device": device_name, "config": args.config, "dtype": str(dtype),
                                 "k": args.k, "lookup": [lo, hi], "new_tokens": args.new_tokens,
                                 "cache": args.cache, **row}) + "\n")
+
+
+def engine_mode(args: argparse.Namespace, model: Any, dtype: torch.dtype, device_name: str, date: str, lo: int,
+                hi: int) -> None:
+    """No speculation vs n-gram speculation (every step / the per-step rule) in the engine, per prompt set and
+    batch size (see the module doc)."""
+    from bench_draft_heads import run_engine
+    from plyx.serve.engine import Engine, EngineConfig
+
+    batches = [int(b) for b in args.batch.split(",")]
+    kw: dict[str, Any] = dict(max_batch_size=max(batches), max_batch_tokens=256, prompt_lookup_min=lo,
+                              prompt_lookup_max=hi)
+    if args.static:
+        kw["mixed_graphs"] = True
+    engines = {"engine": Engine(model, config=EngineConfig(**kw))}
+    for policy in ("always", "auto"):
+        engines[f"engine + n-gram ({policy})"] = Engine(model, config=EngineConfig(
+            speculative_ngram=args.k, spec_policy=policy, **kw))
+    plain = engines["engine"]
+    lines = [
+        f"# engine: no speculation vs n-gram (prompt lookup) speculation: {args.config} "
+        f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M, random weights); {args.device} ({device_name}), "
+        f"{dtype}, torch {torch.__version__}, {date}",
+        f"# k={args.k}, lookup n in [{lo}, {hi}], prompt {PROMPT} tokens, {args.new_tokens} new tokens, greedy, best "
+        f"of {args.repeats}; engine defaults of the device (CUDA graphs: {plain.graphs is not None}, mixed-step "
+        f"graphs: {plain.mixed_graphs is not None}, decode_steps {plain.decode_steps}); verification graphs: "
+        f"{engines['engine + n-gram (always)'].spec_graphs is not None}",
+        "",
+        "| prompts | method | batch | tok/s | speedup vs engine | acceptance length | steps | verify graph steps | "
+        "steps without speculation | rows identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines))
+    rows = []
+    for kind in ("repeat", "random"):
+        for batch in batches:
+            ps = prompts(kind, batch, CONFIGS[args.config]["vocab_size"], seed=batch)
+            for engine in engines.values():  # warm-up: kernels, allocator, the first replays
+                run_engine(engine, ps, 8)
+            times = {name: float("inf") for name in engines}
+            outs: dict[str, list] = {}
+            deltas: dict[str, dict] = {}
+            for _ in range(args.repeats):  # alternate the methods so load drifts hit all
+                for name, engine in engines.items():
+                    t, outs[name], deltas[name] = run_engine(engine, ps, args.new_tokens)
+                    times[name] = min(times[name], t)
+            ref = [o.token_ids for o in outs["engine"]]
+            for name in engines:
+                same, agreed = greedy_agreement(ref, [o.token_ids for o in outs[name]])
+                if same < batch and dtype == torch.float32:
+                    raise SystemExit(f"{name} changed the greedy tokens of {batch - same} of {batch} float32 rows")
+                d = deltas[name]
+                row = dict(mode="engine", prompts=kind, method=name, batch=batch,
+                           tok_s=batch * args.new_tokens / times[name], speedup=times["engine"] / times[name],
+                           acceptance_length=1 + d["accepted"] / d["rows"] if d["rows"] else 1.0, steps=d["steps"],
+                           verify_graph_steps=d["graph_steps"], steps_off=d["off"], rows_identical=same,
+                           greedy_prefix_agreement=agreed)
+                rows.append(row)
+                line = (f"| {kind} | {name} | {batch} | {row['tok_s']:.1f} | {row['speedup']:.2f}x | "
+                        f"{row['acceptance_length']:.2f} | {d['steps']} | {d['graph_steps']} | {d['off']} | "
+                        f"{same}/{batch} |")
+                lines.append(line)
+                print(line)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = "cuda" if args.device.startswith("cuda") else "cpu"
+    (out / f"speculative-ngram-engine-{tag}-{args.config}.md").write_text("\n".join(lines) + "\n")
+    with open(out / f"speculative-ngram-{tag}.jsonl", "a") as f:
+        for row in rows:
+            f.write(json.dumps({"date": date, "device": device_name, "config": args.config, "dtype": str(dtype),
+                                "k": args.k, "lookup": [lo, hi], "new_tokens": args.new_tokens, **row}) + "\n")
 
 
 def greedy_agreement(base: list[list[int]], spec: list[list[int]]) -> tuple[int, float]:

@@ -68,7 +68,9 @@ PROMPTS = [_walk(1, n, seed=50 + n)[0].tolist() for n in (3, 9, 5, 14, 2)]
 
 
 def _run(base, heads, *, arrivals=True, params=None, **config):
-    config = {"max_batch_size": 8, "max_batch_tokens": 96, "block_size": 4, "num_blocks": 200, **config}
+    # speculation every step (the per-step rule, SpecPolicy, is timed and tested on its own)
+    config = {"max_batch_size": 8, "max_batch_tokens": 96, "block_size": 4, "num_blocks": 200,
+              "spec_policy": "always", **config}
     engine = Engine(base, draft_heads=heads, config=EngineConfig(**config))
     params = params or [SamplingParams(temperature=0, max_new_tokens=24 + 3 * i, ignore_eos=True)
                         for i in range(len(PROMPTS))]
@@ -159,9 +161,12 @@ def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor((counts.numel() - 1) / 2, dtype=torch.float64), stat.double() / 2))
 
 
-def test_sampled_chain_keeps_the_models_law():
+@pytest.mark.parametrize("static", [False, True])
+def test_sampled_chain_keeps_the_models_law(static):
     """Sampled rows speculate with chains under the rejection rule: the joint law of three tokens (two of them
-    through draft-and-verify) is p(x1) p(x2|x1) p(x3|x1 x2), chi-square tested, with top-k processing on."""
+    through draft-and-verify) is p(x1) p(x2|x1) p(x3|x1 x2), chi-square tested, with top-k processing on; also
+    in an engine whose greedy verification runs the static step (``SpecGraphs``: sampled rows keep the eager
+    rejection rule beside it)."""
     from plyx.model import TransformerLM
 
     W = 4
@@ -187,7 +192,7 @@ def test_sampled_chain_keeps_the_models_law():
     n = 2400
     engine = Engine(base, draft_heads=heads, seed=0,
                     config=EngineConfig(max_batch_size=400, max_batch_tokens=1600, block_size=4, num_blocks=1700,
-                                        max_queue=n))
+                                        max_queue=n, spec_policy="always", mixed_graphs=static))
     params = SamplingParams(temperature=temperature, top_k=top_k, max_new_tokens=3, ignore_eos=True)
     outs = engine.generate([prompt] * n, params)
     counts = torch.zeros(W ** 3, dtype=torch.float64)
@@ -248,8 +253,9 @@ def test_bad_configurations_are_named(trained, tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (decode and mixed-step graphs)")
 def test_on_cuda_with_graphs(trained):
-    """On CUDA the engine keeps its graphs: chain steps replay the mixed-step graphs, tree steps run eagerly
-    (the Triton attention kernel with the tree mask); both give the graph-decoded plain greedy tokens."""
+    """On CUDA the engine keeps its graphs: decode-only verification steps (chain and tree) replay the
+    verification graphs captured at start-up, prefill steps the mixed-step graphs; both give the graph-decoded
+    plain greedy tokens."""
     import copy
 
     base, heads = trained
@@ -257,6 +263,7 @@ def test_on_cuda_with_graphs(trained):
     _, ref = _run(base, None)
     for tree in (0, 3):
         engine, out = _run(base, heads, spec_tree=tree)
-        assert engine.mixed_graphs is not None
+        assert engine.mixed_graphs is not None and engine.spec_graphs is not None
         assert out == ref
         assert engine.stats.spec_accepted > 0
+        assert engine.spec_graphs.replays > 0 and engine.spec_graphs.captured == engine.spec_graphs.buckets

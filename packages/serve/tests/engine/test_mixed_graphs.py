@@ -86,7 +86,8 @@ def test_speculative_rows_and_preemption_through_the_bucketed_step(lm):
     prompts = [motif * 4 + [rng.randrange(256) for _ in range(rng.randrange(1, 8))] for _ in range(6)]
     sp = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     kw = dict(max_batch_size=6, max_batch_tokens=48, block_size=4, num_blocks=24, max_model_len=64,
-              prefix_caching=False, cuda_graphs=False, speculative_ngram=3)
+              prefix_caching=False, cuda_graphs=False, speculative_ngram=3,
+              spec_policy="always")
     runs = {}
     for mixed in (False, True):
         engine = Engine(lm, config=EngineConfig(mixed_graphs=mixed, **kw))

@@ -326,7 +326,7 @@ def test_ngram_speculation_in_the_engine_is_greedy_exact():
     kw = dict(max_batch_size=8, max_batch_tokens=24, block_size=4, num_blocks=30, max_model_len=80)
     plain = Engine(lm, config=EngineConfig(**kw))
     want = plain.generate(prompts, params)
-    spec = Engine(lm, config=EngineConfig(speculative_ngram=4, **kw))
+    spec = Engine(lm, config=EngineConfig(speculative_ngram=4, spec_policy="always", **kw))
     got = spec.generate(prompts, params)
     assert completions(got) == completions(want)
     assert [[c.finish_reason for c in o.outputs] for o in got] == [[c.finish_reason for c in o.outputs] for o in want]

@@ -74,6 +74,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
     """Tree verification with ``draft_heads``: each head's top ``spec_tree`` candidates form a token tree (the
     rank paths whose ranks sum to at most ``spec_tree - 1``; Medusa's tree attention) verified in one packed
     forward, the longest accepted path kept. 0 or 1: a chain (each head's argmax). At most 8."""
+    spec_policy: str = "auto"
+    """When a speculating engine (``speculative_ngram``, ``draft_heads``) speculates: ``auto`` (per step, only
+    where the measured acceptance length over the measured cost of a verify step beats plain decoding at the
+    batch's size: ``SpecPolicy``), ``always`` or ``never``."""
 
     look_ahead: bool | None = None
     """When every running sequence sampled this step and none waits, queue the next step's forward (each row fed
@@ -139,6 +143,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         if not 0 <= self.spec_tree <= 8:
             raise ConfigError("EngineConfig.spec_tree", "spec_tree must be in [0, 8]", value=self.spec_tree,
                               fix="use 0 (chain verification) or a few candidates per head, e.g. 2 or 3")
+        if self.spec_policy not in ("auto", "always", "never"):
+            raise ConfigError("EngineConfig.spec_policy", "spec_policy must be 'auto', 'always' or 'never'",
+                              value=self.spec_policy, fix="use 'auto' (speculate where it measures faster)")
         if self.draft_heads and self.speculative_ngram:
             raise ConfigError("EngineConfig.draft_heads", "draft heads and prompt-lookup speculation both propose "
                               "drafts; the engine runs one proposer", value=self.draft_heads,

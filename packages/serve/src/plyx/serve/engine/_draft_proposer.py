@@ -211,6 +211,11 @@ class HeadsProposer:
         for i, ((seq, _), tokens) in enumerate(zip(rows, drafts.tolist())):
             self._proposals[seq.seq_id] = (len(seq.tokens), tokens, qs.get(i))
 
+    def offer(self, seq: Any, nodes: Seq[int]) -> None:
+        """Keep ``nodes`` (the tree's tokens, feed order) as ``seq``'s next proposal: a verification graph ran the
+        heads on the hidden state of its accepted node (``plyx.serve.engine._spec_graphs``)."""
+        self._proposals[seq.seq_id] = (len(seq.tokens), list(nodes), None)
+
     def propose(self, seq: Any, max_depth: int, max_nodes: int) -> tuple[list[int], list[int] | None]:
         """This step's drafts of ``seq`` and, for a tree, the fed row's parents; ``([], None)`` when its heads
         have not run on its current last token."""

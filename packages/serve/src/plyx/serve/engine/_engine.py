@@ -185,9 +185,12 @@ class Engine:
         # resident adapters (``plyx.serve.MultiLora``): requests name one; a step's rows may mix them
         self.lora = lora
         steps = c.decode_steps if c.decode_steps is not None else (DEFAULT_CUDA_DECODE_STEPS if self.device.type == "cuda" else 1)
-        # multi-step decode (``_multistep``): plain rows only; drafts and adapters keep one step per schedule
+        # multi-step decode (``_multistep``): plain rows only; drafts and adapters keep one step per schedule (a
+        # speculating engine under spec_policy 'auto' runs blocks on the steps its rule leaves plain)
         heads = draft_heads if draft_heads is not None else (c.draft_heads or None)
-        self.decode_steps = 1 if lora is not None or c.speculative_ngram or heads is not None else steps
+        speculating = bool(c.speculative_ngram) or heads is not None
+        self.decode_steps = 1 if lora is not None or (speculating and c.spec_policy == "always") else steps
+        self._spec_step = False  # this step's schedule may attach drafts (the policy said speculate)
         self.graphs = self._decode_graphs() if lora is None else None  # graphs bake in one adapter map
         # one packed (varlen) forward per step: every scheduled token in one [1, N] row
         self.packed = self._can_pack()
@@ -201,6 +204,12 @@ class Engine:
         self.proposer = self._draft_proposer(heads)
         self.spec_k = (self.proposer.k if self.proposer is not None else c.speculative_ngram) if self.packed else 0
         self._drafts: dict[int, list[int]] = {}  # seq_id -> this step's draft tokens
+        # greedy verification (and the heads' next proposal) as one static step per rows bucket, captured on CUDA;
+        # and the per-step rule that turns speculation off where it measures slower than plain decoding
+        from plyx.serve.engine._spec_graphs import SpecPolicy, build
+
+        self.spec_graphs = build(self)
+        self.spec_policy = SpecPolicy(c.spec_policy) if self.spec_k else None
         self._draft_parents: dict[int, list[int]] = {}  # seq_id -> a tree row's parents (fed indices; chains absent)
         ahead = self.device.type == "cuda" if c.look_ahead is None else c.look_ahead
         self.look_ahead = ahead and (self.packed or self.graphs is not None) and not self.spec_k
@@ -496,8 +505,14 @@ class Engine:
         self.stats.steps += 1
         self.stats.last_batch_seqs = len(planned)
         self.stats.last_batch_tokens = sum(n for _, n in planned)
+        if self.spec_graphs is not None and self._drafts:  # a graph-replayed verification step
+            from plyx.serve.engine._spec_graphs import spec_step
+
+            outputs = spec_step(self, planned)
+            if outputs is not None:
+                return outputs
         # beam groups need their logits every step (host logic between tokens): single steps while one runs
-        k = block_steps(self, planned) if self.decode_steps > 1 and not self.beam_groups else 1
+        k = block_steps(self, planned) if self.decode_steps > 1 and not self._spec_step and not self.beam_groups else 1
         if k > 1:  # a block of k decode steps, the tokens read once (``_multistep``)
             seqs = [s for s, _ in planned]
             self.stats.steps += k - 1
@@ -900,6 +915,8 @@ class Engine:
         if self.mixed_graphs is not None:  # every step fits a captured bucket: no eager step, no compile mid-serving
             budget = min(budget, self.mixed_graphs.max_tokens)
         planned: dict[Sequence, tuple[int, int]] = {}  # seq -> (tokens, blocks)
+        # before the drafts are reset: the rule reads whether the previous step had any
+        speculate = self._spec_step = bool(self.spec_k) and (self.spec_policy is None or self.spec_policy.decide(self))
         self._drafts = {}
         self._draft_parents = {}
         preempted = False
@@ -949,7 +966,7 @@ class Engine:
                 self._preempt(seq)
                 preempted = True
                 continue
-            if self.spec_k and n == 1 and seq.pending == 1 and self._speculates(seq):
+            if speculate and n == 1 and seq.pending == 1 and self._speculates(seq):
                 drafts = self._propose(seq, budget)
                 more = self.cache.blocks_needed([seq.seq_id], [1 + len(drafts)]) if drafts else need
                 if drafts and more <= free_blocks():  # drafts never evict or preempt anything
