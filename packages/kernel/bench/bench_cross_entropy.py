@@ -33,6 +33,15 @@ def cases() -> list[Case]:
         run.grad_inputs = [z]
         return run
 
+    def inplace(i: dict[str, torch.Tensor]):
+        # as Liger: the gradient is written over the logits in the forward, so it works on its own copy
+        z = i["z"].detach().clone().requires_grad_(True)
+
+        def run():
+            return cross_entropy(z, i["t"], inplace=True)
+        run.grad_inputs = [z]
+        return run
+
     from plyx.kernel.triton_ops import cross_entropy as module
 
     def variant(block: int, warps: int):
@@ -54,6 +63,7 @@ def cases() -> list[Case]:
         "torch": lambda i: lambda: _torch(i["z"], i["t"]),
         "torch.compile": lambda i: lambda: compiled(i["z"], i["t"]),
         "liger": liger,
+        "plyx inplace": inplace,
         "plyx block=8192/16w": variant(8192, 16),
         "plyx block=32768/32w": variant(32768, 32),
     }, grad=("z",), graph=False, floor={"fwd": ("bytes", size), "fwd+bwd": ("bytes", 2 * size)})]

@@ -29,7 +29,7 @@ from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.cross_entropy import reduce_loss
 from plyx.kernel.reference.linear_cross_entropy import check_linear_cross_entropy
 from plyx.kernel.triton_ops._common import empty
-from plyx.kernel.triton_ops.cross_entropy import ce_rows, row_scale
+from plyx.kernel.triton_ops.cross_entropy import ce_rows, row_scale, scale_
 
 __all__ = ["linear_cross_entropy", "linear_cross_entropy_with_grads", "default_chunk_rows", "CHUNK_ELEMENTS"]
 
@@ -141,10 +141,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         d_hidden, d_weight, d_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
         # scaled in place (a new tensor would double the peak memory) by the incoming gradient, read on the
-        # device: testing it for exactly 1 on the host would be a sync inside the training step (issue 19),
-        # which costs more than this pass over d_weight and d_hidden (~0.1 ms at the 1B shape on an H100)
-        d_hidden.mul_(grad.to(d_hidden.dtype))
-        d_weight.mul_(grad.to(d_weight.dtype))
+        # device: testing it for exactly 1 on the host would be a sync inside the training step (issue 19).
+        # scale_'s programs return at once on a factor of exactly 1 (loss.backward()'s): no read-modify-write
+        # of d_weight (1 GiB at V=128256, D=4096: ~0.7 ms on an H100) in the common step
+        scale_(d_hidden, grad)
+        scale_(d_weight, grad)
         if d_bias is not None:
             d_bias.mul_(grad)
         return (d_hidden, d_weight.to(weight_dtype), None if d_bias is None else d_bias.to(bias_dtype),
