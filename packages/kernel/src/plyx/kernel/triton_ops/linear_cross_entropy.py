@@ -14,6 +14,26 @@ extra memory is ``d_weight + d_hidden + one [C, V] chunk``; ``d_weight`` is
 accumulated in float32 for float32 weights and in the weight's dtype otherwise
 (as Liger-Kernel does: a float32 accumulator would double the peak).
 
+Why row chunks, and what bounds them (issue 19's goal: <= 40 ms and <= 1,129 MiB at once, at N=8192,
+D=4096, V=128256 bf16 on an H100: ~700 TFLOP/s bf16, ~3.0 TB/s). One ``N x V x D`` GEMM is 8.6 TFLOP,
+12.3 ms. The memory limit is Liger-Kernel's peak, d_weight (1,002 MiB) + d_hidden (64 MiB) + a
+``[256, V]`` chunk (63 MiB): at most 256 rows of logits alive at once.
+
+* Row chunks of C rows (this module): 3 GEMMs, 36.9 ms of compute. Each chunk also reads W twice (z, d_hidden:
+  2 x 1 GiB) and reads and writes d_weight once (addmm_'s read-modify-write, 2 x 1 GiB): 4 GiB per chunk.
+  C=512 (1,191 MiB): 16 x 4 GiB = 64 GiB, 23 ms, hidden under the compute: floor ~39 ms (measured 47.7-50.5
+  ms: cuBLAS's beta=1 epilogue does not overlap its read of d_weight). C=256 (1,129 MiB): 32 x 4 GiB = 128
+  GiB, a 46 ms memory floor above the compute (measured 66 ms).
+* Two or more row chunks per d_weight pass (one fused GEMM over 2 x 256 rows of d_logits, fp32 accumulation
+  before one bf16 read-modify-write): halves the d_weight traffic, but both chunks' d_logits must be alive,
+  125 MiB: the memory of C=512.
+* Vocabulary slices for the weight gradient (each d_weight slice written once): 4 GEMMs (the logits twice,
+  one pass for the row log-sum-exp, one for the gradients), 49 ms of compute alone.
+
+So no schedule meets both at once on this roofline: <= 40 ms needs ~500 rows of d_logits per d_weight pass
+(the pass turns compute-bound at K ~ 2 x 4 bytes x 233 FLOP/byte / 4 = 466 rows), which is > 63 MiB. The
+chunk is the caller's choice (``chunk_size``): the default 512 rows for time, 256 for Liger's memory.
+
 Without a gradient (eval, or under ``torch.no_grad()``) only the loss is computed,
 one chunk at a time. With ``reduction="none"`` the per-row factors only arrive in
 the backward, so the forward keeps the inputs and the backward recomputes each
@@ -182,12 +202,15 @@ def linear_cross_entropy(
 def linear_cross_entropy_with_grads(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None = None,
     ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(loss, d_hidden, d_weight, d_bias)``: the loss and its gradients for an incoming gradient of 1, computed
     chunk by chunk in one pass (``reduction`` "mean" or "sum"); gradients in the inputs' dtypes.
 
     The forward of ``plyx::linear_cross_entropy``'s custom op, whose backward only scales these (the lm-head
-    matmuls run once per step, as in the eager call).
+    matmuls run once per step, as in the eager call). ``chunk_size``: token rows per chunk (default:
+    ``CHUNK_ELEMENTS`` logits per chunk; 256 rows at a 128k vocabulary is Liger-Kernel's memory, see the
+    module docstring for the time it costs).
     """
     if reduction == "none":
         raise ValueError("linear_cross_entropy_with_grads: reduction='none' has per-row factors known only in the "
@@ -196,7 +219,7 @@ def linear_cross_entropy_with_grads(
                                check_values=False)
     check_last_dim_contiguous(_NAME, "hidden", hidden)
     check_last_dim_contiguous(_NAME, "weight", weight)
-    chunk = default_chunk_rows(hidden.shape[0], weight.shape[0])
+    chunk = int(chunk_size or default_chunk_rows(hidden.shape[0], weight.shape[0]))
     loss, d_hidden, d_weight, d_bias = _with_grads(hidden, weight, bias, targets, int(ignore_index),
                                                    float(label_smoothing), float(z_loss), reduction, chunk)
     return (loss, d_hidden, d_weight.to(weight.dtype),
