@@ -116,12 +116,13 @@ def launch(cache: dict[Any, Any], key: Any, kernel: Any, grid: tuple[int, int, i
     if key is None or not DIRECT_LAUNCH:
         kernel[grid](*args, **meta)
         return
-    device = _current_device()  # the JIT's compiled kernels are per current device too
-    compiled = cache.get((device, key))
+    # the driver is asked for the device only once a compiled kernel is cached: the interpreter (even when
+    # TRITON_INTERPRET was set after this module's import) and CPU-only processes never reach it
+    compiled = cache.get((device := _current_device(), key)) if cache else None
     if compiled is None:
         compiled = kernel[grid](*args, **meta)
-        if getattr(compiled, "packed_metadata", None) is not None:  # a stand-in kernel returns None: not cached
-            cache[(device, key)] = compiled
+        if getattr(compiled, "packed_metadata", None) is not None:  # the interpreter returns no compiled kernel
+            cache[(_current_device(), key)] = compiled  # the JIT's compiled kernels are per current device too
         return
     stream = _current_stream(device)
     runtime = _triton()[1].runtime
