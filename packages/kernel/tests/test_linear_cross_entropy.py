@@ -121,3 +121,25 @@ def test_unit_gradient_and_with_grads_match_definition(make, fresh_seed, chunk):
         where = f"{label} chunk={chunk} seed={fresh_seed}"
         assert rel_max_err(l_, want, floor=1.0) <= tol_out, where
         assert rel_max_err(dh, h64.grad) <= tol_grad and rel_max_err(dw, w64.grad) <= tol_grad, where
+
+
+@pytest.mark.skipif(not GPU, reason="the overlapped schedule uses a second CUDA stream")
+@pytest.mark.parametrize("chunk", [64, 300])
+def test_overlapped_schedule_matches_serial(make, monkeypatch, chunk):
+    """SCHEDULE["overlap"]: the d_weight update on a side stream gives the serial schedule's loss and gradients
+    (the same kernels on the same data, ordered by events; cuBLAS may pick another algorithm per stream, so to
+    bfloat16 rounding: a missed wait would read a half-written buffer and be far off)."""
+    from .conftest import rel_max_err
+
+    n, d, v = 1000, 512, 32003
+    t = torch.randint(0, v, (n,), device=TRITON_DEVICE)
+    h, w, b = make(n, d, dtype=torch.bfloat16), make(v, d, dtype=torch.bfloat16, scale=2 * d ** -0.5), make(v)
+    got = {}
+    for overlap in (False, True):
+        monkeypatch.setitem(fused_module.SCHEDULE, "overlap", overlap)
+        leaves = [x.detach().clone().requires_grad_(True) for x in (h, w, b)]
+        loss = linear_cross_entropy(leaves[0], leaves[1], t, bias=leaves[2], chunk_size=chunk)
+        loss.backward()
+        got[overlap] = [loss.detach()] + [x.grad for x in leaves]
+    for name, a, c in zip(("loss", "d_hidden", "d_weight", "d_bias"), got[False], got[True]):
+        assert rel_max_err(c, a) <= 1e-2, name

@@ -51,7 +51,8 @@ from plyx.kernel.reference.linear_cross_entropy import check_linear_cross_entrop
 from plyx.kernel.triton_ops._common import empty
 from plyx.kernel.triton_ops.cross_entropy import ce_rows, row_scale, scale_
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_with_grads", "default_chunk_rows", "CHUNK_ELEMENTS"]
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_with_grads", "default_chunk_rows", "CHUNK_ELEMENTS",
+           "SCHEDULE"]
 
 _NAME = "linear_cross_entropy:triton"
 
@@ -65,6 +66,13 @@ def default_chunk_rows(n: int, vocab: int, budget: int | None = None) -> int:
     return max(1, min(rows, n))
 
 
+#: ``overlap``: on CUDA, each chunk's d_weight update (memory-bound at 256 rows: a read-modify-write of the
+#: whole d_weight) runs on a side stream beside the d_hidden GEMM (compute-bound), both reading the same
+#: d_logits chunk; the next chunk waits for both before it overwrites the buffer (no extra memory).
+#: Off by default until measured (bench provider ``plyx overlap``).
+SCHEDULE = {"overlap": False}
+
+
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
             ignore_index: int, eps: float, z_loss: float, chunk: int, scale: torch.Tensor | None,
             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None) -> torch.Tensor:
@@ -72,9 +80,14 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     n, v = hidden.shape[0], weight.shape[0]
     rows = empty((n,), dtype=torch.float32, device=hidden.device)
     buffer = torch.empty((min(chunk, n), v), dtype=hidden.dtype, device=hidden.device)  # reused for every chunk
+    side = (torch.cuda.Stream(hidden.device) if grads is not None and SCHEDULE["overlap"] and hidden.is_cuda
+            else None)
+    main = torch.cuda.current_stream(hidden.device) if side is not None else None
     for start in range(0, n, chunk):
         h = hidden[start:start + chunk]
         z = buffer[: h.shape[0]]
+        if side is not None:
+            main.wait_stream(side)  # the previous chunk's d_weight update has read the buffer
         torch.matmul(h, weight.T, out=z)
         if bias is not None:
             z += bias
@@ -85,11 +98,24 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         d_hidden, d_weight, d_bias = grads
         rows[start:start + h.shape[0]] = ce_rows(z, targets[start:start + chunk], ignore_index=ignore_index, eps=eps,
                                                  z_loss=z_loss, scale=scale, dz=z)[0]
-        torch.matmul(z, weight, out=d_hidden[start:start + chunk])  # (C, V) @ (V, D)
-        d_weight.addmm_(z.T.to(d_weight.dtype), h.to(d_weight.dtype))  # (V, C) @ (C, D)
-        if d_bias is not None:
-            d_bias += z.sum(0, dtype=torch.float32).to(d_bias.dtype)
+        if side is None:
+            torch.matmul(z, weight, out=d_hidden[start:start + chunk])  # (C, V) @ (V, D)
+            _weight_update(z, h, d_weight, d_bias)
+            continue
+        side.wait_stream(main)  # d_logits are written
+        with torch.cuda.stream(side):
+            _weight_update(z, h, d_weight, d_bias)
+        torch.matmul(z, weight, out=d_hidden[start:start + chunk])  # beside it on the main stream
+    if side is not None:
+        main.wait_stream(side)  # d_weight complete before the caller (or the allocator, for the buffer) sees it
     return rows
+
+
+def _weight_update(z: torch.Tensor, h: torch.Tensor, d_weight: torch.Tensor, d_bias: torch.Tensor | None) -> None:
+    """``d_weight += z^T h`` (V, C) @ (C, D) and ``d_bias += sum_rows z`` for one chunk of d_logits ``z``."""
+    d_weight.addmm_(z.T.to(d_weight.dtype), h.to(d_weight.dtype))
+    if d_bias is not None:
+        d_bias += z.sum(0, dtype=torch.float32).to(d_bias.dtype)
 
 
 def _with_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
