@@ -224,3 +224,70 @@ def test_splits_only_without_gradient(make):
                 dz=torch.empty_like(z), splits=2)
     with pytest.raises(ValueError, match=r"splits=0 must be >= 1"):
         ce_rows(z, t, ignore_index=-100, eps=0.0, z_loss=0.0, scale=None, dz=None, splits=0)
+
+
+# ---- inplace=True: the gradient in the forward's one pass, over the caller's logits (Liger's scheme)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(7, 67), (3, 600)], ids=str)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("unit", [True, False], ids=["g=1", "g=random"])
+def test_inplace_matches_reference(make, fresh_seed, shape, dtype, options, unit):
+    """Loss and gradient against float64 for loss.backward()'s unit gradient and a random one (per row for
+    reduction none); the gradient is the logits' own storage."""
+    n, v = shape
+    t = _targets(n, v)
+    z = make(n, v, dtype=dtype, scale=4.0)
+    z64 = z.detach().double().requires_grad_(True)
+    want = reference(z64, t, **{k: w for k, w in options.items() if k != "return_argmax"})
+    leaf = z.detach().clone().requires_grad_(True)
+    out = cross_entropy(leaf, t, inplace=True, **options)
+    loss = out[0] if options.get("return_argmax") else out
+    g = torch.ones_like(loss) if unit else torch.randn_like(loss)
+    (dz,) = torch.autograd.grad(loss, leaf, g)
+    (want_dz,) = torch.autograd.grad(want, z64, g.double())
+    tol_out, tol_grad = TOLERANCES[dtype]
+    where = f"{shape} {dtype} {options} unit={unit} seed={fresh_seed}"
+    assert rel_max_err(loss, want, floor=1.0) <= tol_out, where
+    assert rel_max_err(dz, want_dz, floor=float(g.abs().max()) / n) <= tol_grad, where
+    assert dz.data_ptr() == leaf.data_ptr(), "the gradient is written over the logits"
+    if options.get("return_argmax"):
+        assert torch.equal(out[1], z.argmax(-1)), where
+
+
+def test_inplace_backward_twice_is_refused(make):
+    z = make(3, 40).requires_grad_(True)
+    loss = cross_entropy(z, torch.zeros(3, dtype=torch.long, device=TRITON_DEVICE), inplace=True)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"backward ran twice.*inplace=False"):
+        loss.backward()
+
+
+def test_inplace_without_gradient_leaves_logits(make):
+    z = make(4, 90)
+    before = z.clone()
+    with torch.no_grad():
+        loss = cross_entropy(z, torch.zeros(4, dtype=torch.long, device=TRITON_DEVICE), inplace=True)
+    assert torch.equal(z, before) and torch.allclose(loss, torch.nn.functional.cross_entropy(before, torch.zeros(
+        4, dtype=torch.long, device=TRITON_DEVICE)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_scale_in_place(make, dtype):
+    """scale_: the float32 product stored in x's dtype, for one factor or one per row, 1.0 rows untouched."""
+    from plyx.kernel.triton_ops.cross_entropy import scale_
+
+    x = make(4, 300, dtype=dtype)
+    for g in (torch.tensor(1.0), torch.tensor(-2.5), torch.tensor([1.0, 3.0, 1.0, -0.5]), torch.tensor([0.25])):
+        g = g.to(TRITON_DEVICE)
+        y = x.clone()
+        assert scale_(y, g) is y
+        factor = g.reshape(-1, 1) if g.numel() == 4 else g
+        # the cast to bfloat16 may round either way (the interpreter's is not round-to-nearest): one unit
+        want = (x.float() * factor).to(dtype)
+        assert torch.allclose(y.float(), want.float(), rtol=2**-7 if dtype == torch.bfloat16 else 0, atol=0), g
+        if g.numel() == 4:
+            assert torch.equal(y[0], x[0]) and torch.equal(y[2], x[2]), "a factor of exactly 1 leaves the row"
+    y = make(0, 5, dtype=dtype)
+    assert scale_(y, torch.tensor(2.0, device=TRITON_DEVICE)).shape == (0, 5)

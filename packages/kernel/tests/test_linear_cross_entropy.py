@@ -95,3 +95,51 @@ def test_bad_inputs_name_kernel_and_argument():
         linear_cross_entropy(h, w, t, bias=torch.zeros(9, device=TRITON_DEVICE))
     with pytest.raises(KernelInputError, match=r"`hidden`.*\[N, D\]"):
         linear_cross_entropy(h[None], w, t)
+
+
+@pytest.mark.parametrize("chunk", [3, None])
+def test_unit_gradient_and_with_grads_match_definition(make, fresh_seed, chunk):
+    """loss.backward()'s incoming 1 (scale_ leaves the forward's gradients as they are) and
+    linear_cross_entropy_with_grads at an explicit chunk size, against float64."""
+    from plyx.kernel.triton_ops.linear_cross_entropy import linear_cross_entropy_with_grads
+
+    from .conftest import TOLERANCES, rel_max_err
+
+    n, d, v = 11, 24, 150
+    t = torch.randint(0, v, (n,), device=TRITON_DEVICE)
+    t[2] = -100
+    h, w = make(n, d), make(v, d, scale=2 * d ** -0.5)
+    h64, w64 = (x.detach().double().requires_grad_(True) for x in (h, w))
+    want = unfused(h64, w64, t, label_smoothing=0.1)
+    want.backward()
+    hl, wl = (x.detach().clone().requires_grad_(True) for x in (h, w))
+    loss = linear_cross_entropy(hl, wl, t, chunk_size=chunk, label_smoothing=0.1)
+    loss.backward()
+    got = linear_cross_entropy_with_grads(h, w, t, chunk_size=chunk, label_smoothing=0.1)
+    tol_out, tol_grad = TOLERANCES[torch.float32]
+    for label, (l_, dh, dw) in {"backward": (loss, hl.grad, wl.grad), "with_grads": got[:3]}.items():
+        where = f"{label} chunk={chunk} seed={fresh_seed}"
+        assert rel_max_err(l_, want, floor=1.0) <= tol_out, where
+        assert rel_max_err(dh, h64.grad) <= tol_grad and rel_max_err(dw, w64.grad) <= tol_grad, where
+
+
+@pytest.mark.skipif(not GPU, reason="the overlapped schedule uses a second CUDA stream")
+@pytest.mark.parametrize("chunk", [64, 300])
+def test_overlapped_schedule_matches_serial(make, monkeypatch, chunk):
+    """SCHEDULE["overlap"]: the d_weight update on a side stream gives the serial schedule's loss and gradients
+    (the same kernels on the same data, ordered by events; cuBLAS may pick another algorithm per stream, so to
+    bfloat16 rounding: a missed wait would read a half-written buffer and be far off)."""
+    from .conftest import rel_max_err
+
+    n, d, v = 1000, 512, 32003
+    t = torch.randint(0, v, (n,), device=TRITON_DEVICE)
+    h, w, b = make(n, d, dtype=torch.bfloat16), make(v, d, dtype=torch.bfloat16, scale=2 * d ** -0.5), make(v)
+    got = {}
+    for overlap in (False, True):
+        monkeypatch.setitem(fused_module.SCHEDULE, "overlap", overlap)
+        leaves = [x.detach().clone().requires_grad_(True) for x in (h, w, b)]
+        loss = linear_cross_entropy(leaves[0], leaves[1], t, bias=leaves[2], chunk_size=chunk)
+        loss.backward()
+        got[overlap] = [loss.detach()] + [x.grad for x in leaves]
+    for name, a, c in zip(("loss", "d_hidden", "d_weight", "d_bias"), got[False], got[True]):
+        assert rel_max_err(c, a) <= 1e-2, name

@@ -20,6 +20,19 @@ the vocabulary in blocks twice:
 is needed; the fused loss's backward then multiplies by the incoming gradient.
 Ignored rows get loss 0 and dz 0.
 
+``cross_entropy(..., inplace=True)`` is the same one-pass gradient over the caller's logits (as Liger-Kernel's
+cross-entropy; the caller gives up the logits, which hold ``dL/dz`` afterwards). Its backward multiplies by
+the incoming gradient with ``scale_``, whose programs read the gradient on the device and return at once
+when it is exactly 1 (``loss.backward()`` passes ``torch.ones_like(loss)``): no host sync, no pass over
+``[N, V]``. Bytes per fwd+bwd at the bench shape (8192 x 128256 bf16, 2 GiB of logits)::
+
+    default (lse saved, gradient in the backward)   read 2 GiB + read 2 GiB, write 2 GiB   any incoming g
+    inplace (gradient in the forward)               read 4 GiB, write 2 GiB, no new buffer  g == 1
+                                                    + read 2 GiB, write 2 GiB             g != 1
+
+Both are at the 6 GiB floor for ``loss.backward()``; the in-place call saves the 2 GiB gradient buffer,
+the default is one pass cheaper for a non-unit incoming gradient (the benchmark's random cotangent).
+
 Split-vocabulary forward (no gradient, few rows: greedy decoding's argmax at batch 1). One program per
 row leaves most SMs idle while it loops over the whole vocabulary, so the row is cut into S contiguous
 chunks: ``_ce_split_kernel`` on grid (n, S) reduces chunk j to partials ``m_j`` (max), ``s_j = sum
@@ -44,7 +57,7 @@ from plyx.kernel.reference.cross_entropy import check_cross_entropy, reduce_loss
 from plyx.kernel.triton_ops._common import empty, interpreting, next_power_of_2, num_programs, pdl
 from plyx.kernel.triton_ops._tiles import wait_for_inputs
 
-__all__ = ["ce_grad", "ce_rows", "cross_entropy", "cross_entropy_backward", "cross_entropy_saving"]
+__all__ = ["ce_grad", "ce_rows", "cross_entropy", "cross_entropy_backward", "cross_entropy_saving", "scale_"]
 
 _NAME = "cross_entropy:triton"
 
@@ -129,6 +142,37 @@ def _ce_grad_kernel(Z, stride_z, T, LSE, G, stride_g, SCALE, DZ, stride_dz, V, i
     scale = tl.load(SCALE).to(tl.float32) * tl.load(G + row * stride_g).to(tl.float32)
     scale = tl.where(valid, scale, 0.0)
     _store_row_grad(zrow, dzrow, V, lse, safe, scale, eps, z_loss, BLOCK)
+
+
+@triton.jit
+def _scale_kernel(X, stride_x, C, G, stride_g, BLOCK: tl.constexpr):
+    """Program per row: ``x *= g`` (float32 product, stored in x's dtype), nothing when ``g`` is exactly 1;
+    ``g`` one per row or one for all (``stride_g`` 0), read here so the host never looks at it."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.load(G + row * stride_g).to(tl.float32)
+    if g != 1.0:
+        xrow = X + row * stride_x
+        cols = tl.arange(0, BLOCK)
+        for start in range(0, C, BLOCK):
+            idx = start + cols
+            mask = idx < C
+            x = tl.load(xrow + idx, mask=mask, other=0.0).to(tl.float32)
+            tl.store(xrow + idx, (x * g).to(xrow.dtype.element_ty), mask=mask)
+
+
+def scale_(x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``x *= grad`` in place for ``x [R, C]`` (unit column stride) and ``grad`` 0-dim (or one element) or
+    ``[R]`` (one per row), on the device: each program returns at once when its factor is exactly 1.0, so
+    ``loss.backward()``'s incoming 1 costs one tiny launch instead of a read and write of ``x``. Returns x."""
+    r, c = x.shape
+    if r and c:
+        per_row = grad.dim() > 0 and grad.numel() == r and r > 1
+        g = grad.reshape(-1)
+        if g.dtype != torch.float32:
+            g = g.float()
+        block, warps = _launch_config(c)
+        _scale_kernel[(r,)](x, x.stride(0), c, g, 1 if per_row else 0, BLOCK=block, num_warps=warps)
+    return x
 
 
 def ce_grad(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor, *,
@@ -285,13 +329,23 @@ def row_scale(valid: torch.Tensor, reduction: str) -> torch.Tensor:
 class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, eps: float, z_loss: float,
-                reduction: str, argmax: bool, grad: bool) -> Any:
+                reduction: str, argmax: bool, grad: bool, inplace: bool) -> Any:
         # per-row losses without a gradient (greedy decoding's argmax) need no mask: one launch fewer
         valid = targets != ignore_index if grad or reduction != "none" else targets
-        out = ce_rows(logits, targets, ignore_index=ignore_index, eps=eps, z_loss=z_loss, scale=None, dz=None,
-                      argmax=argmax)
+        ctx.inplace = grad and inplace
+        if ctx.inplace:
+            # one pass: loss and scale * dL/dz over the logits (the caller gave them up); the backward only
+            # scales by the incoming gradient. reduction "none": per-row factors arrive there, scale 1 here
+            scale = row_scale(valid, reduction)
+            out = ce_rows(logits, targets, ignore_index=ignore_index, eps=eps, z_loss=z_loss, scale=scale, dz=logits,
+                          argmax=argmax)
+            ctx.save_for_backward(logits)
+            ctx.used = False
+        else:
+            out = ce_rows(logits, targets, ignore_index=ignore_index, eps=eps, z_loss=z_loss, scale=None, dz=None,
+                          argmax=argmax)
         loss = reduce_loss(out[0], valid, reduction)
-        if grad:  # the backward's one pass reads the logits and this lse (issue 19: no sync, no extra pass)
+        if grad and not inplace:  # the backward's one pass reads the logits and this lse (no sync, no extra pass)
             ctx.save_for_backward(logits, targets, out[1], row_scale(valid, reduction))
             ctx.options = (ignore_index, eps, z_loss)
         if argmax:
@@ -301,10 +355,19 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> Any:
+        none = (None,) * 8
+        if ctx.inplace:
+            if ctx.used:
+                raise RuntimeError("cross_entropy:triton: backward ran twice on one inplace=True forward "
+                                   "(retain_graph=True); the gradient is scaled in place, so call the loss again "
+                                   "or use inplace=False")
+            ctx.used = True
+            (dz,) = ctx.saved_tensors
+            return (scale_(dz, grad), *none)
         logits, targets, lse, scale = ctx.saved_tensors
         ignore_index, eps, z_loss = ctx.options
         dz = ce_grad(logits, targets, lse, grad, scale, ignore_index=ignore_index, eps=eps, z_loss=z_loss)
-        return dz, None, None, None, None, None, None, None
+        return (dz, *none)
 
 
 def cross_entropy(
@@ -316,17 +379,23 @@ def cross_entropy(
     z_loss: float = 0.0,
     reduction: str = "mean",
     return_argmax: bool = False,
+    inplace: bool = False,
 ) -> Any:
     """Triton cross-entropy; same contract as ``plyx.kernel.reference.cross_entropy``.
 
     Target ids outside ``[0, V)`` other than ``ignore_index`` are not checked (that would sync the host).
+
+    Args:
+        inplace: when a gradient is needed, compute it in the forward's one pass and write it over ``logits``
+            (Liger-Kernel's scheme: no ``[N, V]`` gradient buffer; the caller must not read the logits
+            afterwards, and the backward can run once). Without a gradient it changes nothing.
     """
     check_cross_entropy(_NAME, logits, targets, ignore_index, label_smoothing, z_loss, reduction, check_values=False)
     check_last_dim_contiguous(_NAME, "logits", logits)
     # forward() runs with grad mode off, so whether a gradient will be needed is decided here
     grad = torch.is_grad_enabled() and logits.requires_grad
     return _CrossEntropy.apply(logits, targets, int(ignore_index), float(label_smoothing), float(z_loss), reduction,
-                               bool(return_argmax), grad)
+                               bool(return_argmax), grad, bool(inplace))
 
 
 def cross_entropy_saving(logits: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,

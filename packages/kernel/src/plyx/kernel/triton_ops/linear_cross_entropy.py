@@ -14,6 +14,26 @@ extra memory is ``d_weight + d_hidden + one [C, V] chunk``; ``d_weight`` is
 accumulated in float32 for float32 weights and in the weight's dtype otherwise
 (as Liger-Kernel does: a float32 accumulator would double the peak).
 
+Why row chunks, and what bounds them (issue 19's goal: <= 40 ms and <= 1,129 MiB at once, at N=8192,
+D=4096, V=128256 bf16 on an H100: ~700 TFLOP/s bf16, ~3.0 TB/s). One ``N x V x D`` GEMM is 8.6 TFLOP,
+12.3 ms. The memory limit is Liger-Kernel's peak, d_weight (1,002 MiB) + d_hidden (64 MiB) + a
+``[256, V]`` chunk (63 MiB): at most 256 rows of logits alive at once.
+
+* Row chunks of C rows (this module): 3 GEMMs, 36.9 ms of compute. Each chunk also reads W twice (z, d_hidden:
+  2 x 1 GiB) and reads and writes d_weight once (addmm_'s read-modify-write, 2 x 1 GiB): 4 GiB per chunk.
+  C=512 (1,191 MiB): 16 x 4 GiB = 64 GiB, 23 ms, hidden under the compute: floor ~39 ms (measured 47.7-50.5
+  ms: cuBLAS's beta=1 epilogue does not overlap its read of d_weight). C=256 (1,129 MiB): 32 x 4 GiB = 128
+  GiB, a 46 ms memory floor above the compute (measured 66 ms).
+* Two or more row chunks per d_weight pass (one fused GEMM over 2 x 256 rows of d_logits, fp32 accumulation
+  before one bf16 read-modify-write): halves the d_weight traffic, but both chunks' d_logits must be alive,
+  125 MiB: the memory of C=512.
+* Vocabulary slices for the weight gradient (each d_weight slice written once): 4 GEMMs (the logits twice,
+  one pass for the row log-sum-exp, one for the gradients), 49 ms of compute alone.
+
+So no schedule meets both at once on this roofline: <= 40 ms needs ~500 rows of d_logits per d_weight pass
+(the pass turns compute-bound at K ~ 2 x 4 bytes x 233 FLOP/byte / 4 = 466 rows), which is > 63 MiB. The
+chunk is the caller's choice (``chunk_size``): the default 512 rows for time, 256 for Liger's memory.
+
 Without a gradient (eval, or under ``torch.no_grad()``) only the loss is computed,
 one chunk at a time. With ``reduction="none"`` the per-row factors only arrive in
 the backward, so the forward keeps the inputs and the backward recomputes each
@@ -29,9 +49,10 @@ from plyx.kernel._errors import check_last_dim_contiguous
 from plyx.kernel.reference.cross_entropy import reduce_loss
 from plyx.kernel.reference.linear_cross_entropy import check_linear_cross_entropy
 from plyx.kernel.triton_ops._common import empty
-from plyx.kernel.triton_ops.cross_entropy import ce_rows, row_scale
+from plyx.kernel.triton_ops.cross_entropy import ce_rows, row_scale, scale_
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_with_grads", "default_chunk_rows", "CHUNK_ELEMENTS"]
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_with_grads", "default_chunk_rows", "CHUNK_ELEMENTS",
+           "SCHEDULE"]
 
 _NAME = "linear_cross_entropy:triton"
 
@@ -45,6 +66,13 @@ def default_chunk_rows(n: int, vocab: int, budget: int | None = None) -> int:
     return max(1, min(rows, n))
 
 
+#: ``overlap``: on CUDA, each chunk's d_weight update (memory-bound at 256 rows: a read-modify-write of the
+#: whole d_weight) runs on a side stream beside the d_hidden GEMM (compute-bound), both reading the same
+#: d_logits chunk; the next chunk waits for both before it overwrites the buffer (no extra memory).
+#: Off by default until measured (bench provider ``plyx overlap``).
+SCHEDULE = {"overlap": False}
+
+
 def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
             ignore_index: int, eps: float, z_loss: float, chunk: int, scale: torch.Tensor | None,
             grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None) -> torch.Tensor:
@@ -52,9 +80,14 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     n, v = hidden.shape[0], weight.shape[0]
     rows = empty((n,), dtype=torch.float32, device=hidden.device)
     buffer = torch.empty((min(chunk, n), v), dtype=hidden.dtype, device=hidden.device)  # reused for every chunk
+    side = (torch.cuda.Stream(hidden.device) if grads is not None and SCHEDULE["overlap"] and hidden.is_cuda
+            else None)
+    main = torch.cuda.current_stream(hidden.device) if side is not None else None
     for start in range(0, n, chunk):
         h = hidden[start:start + chunk]
         z = buffer[: h.shape[0]]
+        if side is not None:
+            main.wait_stream(side)  # the previous chunk's d_weight update has read the buffer
         torch.matmul(h, weight.T, out=z)
         if bias is not None:
             z += bias
@@ -65,11 +98,24 @@ def _chunks(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         d_hidden, d_weight, d_bias = grads
         rows[start:start + h.shape[0]] = ce_rows(z, targets[start:start + chunk], ignore_index=ignore_index, eps=eps,
                                                  z_loss=z_loss, scale=scale, dz=z)[0]
-        torch.matmul(z, weight, out=d_hidden[start:start + chunk])  # (C, V) @ (V, D)
-        d_weight.addmm_(z.T.to(d_weight.dtype), h.to(d_weight.dtype))  # (V, C) @ (C, D)
-        if d_bias is not None:
-            d_bias += z.sum(0, dtype=torch.float32).to(d_bias.dtype)
+        if side is None:
+            torch.matmul(z, weight, out=d_hidden[start:start + chunk])  # (C, V) @ (V, D)
+            _weight_update(z, h, d_weight, d_bias)
+            continue
+        side.wait_stream(main)  # d_logits are written
+        with torch.cuda.stream(side):
+            _weight_update(z, h, d_weight, d_bias)
+        torch.matmul(z, weight, out=d_hidden[start:start + chunk])  # beside it on the main stream
+    if side is not None:
+        main.wait_stream(side)  # d_weight complete before the caller (or the allocator, for the buffer) sees it
     return rows
+
+
+def _weight_update(z: torch.Tensor, h: torch.Tensor, d_weight: torch.Tensor, d_bias: torch.Tensor | None) -> None:
+    """``d_weight += z^T h`` (V, C) @ (C, D) and ``d_bias += sum_rows z`` for one chunk of d_logits ``z``."""
+    d_weight.addmm_(z.T.to(d_weight.dtype), h.to(d_weight.dtype))
+    if d_bias is not None:
+        d_bias += z.sum(0, dtype=torch.float32).to(d_bias.dtype)
 
 
 def _with_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
@@ -141,10 +187,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         d_hidden, d_weight, d_bias = ctx.saved_tensors
         weight_dtype, bias_dtype = ctx.dtypes
         # scaled in place (a new tensor would double the peak memory) by the incoming gradient, read on the
-        # device: testing it for exactly 1 on the host would be a sync inside the training step (issue 19),
-        # which costs more than this pass over d_weight and d_hidden (~0.1 ms at the 1B shape on an H100)
-        d_hidden.mul_(grad.to(d_hidden.dtype))
-        d_weight.mul_(grad.to(d_weight.dtype))
+        # device: testing it for exactly 1 on the host would be a sync inside the training step (issue 19).
+        # scale_'s programs return at once on a factor of exactly 1 (loss.backward()'s): no read-modify-write
+        # of d_weight (1 GiB at V=128256, D=4096: ~0.7 ms on an H100) in the common step
+        scale_(d_hidden, grad)
+        scale_(d_weight, grad)
         if d_bias is not None:
             d_bias.mul_(grad)
         return (d_hidden, d_weight.to(weight_dtype), None if d_bias is None else d_bias.to(bias_dtype),
@@ -181,12 +228,15 @@ def linear_cross_entropy(
 def linear_cross_entropy_with_grads(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, bias: torch.Tensor | None = None,
     ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(loss, d_hidden, d_weight, d_bias)``: the loss and its gradients for an incoming gradient of 1, computed
     chunk by chunk in one pass (``reduction`` "mean" or "sum"); gradients in the inputs' dtypes.
 
     The forward of ``plyx::linear_cross_entropy``'s custom op, whose backward only scales these (the lm-head
-    matmuls run once per step, as in the eager call).
+    matmuls run once per step, as in the eager call). ``chunk_size``: token rows per chunk (default:
+    ``CHUNK_ELEMENTS`` logits per chunk; 256 rows at a 128k vocabulary is Liger-Kernel's memory, see the
+    module docstring for the time it costs).
     """
     if reduction == "none":
         raise ValueError("linear_cross_entropy_with_grads: reduction='none' has per-row factors known only in the "
@@ -195,7 +245,7 @@ def linear_cross_entropy_with_grads(
                                check_values=False)
     check_last_dim_contiguous(_NAME, "hidden", hidden)
     check_last_dim_contiguous(_NAME, "weight", weight)
-    chunk = default_chunk_rows(hidden.shape[0], weight.shape[0])
+    chunk = int(chunk_size or default_chunk_rows(hidden.shape[0], weight.shape[0]))
     loss, d_hidden, d_weight, d_bias = _with_grads(hidden, weight, bias, targets, int(ignore_index),
                                                    float(label_smoothing), float(z_loss), reduction, chunk)
     return (loss, d_hidden, d_weight.to(weight.dtype),

@@ -13,7 +13,13 @@ Backward, with xhat = h * rstd and g = dy * w::
 
 dh is the gradient of both x and residual. dw is reduced in two steps: each of
 P persistent programs sums its rows into a float32 partial ``[P, D]``, then
-torch sums the partials (deterministic, no atomics).
+``_dw_reduce`` sums the partials over P and casts to the weight's dtype in one launch
+(deterministic, no atomics; was a torch sum and a cast).
+
+Eager calls are launch-bound at training sizes (the GPU finishes a launch before Python issues the
+next), so the host path is short: a few attribute reads recognise the common call, and each kernel's
+compiled handle is cached per specialisation (dtypes, width, options) and launched directly
+(``_common.launch``), skipping ``JITFunction.run``'s per-call argument binding.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import triton
 import triton.language as tl
 from plyx.kernel._errors import KernelInputError, check_last_dim_contiguous
 from plyx.kernel.reference.rmsnorm import check_rmsnorm
-from plyx.kernel.triton_ops._common import empty, next_power_of_2, num_programs, pdl
+from plyx.kernel.triton_ops._common import empty, launch, next_power_of_2, num_programs, pdl
 from plyx.kernel.triton_ops._tiles import wait_for_inputs
 
 __all__ = ["backward_saved", "forward_saving", "rmsnorm"]
@@ -81,6 +87,41 @@ def _rmsnorm_bwd(DY, H, W, RSTD, DHO, DX, DW, stride_dy, stride_h, stride_dho, s
     tl.store(DW + pid.to(tl.int64) * D + cols, dw, mask=mask)
 
 
+@triton.jit
+def _dw_reduce(PARTIAL, DW, P, D, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dw[cols] = sum over the P partial rows (float32, in row order), stored in the weight's dtype."""
+    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for p0 in range(0, P, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        tile = tl.load(PARTIAL + rows[:, None] * D + cols[None, :], mask=(rows < P)[:, None] & cmask[None, :],
+                       other=0.0)
+        acc += tl.sum(tile, axis=0)
+    tl.store(DW + cols, acc.to(DW.dtype.element_ty), mask=cmask)
+
+
+#: compiled kernels launched directly, per specialisation key (``_common.launch``)
+_FWD: dict = {}
+_BWD: dict = {}
+_DW: dict = {}
+#: dw reduction tile: partial rows per step, columns per program
+DW_BLOCK = {"p": 32, "d": 128}
+
+
+def _ints(*values: int) -> tuple[bool, ...]:
+    """What Triton specialises an integer argument on: divisible by 16, equal to 1 (and 64-bit when large)."""
+    return tuple(b for v in values for b in (v % 16 == 0, v == 1, v >= 1 << 31))
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """Every pointer 16-byte aligned (Triton specialises pointers on it): the direct launch's precondition."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    return not bits & 15
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``[..., D]`` -> ``[N, D]`` (a view whenever the layout allows it)."""
     return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
@@ -109,18 +150,22 @@ def _forward(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | Non
     device = x.device
     y = empty(x.shape, dtype=x.dtype, device=device)  # contiguous: row stride d
     rstd = empty((n,), dtype=torch.float32, device=device) if save_rstd else None
+    stride_x = x2.stride(0)
     if residual is None:
-        r2, h = x2, x
-        stride_h = x2.stride(0)
+        r2, h, stride_r, stride_h = x2, x, stride_x, stride_x
     else:
         r2 = _rows(residual)
         h = empty(x.shape, dtype=x.dtype, device=device)
-        stride_h = d
+        stride_r, stride_h = r2.stride(0), d
     if n:
         gdc = pdl(device)
-        _rmsnorm_fwd[(n,)](x2, r2, weight, y, h, rstd if rstd is not None else y, x2.stride(0), r2.stride(0), d,
-                           stride_h, d, eps, HAS_RES=residual is not None, BLOCK=block, USE_GDC=gdc,
-                           SAVE_RSTD=save_rstd, num_warps=warps, launch_pdl=gdc)
+        has_res = residual is not None
+        # rows of width d everywhere and aligned pointers: the specialisation is fixed by this key
+        key = ((x.dtype, r2.dtype, weight.dtype, d, has_res, save_rstd, gdc)
+               if stride_x == d and stride_r == d and _aligned(x2, r2, weight) else None)
+        launch(_FWD, key, _rmsnorm_fwd, (n, 1, 1),
+               (x2, r2, weight, y, h, rstd if rstd is not None else y, stride_x, stride_r, d, stride_h, d, eps,
+                has_res, block, gdc, save_rstd), num_warps=warps, launch_pdl=gdc)
     return y, h, rstd
 
 
@@ -142,15 +187,19 @@ def backward_saved(dy: torch.Tensor, dh_out: torch.Tensor | None, h: torch.Tenso
     programs = num_programs(h.device, n)
     rows_per_program = -(-n // programs) if n else 0
     partial = empty((programs, d), dtype=torch.float32, device=h.device)
-    block = next_power_of_2(d)
-    if n:
-        _rmsnorm_bwd[(programs,)](dy2, h, weight, rstd, dho if dho is not None else dy2, dx, partial,
-                                  dy2.stride(0), h.stride(0), (dho if dho is not None else dy2).stride(0),
-                                  dx.stride(0), n, d, rows_per_program, HAS_DHO=dho is not None, BLOCK=block,
-                                  num_warps=min(max(block // 256, 1), 16))
-        dw = partial.sum(0).to(weight.dtype)
-    else:
-        dw = torch.zeros_like(weight)
+    block, warps = _meta(d)
+    if not n:
+        return dx, torch.zeros_like(weight)
+    dho2 = dho if dho is not None else dy2
+    rows = (dy2, h, weight, rstd, dho2)
+    key = ((dy2.dtype, h.dtype, weight.dtype, dho2.dtype, dho is not None, _ints(n, rows_per_program, programs, d))
+           if n < 1 << 31 and all(t.stride(0) == d for t in (dy2, h, dho2)) and _aligned(*rows) else None)
+    launch(_BWD, key, _rmsnorm_bwd, (programs, 1, 1),
+           (dy2, h, weight, rstd, dho2, dx, partial, dy2.stride(0), h.stride(0), dho2.stride(0), dx.stride(0), n, d,
+            rows_per_program, dho is not None, block), num_warps=warps)
+    dw = empty(weight.shape, dtype=weight.dtype, device=h.device)
+    launch(_DW, (weight.dtype, _ints(programs, d)), _dw_reduce, (-(-d // DW_BLOCK["d"]), 1, 1),
+           (partial, dw, programs, d, DW_BLOCK["p"], DW_BLOCK["d"]), num_warps=4)
     return dx, dw
 
 
