@@ -634,8 +634,10 @@ class FlashConfig:
         tma: Q, K, V, dO and O tiles through TMA tensor descriptors (``tl.make_tensor_descriptor``: bulk
             asynchronous copies that the hardware bounds-checks) instead of pointer loads; sm_90+ and
             16-byte aligned strides, else the pointer loads.
-        warp_specialize: ``tl.range(..., warp_specialize=True)`` on the key/query loops (producer warps
-            issue the loads, consumer warps the products and the softmax), where the Triton build does it.
+        warp_specialize: ``tl.range(..., warp_specialize=True)`` on the forward's and dQ's key loops
+            (producer warps issue the loads, consumer warps the products and the softmax), where the Triton
+            build does it. Not on the dK/dV loop: Triton 3.9's sm_90 warp specialisation aborts there ("unsupported
+            load type for producer commit": the per-row lse/delta pointer loads beside the tiles).
         persistent: forward programs per SM of a persistent grid walking the tiles, longest first
             (0: one program per tile).
         atomic_dq: one backward pass (FA2/FA3): the dK/dV kernel also adds dS K into a float32 dQ with
@@ -652,20 +654,25 @@ class FlashConfig:
 
 
 _BASE = FlashConfig()  # the tuner's winners for Dh 128, T >= 4k on an H100 (bench results 2026-11-22)
+# the base of the new variants: the same with an 8-warp dQ (the 4-warp 128 x 32 dQ spills 96-152 bytes a thread
+# at Dh 128 in an sm_90 compile by Triton 3.9; 8 warps keep it in 140 registers)
+_HOPPER = replace(_BASE, dq=Tile(128, 32, 8, 3))
+# (the 64 x 128 dK/dV tile spills at 8 warps; 32 x 128 does not)
+_BN128 = dict(fwd=Tile(128, 128, 8, 2), dkdv=Tile(32, 128, 8, 2), dq=Tile(128, 64, 8, 2))
 #: the variants ``bench/attention/sweep_flash_sm90.py`` times, by name
 VARIANTS: dict[str, FlashConfig] = {
     "baseline": _BASE,
-    "tma": replace(_BASE, tma=True),
-    "ws": replace(_BASE, warp_specialize=True),
-    "tma-ws": replace(_BASE, tma=True, warp_specialize=True),
-    "persistent": replace(_BASE, persistent=1),
-    "tma-persistent": replace(_BASE, tma=True, persistent=1),
-    "bn128": replace(_BASE, fwd=Tile(128, 128, 8, 2), dkdv=Tile(64, 128, 8, 2), dq=Tile(128, 64, 8, 2)),
-    "tma-bn128": replace(_BASE, fwd=Tile(128, 128, 8, 2), dkdv=Tile(64, 128, 8, 2), dq=Tile(128, 64, 8, 2),
-                         tma=True),
-    "stages4": replace(_BASE, fwd=Tile(128, 64, 8, 4), dkdv=Tile(32, 64, 4, 4), dq=Tile(128, 32, 4, 4)),
-    "atomic-dq": replace(_BASE, dkdv=Tile(64, 128, 8, 2), atomic_dq=True),
-    "tma-atomic-dq": replace(_BASE, dkdv=Tile(64, 128, 8, 2), atomic_dq=True, tma=True),
+    "dq-w8": _HOPPER,
+    "tma": replace(_HOPPER, tma=True),
+    "ws": replace(_HOPPER, warp_specialize=True),
+    "tma-ws": replace(_HOPPER, tma=True, warp_specialize=True),
+    "tma-persistent": replace(_HOPPER, tma=True, persistent=1),
+    "bn128": replace(_HOPPER, **_BN128),
+    "tma-bn128": replace(_HOPPER, **_BN128, tma=True),
+    "stages4": replace(_HOPPER, fwd=Tile(128, 64, 8, 4), dkdv=Tile(32, 64, 4, 4), dq=Tile(128, 32, 8, 4)),
+    # the dQ product adds a [BM, Dh] float32 tile to the dK/dV loop: 8 warps at 32 x 64 hold it without spilling
+    "atomic-dq": replace(_HOPPER, dkdv=Tile(32, 64, 8, 3), atomic_dq=True),
+    "tma-atomic-dq": replace(_HOPPER, dkdv=Tile(32, 64, 8, 3), atomic_dq=True, tma=True),
 }
 #: THE table to edit after a sweep: per (head_dim, causal), the VARIANTS name whose forward runs and the one
 #: whose backward runs (the sweep prints both winners per key). Keys not listed run "baseline".
@@ -870,7 +877,7 @@ def _backward(do, q, k, v, o, lse2, bias, docs, *, causal, scale, window):
         T, S, H, KV, scale * LOG2E, scale, window or 0, _bucket(T), _bucket(S),
     )
     _launch(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, cfg.dkdv, lambda bm, bn: (triton.cdiv(S, bn), B * KV),
-            dkdv_args, {**meta, "ATOMIC_DQ": cfg.atomic_dq})
+            dkdv_args, {**meta, "WS": False, "ATOMIC_DQ": cfg.atomic_dq})  # WS: see FlashConfig
     if cfg.atomic_dq:
         return (dq * scale).to(q.dtype), dk, dv
     dq_args = (
