@@ -11,7 +11,7 @@ spills, misses wgmma, or a TMA variant has no TMA copy.
 Usage::
 
     TRITON_INTERPRET=0 python packages/kernel/bench/attention/compile_flash_sm90.py [--head-dims 128 64]
-        [--variants baseline tma ...] [--out DIR]
+        [--variants baseline tma ...] [--causal both|true|false] [--out DIR]
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def _record(label: str, build: Any) -> dict[str, Any]:
             "registers": regs, "stack": stack}
 
 
-def compile_variants(names: list[str], head_dims: list[int]) -> list[dict[str, Any]]:
+def compile_variants(names: list[str], head_dims: list[int], causals: tuple[bool, ...] = (True, False)
+                     ) -> list[dict[str, Any]]:
     """One record per distinct (kernel, tile, switches, head_dim, causal) of the ``names`` variants."""
     from plyx.kernel.attention import _flash as fl
 
@@ -100,7 +101,7 @@ def compile_variants(names: list[str], head_dims: list[int]) -> list[dict[str, A
     seen: set[tuple[Any, ...]] = set()
     for d in head_dims:
         args = _common(d)
-        for causal in (True, False):
+        for causal in causals:
             flags = dict(GROUP=H // KV, HEAD_DIM=d, CAUSAL=causal, HAS_WINDOW=False, HAS_DOCS=False, HAS_BIAS=False)
             for name in names:
                 cfg = fl.VARIANTS[name]
@@ -151,9 +152,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--causal", choices=["both", "true", "false"], default="both")
     parser.add_argument("--out", type=Path, help="also write the records to DIR/compile-flash-sm90.json")
     a = parser.parse_args()
-    records = compile_variants(a.variants, a.head_dims)
+    causals = {"both": (True, False), "true": (True,), "false": (False,)}[a.causal]
+    records = compile_variants(a.variants, a.head_dims, causals)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         tmp = a.out / "compile-flash-sm90.json.tmp"
