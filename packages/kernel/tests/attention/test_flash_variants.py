@@ -20,8 +20,11 @@ pytestmark = pytest.mark.skipif(
     not INTERPRETING and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1"
 )
 
-#: one variant per distinct set of switches the interpreter runs
-SWITCHED = ["tma", "tma-persistent", "atomic-dq", "tma-atomic-dq"]
+#: one variant per distinct set of switches the interpreter runs; on a GPU also those that differ only in tiles
+#: and warp specialisation (the interpreter runs 16 x 16 tiles and plain loops whatever the variant)
+SWITCHED = ["tma", "tma-persistent", "atomic-dq", "tma-atomic-dq"] + (
+    [] if INTERPRETING else ["dq-w8", "ws", "tma-ws", "bn128", "tma-bn128", "stages4"]
+)
 
 
 @pytest.mark.parametrize("variant", SWITCHED)
