@@ -257,7 +257,8 @@ def main() -> int:
                     cells = "  ".join(f"/{r} {f:4.2f} {fb:4.2f}" for r, (f, fb) in ratios.items())
                     err = f"  err {max(row['rel_err'].values()):.1e}" if "rel_err" in row else ""
                     print(f"{variant:15s} {key:26s} fwd {row['fwd_tflops']:6.1f} fwd+bwd {row['fwd_bwd_tflops']:6.1f} "
-                          f"TFLOP/s  {cells}{err}{'  WRONG' if row.get('wrong') else ''}", flush=True)
+                          f"TFLOP/s ({row['fwd_ms']:.3g} / {row['fwd_bwd_ms']:.3g} ms)  {cells}{err}"
+                          f"{'  WRONG' if row.get('wrong') else ''}", flush=True)
             result["configs"][variant]["seconds"] = round(time.time() - t0, 1)
             result["winners"] = _winners(result["rows"], first_ref)
             _write(out, result)
