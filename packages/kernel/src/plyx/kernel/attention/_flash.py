@@ -22,6 +22,11 @@ head accumulates dK and dV over every query head of its GQA group (so the
 repeated K/V heads are never materialised), one program per query block
 accumulates dQ.
 
+Launch configurations (``FlashConfig``; ``VARIANTS`` names them, ``BEST`` picks one per head_dim and causal
+flag, ``use_config`` overrides) switch on the Hopper techniques of FlashAttention-3 that Triton expresses:
+TMA descriptor loads, warp-specialised loops, a persistent forward grid, and the single-pass backward that
+adds dQ in float32 atomics from the dK/dV kernel instead of launching the dQ kernel.
+
 Key blocks fall in three kinds per query block: fully visible (no masking
 work), partially visible (causal diagonal, window edge, sequence end) and
 invisible (skipped). Documents and user masks make every block "partial".
