@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(
 #: one variant per distinct set of switches the interpreter runs; on a GPU also those that differ only in tiles
 #: and warp specialisation (the interpreter runs 16 x 16 tiles and plain loops whatever the variant)
 SWITCHED = ["tma", "tma-persistent", "atomic-dq", "tma-atomic-dq"] + (
-    [] if INTERPRETING else ["dq-w8", "tma-ws", "bn128", "tma-bn128", "stages4"]
+    [] if INTERPRETING else ["dq-w8", "tma-ws", "bn128", "tma-bn128", "stages4", "tma-stages4", "tma-bn128-s3"]
 )
 
 

@@ -678,6 +678,10 @@ VARIANTS: dict[str, FlashConfig] = {
     # its dQ keeps the 128 x 32 tile: ptxas 12.x of Triton 3.6 crashes (signal 11) on the 128 x 64 one with TMA
     "tma-bn128": replace(_HOPPER, **{**_BN128, "dq": _HOPPER.dq}, tma=True),
     "stages4": replace(_HOPPER, fwd=Tile(128, 64, 8, 4), dkdv=Tile(32, 64, 4, 4), dq=Tile(128, 32, 8, 4)),
+    "tma-stages4": replace(_HOPPER, fwd=Tile(128, 64, 8, 4), dkdv=Tile(32, 64, 4, 4), dq=Tile(128, 32, 8, 4),
+                           tma=True),
+    # FA3's forward tile at Dh 128 (128 x 128, three K/V stages: 225 KiB of the 227 KiB of shared memory)
+    "tma-bn128-s3": replace(_HOPPER, fwd=Tile(128, 128, 8, 3), dkdv=Tile(32, 128, 8, 3), tma=True),
     # the dQ product adds a [BM, Dh] float32 tile to the dK/dV loop: 8 warps at 32 x 64 hold it without spilling
     "atomic-dq": replace(_HOPPER, dkdv=Tile(32, 64, 8, 3), atomic_dq=True),
     "tma-atomic-dq": replace(_HOPPER, dkdv=Tile(32, 64, 8, 3), atomic_dq=True, tma=True),
