@@ -660,8 +660,8 @@ class FlashConfig:
 
 
 _BASE = FlashConfig()  # the tuner's winners for Dh 128, T >= 4k on an H100 (bench results 2026-11-22)
-# the base of the new variants: the same with an 8-warp dQ (the 4-warp 128 x 32 dQ spills 96-152 bytes a thread
-# at Dh 128 in an sm_90 compile by Triton 3.9; 8 warps keep it in 140 registers)
+# the base of the new variants: the same with an 8-warp dQ (the 4-warp 128 x 32 dQ spills 152-176 bytes a thread
+# at Dh 128 in an sm_90 compile by Triton 3.6, the GPU image's, 96-152 by 3.9; 8 warps keep it in ~140 registers)
 _HOPPER = replace(_BASE, dq=Tile(128, 32, 8, 3))
 # (the 64 x 128 dK/dV tile spills at 8 warps; 32 x 128 does not)
 _BN128 = dict(fwd=Tile(128, 128, 8, 2), dkdv=Tile(32, 128, 8, 2), dq=Tile(128, 64, 8, 2))
