@@ -107,7 +107,7 @@ def compile_variants(names: list[str], head_dims: list[int], causals: tuple[bool
                 cfg = fl.VARIANTS[name]
                 kernels = [
                     ("fwd", fl._attn_fwd, cfg.fwd, dict(TMA=cfg.tma, WS=cfg.warp_specialize,
-                                                        PERSISTENT=cfg.persistent > 0)),
+                                                        PERSISTENT=cfg.persistent > 0, FOLD=cfg.fold_scale)),
                     ("dkdv", fl._attn_bwd_dkdv, cfg.dkdv, dict(TMA=cfg.tma, WS=False, ATOMIC_DQ=cfg.atomic_dq)),
                 ]
                 if not cfg.atomic_dq:

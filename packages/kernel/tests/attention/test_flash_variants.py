@@ -1,5 +1,5 @@
-"""The flash kernel's launch-config switches (TMA loads, persistent grid, single-pass atomic dQ) against the
-float64 reference, and the table that selects them.
+"""The flash kernel's launch-config switches (TMA loads, persistent grid, single-pass atomic dQ, the scale folded
+into the exponent) against the float64 reference, and the table that selects them.
 
 In Triton's interpreter the tiles are 16 x 16 whatever the variant, so these cases exercise the switches'
 code paths (descriptor loads and stores clipped at T and S, the persistent tile walk, the float32 atomic dQ
@@ -22,8 +22,9 @@ pytestmark = pytest.mark.skipif(
 
 #: one variant per distinct set of switches the interpreter runs; on a GPU also those that differ only in tiles
 #: and warp specialisation (the interpreter runs 16 x 16 tiles and plain loops whatever the variant)
-SWITCHED = ["tma", "tma-persistent", "atomic-dq", "tma-atomic-dq"] + (
-    [] if INTERPRETING else ["dq-w8", "tma-ws", "bn128", "tma-bn128", "stages4", "tma-stages4", "tma-bn128-s3"]
+SWITCHED = ["tma", "tma-persistent", "atomic-dq", "tma-atomic-dq", "tma-fold"] + (
+    [] if INTERPRETING else ["dq-w8", "tma-ws", "bn128", "tma-bn128", "stages4", "tma-stages4", "tma-bn128-s3", "fold",
+          "tma-bn128-s3-fold"]
 )
 
 
@@ -46,7 +47,7 @@ def test_variant_matches_reference(seed, variant, case):
         _check(seed, *shape, dtype, **case)
 
 
-@pytest.mark.parametrize("variant", ["tma-persistent", "tma-atomic-dq"])
+@pytest.mark.parametrize("variant", ["tma-persistent", "tma-atomic-dq", "tma-fold"])
 def test_variant_packed_documents(seed, variant):
     T = 41
     docs = torch.sort(torch.randint(0, 6, (2, T)), dim=1).values

@@ -89,10 +89,13 @@ def _fwd_blocks(
     lo, hi, T, S, qk_scale, window,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    TMA: tl.constexpr = False, WS: tl.constexpr = False,
+    TMA: tl.constexpr = False, WS: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
     # k_src / v_src: the head's K and V base pointers, or (TMA) their [S, D] descriptors, which zero-fill
-    # rows past S (the masked blocks still mask those keys' logits)
+    # rows past S (the masked blocks still mask those keys' logits).
+    # FOLD (scale > 0, no bias): s, m_i and m_new stay in raw q.k units and the scale enters the exponent,
+    # exp2(s * scale - m * scale): one FMA per logit instead of a multiply (s is read twice, by the row max
+    # and the exponent, so the compiler cannot fuse the two) and a subtract
     offs_n0 = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -105,7 +108,10 @@ def _fwd_blocks(
                 kt = tl.load(kt_ptrs, mask=offs_n[None, :] < S, other=0.0)
             else:
                 kt = tl.load(kt_ptrs)
-        s = mm(q, kt) * qk_scale  # [BM, BN], base-2 logits
+        if FOLD:
+            s = mm(q, kt)  # [BM, BN], raw q.k (the base-2 scale goes into the exponent)
+        else:
+            s = mm(q, kt) * qk_scale  # [BM, BN], base-2 logits
         if MASKED:
             allowed = offs_n[None, :] < S
             if CAUSAL:
@@ -129,8 +135,12 @@ def _fwd_blocks(
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
+        if FOLD:
+            p = tl.math.exp2(s * qk_scale - (m_use * qk_scale)[:, None])
+            alpha = tl.math.exp2((m_i - m_use) * qk_scale)
+        else:
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if TMA:
@@ -188,7 +198,7 @@ def _fwd_tile(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    TMA: tl.constexpr, WS: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, FOLD: tl.constexpr,
 ):
     """One block of BLOCK_M queries of one (batch, head): o and lse2."""
     b = off_bh // H
@@ -232,15 +242,17 @@ def _fwd_tile(
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                                 bias_base, stride_bias_t, stride_bias_s, docs_base, doc_q,
                                 offs_m, pos_m, offs_d, lo, full_lo, T, S, qk_scale, window,
-                                BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS)
+                                BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS, FOLD)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                                 bias_base, stride_bias_t, stride_bias_s, docs_base, doc_q,
                                 offs_m, pos_m, offs_d, full_lo, full_hi, T, S, qk_scale, window,
-                                BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS)
+                                BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS, FOLD)
     acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                                 bias_base, stride_bias_t, stride_bias_s, docs_base, doc_q,
                                 offs_m, pos_m, offs_d, full_hi, hi, T, S, qk_scale, window,
-                                BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS)
+                                BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS, FOLD)
+    if FOLD:
+        m_i = m_i * qk_scale  # to base-2 logits (-inf stays -inf: the scale is positive)
 
     empty = l_i == 0.0  # rows with nothing to attend to: o = 0, lse2 = +inf (see module docstring)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -269,6 +281,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
     TMA: tl.constexpr = False, WS: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
+    FOLD: tl.constexpr = False,
 ):
     if PERSISTENT:
         # a fixed grid of programs walks the (query block, batch*head) tiles, the last query blocks first:
@@ -280,14 +293,14 @@ def _attn_fwd(
                       stride_vb, stride_vs, stride_vh, stride_ob, stride_ot, stride_oh,
                       stride_bias_b, stride_bias_h, stride_bias_t, stride_bias_s, stride_docs_b,
                       T, S, H, qk_scale, window, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-                      CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS)
+                      CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS, FOLD)
     else:
         _fwd_tile(tl.program_id(0), tl.program_id(1), Q, K, V, OUT, LSE2, BIAS, DOCS,
                   stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
                   stride_vb, stride_vs, stride_vh, stride_ob, stride_ot, stride_oh,
                   stride_bias_b, stride_bias_h, stride_bias_t, stride_bias_s, stride_docs_b,
                   T, S, H, qk_scale, window, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-                  CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS)
+                  CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS, FOLD)
 
 
 # --------------------------------------------------------------------------- backward
@@ -648,6 +661,9 @@ class FlashConfig:
             (0: one program per tile).
         atomic_dq: one backward pass (FA2/FA3): the dK/dV kernel also adds dS K into a float32 dQ with
             atomics, and the dQ kernel, with its recomputation of S and dP, is not launched.
+        fold_scale: the forward keeps raw q.k logits and puts the scale into the exponent (one FMA per
+            logit, as FA2/FA3's ``exp2(s * scale - m * scale)``) instead of scaling every logit first; for a
+            positive scale without a mask bias (else the plain path).
     """
 
     fwd: Tile = Tile(128, 64, 8, 3)
@@ -657,6 +673,7 @@ class FlashConfig:
     warp_specialize: bool = False
     persistent: int = 0
     atomic_dq: bool = False
+    fold_scale: bool = False
 
 
 _BASE = FlashConfig()  # the tuner's winners for Dh 128, T >= 4k on an H100 (bench results 2026-11-22)
@@ -682,6 +699,10 @@ VARIANTS: dict[str, FlashConfig] = {
                            tma=True),
     # FA3's forward tile at Dh 128 (128 x 128, three K/V stages: 225 KiB of the 227 KiB of shared memory)
     "tma-bn128-s3": replace(_HOPPER, fwd=Tile(128, 128, 8, 3), dkdv=Tile(32, 128, 8, 3), tma=True),
+    "fold": replace(_HOPPER, fold_scale=True),
+    "tma-fold": replace(_HOPPER, tma=True, fold_scale=True),
+    "tma-bn128-s3-fold": replace(_HOPPER, fwd=Tile(128, 128, 8, 3), dkdv=Tile(32, 128, 8, 3), tma=True,
+                                 fold_scale=True),
     # the dQ product adds a [BM, Dh] float32 tile to the dK/dV loop: 8 warps at 32 x 64 hold it without spilling
     "atomic-dq": replace(_HOPPER, dkdv=Tile(32, 64, 8, 3), atomic_dq=True),
     "tma-atomic-dq": replace(_HOPPER, dkdv=Tile(32, 64, 8, 3), atomic_dq=True, tma=True),
@@ -832,7 +853,7 @@ def _forward(q, k, v, bias, docs, *, causal, scale, window):
     persistent = cfg.persistent > 0 and not _autotuning()
     meta = dict(GROUP=H // KV, HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=window is not None,
                 HAS_DOCS=docs is not None, HAS_BIAS=bias is not None, **_switches(cfg, q, k, v, o),
-                PERSISTENT=persistent)
+                PERSISTENT=persistent, FOLD=cfg.fold_scale and scale > 0 and bias is None)
     args = (
         q, k, v, o, lse2, bias_t, docs_t,
         q.stride(0), q.stride(1), q.stride(2),
