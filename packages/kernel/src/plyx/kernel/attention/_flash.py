@@ -22,6 +22,11 @@ head accumulates dK and dV over every query head of its GQA group (so the
 repeated K/V heads are never materialised), one program per query block
 accumulates dQ.
 
+Launch configurations (``FlashConfig``; ``VARIANTS`` names them, ``BEST`` picks one per head_dim and causal
+flag, ``use_config`` overrides) switch on the Hopper techniques of FlashAttention-3 that Triton expresses:
+TMA descriptor loads, warp-specialised loops, a persistent forward grid, and the single-pass backward that
+adds dQ in float32 atomics from the dK/dV kernel instead of launching the dQ kernel.
+
 Key blocks fall in three kinds per query block: fully visible (no masking
 work), partially visible (causal diagonal, window edge, sequence end) and
 invisible (skipped). Documents and user masks make every block "partial".
@@ -32,6 +37,11 @@ their lse2 is stored as +inf so that the backward's P = exp2(s - lse2) is 0.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -39,7 +49,10 @@ import triton.language as tl
 from plyx.kernel.attention._checks import check_attention
 from plyx.kernel.attention._tl import mm, mma
 
-__all__ = ["flash_attention", "flash_attention_backward", "flash_attention_saving", "FlashAttentionFunction"]
+__all__ = [
+    "BEST", "VARIANTS", "FlashAttentionFunction", "FlashConfig", "Tile", "config_for", "flash_attention",
+    "flash_attention_backward", "flash_attention_saving", "use_config",
+]
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -69,25 +82,36 @@ def _autotuning() -> bool:
 @triton.jit
 def _fwd_blocks(
     acc, l_i, m_i, q,
-    k_base, v_base, stride_ks, stride_vs,
+    k_src, v_src, stride_ks, stride_vs,
     bias_base, stride_bias_t, stride_bias_s,
     docs_base, doc_q,
     offs_m, pos_m, offs_d,
     lo, hi, T, S, qk_scale, window,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr = False, WS: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):
+    # k_src / v_src: the head's K and V base pointers, or (TMA) their [S, D] descriptors, which zero-fill
+    # rows past S (the masked blocks still mask those keys' logits).
+    # FOLD (scale > 0, no bias): s, m_i and m_new stay in raw q.k units and the scale enters the exponent,
+    # exp2(s * scale - m * scale): one FMA per logit instead of a multiply (s is read twice, by the row max
+    # and the exponent, so the compiler cannot fuse the two) and a subtract
     offs_n0 = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        kt_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [D, BN]
-        v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BN, D]
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < S, other=0.0)
+        if TMA:
+            kt = tl.trans(k_src.load([start_n, 0]))  # [D, BN]
         else:
-            kt = tl.load(kt_ptrs)
-        s = mm(q, kt) * qk_scale  # [BM, BN], base-2 logits
+            kt_ptrs = k_src + offs_n[None, :] * stride_ks + offs_d[:, None]  # [D, BN]
+            if MASKED:
+                kt = tl.load(kt_ptrs, mask=offs_n[None, :] < S, other=0.0)
+            else:
+                kt = tl.load(kt_ptrs)
+        if FOLD:
+            s = mm(q, kt)  # [BM, BN], raw q.k (the base-2 scale goes into the exponent)
+        else:
+            s = mm(q, kt) * qk_scale  # [BM, BN], base-2 logits
         if MASKED:
             allowed = offs_n[None, :] < S
             if CAUSAL:
@@ -111,14 +135,22 @@ def _fwd_blocks(
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
+        if FOLD:
+            p = tl.math.exp2(s * qk_scale - (m_use * qk_scale)[:, None])
+            alpha = tl.math.exp2((m_i - m_use) * qk_scale)
+        else:
+            p = tl.math.exp2(s - m_use[:, None])
+            alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < S, other=0.0)
+        if TMA:
+            v = v_src.load([start_n, 0])  # [BN, D]
         else:
-            v = tl.load(v_ptrs)
+            v_ptrs = v_src + offs_n[:, None] * stride_vs + offs_d[None, :]  # [BN, D]
+            if MASKED:
+                v = tl.load(v_ptrs, mask=offs_n[:, None] < S, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         acc = mma(p.to(v.dtype), v, acc)
         m_i = m_new
     return acc, l_i, m_i
@@ -151,8 +183,10 @@ def _key_range(start_m, T, S, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
     return lo, full_lo, full_hi, hi
 
 
+
 @triton.jit
-def _attn_fwd(
+def _fwd_tile(
+    start_m, off_bh,
     Q, K, V, OUT, LSE2, BIAS, DOCS,
     stride_qb, stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -160,13 +194,13 @@ def _attn_fwd(
     stride_ob, stride_ot, stride_oh,
     stride_bias_b, stride_bias_h, stride_bias_t, stride_bias_s,
     stride_docs_b,
-    T, S, H, qk_scale, window, TUNE_T, TUNE_S,
+    T, S, H, qk_scale, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr, WS: tl.constexpr, FOLD: tl.constexpr,
 ):
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    """One block of BLOCK_M queries of one (batch, head): o and lse2."""
     b = off_bh // H
     h = off_bh % H
     kvh = h // GROUP  # GQA: the key/value head this query head reads
@@ -174,10 +208,24 @@ def _attn_fwd(
     offs_d = tl.arange(0, HEAD_DIM)
     pos_m = offs_m + (S - T)  # queries are the last T of the S positions
 
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=offs_m[:, None] < T, other=0.0)  # [BM, D]
+    q_base = Q + b * stride_qb + h * stride_qh
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
+    o_base = OUT + b * stride_ob + h * stride_oh
+    if TMA:
+        # this head's [T, D] / [S, D] rows as TMA descriptors: bulk async copies into shared memory, the
+        # hardware clips at T and S (zero-filled loads, clipped stores), no address arithmetic per element
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[T, HEAD_DIM], strides=[stride_qt, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+        k_src = tl.make_tensor_descriptor(k_base, shape=[S, HEAD_DIM], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[S, HEAD_DIM], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, HEAD_DIM])
+        q = q_desc.load([start_m * BLOCK_M, 0])  # [BM, D]
+    else:
+        k_src = k_base
+        v_src = v_base
+        q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < T, other=0.0)
     bias_base = BIAS + b * stride_bias_b + h * stride_bias_h
     docs_base = DOCS + b * stride_docs_b
     doc_q = offs_m  # placeholder when there are no documents
@@ -189,25 +237,70 @@ def _attn_fwd(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _key_range(start_m, T, S, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW,
                                           HAS_DOCS or HAS_BIAS)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs,
+    # masked blocks before, unmasked in the middle, masked after (the causal diagonal): the mask and its
+    # compares run only where they can change something
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                                 bias_base, stride_bias_t, stride_bias_s, docs_base, doc_q,
                                 offs_m, pos_m, offs_d, lo, full_lo, T, S, qk_scale, window,
-                                BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs,
+                                BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS, FOLD)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                                 bias_base, stride_bias_t, stride_bias_s, docs_base, doc_q,
                                 offs_m, pos_m, offs_d, full_lo, full_hi, T, S, qk_scale, window,
-                                BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
-    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs,
+                                BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS, FOLD)
+    acc, l_i, m_i = _fwd_blocks(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                                 bias_base, stride_bias_t, stride_bias_s, docs_base, doc_q,
                                 offs_m, pos_m, offs_d, full_hi, hi, T, S, qk_scale, window,
-                                BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+                                BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS, FOLD)
+    if FOLD:
+        m_i = m_i * qk_scale  # to base-2 logits (-inf stays -inf: the scale is positive)
 
     empty = l_i == 0.0  # rows with nothing to attend to: o = 0, lse2 = +inf (see module docstring)
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse2 = tl.where(empty, float("inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
     tl.store(LSE2 + off_bh * T + offs_m, lse2, mask=offs_m < T)
-    o_ptrs = OUT + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_d[None, :]
-    tl.store(o_ptrs, o.to(OUT.dtype.element_ty), mask=offs_m[:, None] < T)
+    if TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[T, HEAD_DIM], strides=[stride_ot, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+        o_desc.store([start_m * BLOCK_M, 0], o.to(OUT.dtype.element_ty))
+    else:
+        tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], o.to(OUT.dtype.element_ty),
+                 mask=offs_m[:, None] < T)
+
+
+@triton.jit
+def _attn_fwd(
+    Q, K, V, OUT, LSE2, BIAS, DOCS,
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_bias_b, stride_bias_h, stride_bias_t, stride_bias_s,
+    stride_docs_b,
+    T, S, H, N_BH, qk_scale, window, TUNE_T, TUNE_S,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr = False, WS: tl.constexpr = False, PERSISTENT: tl.constexpr = False,
+    FOLD: tl.constexpr = False,
+):
+    if PERSISTENT:
+        # a fixed grid of programs walks the (query block, batch*head) tiles, the last query blocks first:
+        # under a causal mask they have the most keys, so the long tiles start early and short ones fill the tail
+        num_m = tl.cdiv(T, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_m * N_BH, tl.num_programs(0)):
+            _fwd_tile(num_m - 1 - tile // N_BH, tile % N_BH, Q, K, V, OUT, LSE2, BIAS, DOCS,
+                      stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                      stride_vb, stride_vs, stride_vh, stride_ob, stride_ot, stride_oh,
+                      stride_bias_b, stride_bias_h, stride_bias_t, stride_bias_s, stride_docs_b,
+                      T, S, H, qk_scale, window, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
+                      CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS, FOLD)
+    else:
+        _fwd_tile(tl.program_id(0), tl.program_id(1), Q, K, V, OUT, LSE2, BIAS, DOCS,
+                  stride_qb, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh,
+                  stride_vb, stride_vs, stride_vh, stride_ob, stride_ot, stride_oh,
+                  stride_bias_b, stride_bias_h, stride_bias_t, stride_bias_s, stride_docs_b,
+                  T, S, H, qk_scale, window, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
+                  CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS, FOLD)
 
 
 # --------------------------------------------------------------------------- backward
@@ -234,7 +327,7 @@ def _bwd_preprocess(OUT, DO, DELTA, stride_ob, stride_ot, stride_oh, stride_dob,
 @triton.jit
 def _dkdv_blocks(
     dk, dv, k, v,
-    q_base, do_base, stride_qt, stride_dot,
+    q_src, do_src, stride_qt, stride_dot,
     lse_base, delta_base,
     bias_base, stride_bias_t, stride_bias_s,
     docs_base, doc_k,
@@ -242,19 +335,28 @@ def _dkdv_blocks(
     lo, hi, T, S, qk_scale, window,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    dq_base, stride_dqt,
+    TMA: tl.constexpr = False, WS: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False,
 ):
+    # q_src / do_src: the query head's Q and dO base pointers, or (TMA) their [T, D] descriptors.
+    # ATOMIC_DQ: also dQ += dS K for these query rows, added in float32 to dq_base (FA2/FA3's single pass:
+    # 5 products per tile instead of 7 with the separate dQ kernel, paid in float32 atomics)
     offs_m0 = tl.arange(0, BLOCK_M)
-    for start_m in range(lo, hi, BLOCK_M):
+    for start_m in tl.range(lo, hi, BLOCK_M, warp_specialize=WS):
         start_m = tl.multiple_of(start_m, BLOCK_M)
         offs_m = start_m + offs_m0
-        q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
-        do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+        rows = offs_m < T
+        if TMA:
+            q = q_src.load([start_m, 0])  # zero past T
+        else:
+            q_ptrs = q_src + offs_m[:, None] * stride_qt + offs_d[None, :]
+            if MASKED:
+                q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)
+            else:
+                q = tl.load(q_ptrs)
         if MASKED:
-            rows = offs_m < T
-            q = tl.load(q_ptrs, mask=rows[:, None], other=0.0)
             lse2 = tl.load(lse_base + offs_m, mask=rows, other=float("inf"))
         else:
-            q = tl.load(q_ptrs)
             lse2 = tl.load(lse_base + offs_m)
         st = mm(k, tl.trans(q)) * qk_scale  # [BN, BM] = s^T, base 2
         if MASKED:
@@ -276,16 +378,29 @@ def _dkdv_blocks(
                 st = st + bias.to(tl.float32) * 1.4426950408889634
             st = tl.where(allowed, st, float("-inf"))
         pt = tl.math.exp2(st - lse2[None, :])  # P^T [BN, BM]
+        if TMA:
+            do = do_src.load([start_m, 0])
+        else:
+            do_ptrs = do_src + offs_m[:, None] * stride_dot + offs_d[None, :]
+            if MASKED:
+                do = tl.load(do_ptrs, mask=rows[:, None], other=0.0)
+            else:
+                do = tl.load(do_ptrs)
         if MASKED:
-            do = tl.load(do_ptrs, mask=rows[:, None], other=0.0)
             delta = tl.load(delta_base + offs_m, mask=rows, other=0.0)
         else:
-            do = tl.load(do_ptrs)
             delta = tl.load(delta_base + offs_m)
         dv = mma(pt.to(do.dtype), do, dv)  # dV += P^T dO
         dpt = mm(v, tl.trans(do))  # dP^T = V dO^T  [BN, BM]
         dst = pt * (dpt - delta[None, :])  # dS^T
         dk = mma(dst.to(q.dtype), q, dk)  # dK += dS^T Q  (scale applied at the end)
+        if ATOMIC_DQ:
+            dq = mm(tl.trans(dst.to(k.dtype)), k)  # dQ rows += dS K  [BM, D]  (scale applied at the end)
+            dq_ptrs = dq_base + offs_m[:, None] * stride_dqt + offs_d[None, :]
+            if MASKED:
+                tl.atomic_add(dq_ptrs, dq, mask=rows[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
@@ -300,10 +415,12 @@ def _attn_bwd_dkdv(
     stride_dvb, stride_dvs, stride_dvh,
     stride_bias_b, stride_bias_h, stride_bias_t, stride_bias_s,
     stride_docs_b,
+    DQ_ACC, stride_dqb, stride_dqt, stride_dqh,
     T, S, H, KV, qk_scale, sm_scale, window, TUNE_T, TUNE_S,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr = False, WS: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False,
 ):
     start_n = tl.program_id(0)
     off_bkv = tl.program_id(1)
@@ -312,10 +429,18 @@ def _attn_bwd_dkdv(
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     cols = offs_n[:, None] < S
-    k = tl.load(K + b * stride_kb + kvh * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :], mask=cols,
-                other=0.0)
-    v = tl.load(V + b * stride_vb + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :], mask=cols,
-                other=0.0)
+    k_base = K + b * stride_kb + kvh * stride_kh
+    v_base = V + b * stride_vb + kvh * stride_vh
+    if TMA:
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[S, HEAD_DIM], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[S, HEAD_DIM], strides=[stride_vs, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM])
+        k = k_desc.load([start_n * BLOCK_N, 0])
+        v = v_desc.load([start_n * BLOCK_N, 0])
+    else:
+        k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=cols, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=cols, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     docs_base = DOCS + b * stride_docs_b
@@ -352,21 +477,33 @@ def _attn_bwd_dkdv(
         off_bh = b * H + h
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
+        if TMA:
+            q_src = tl.make_tensor_descriptor(q_base, shape=[T, HEAD_DIM], strides=[stride_qt, 1],
+                                              block_shape=[BLOCK_M, HEAD_DIM])
+            do_src = tl.make_tensor_descriptor(do_base, shape=[T, HEAD_DIM], strides=[stride_dot, 1],
+                                               block_shape=[BLOCK_M, HEAD_DIM])
+        else:
+            q_src = q_base
+            do_src = do_base
         lse_base = LSE2 + off_bh * T
         delta_base = DELTA + off_bh * T
         bias_base = BIAS + b * stride_bias_b + h * stride_bias_h
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lse_base, delta_base,
+        dq_base = DQ_ACC + b * stride_dqb + h * stride_dqh
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, stride_qt, stride_dot, lse_base, delta_base,
                               bias_base, stride_bias_t, stride_bias_s, docs_base, doc_k, offs_n, offs_d,
                               lo, full_lo, T, S, qk_scale, window,
-                              BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lse_base, delta_base,
+                              BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS,
+                              dq_base, stride_dqt, TMA, WS, ATOMIC_DQ)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, stride_qt, stride_dot, lse_base, delta_base,
                               bias_base, stride_bias_t, stride_bias_s, docs_base, doc_k, offs_n, offs_d,
                               full_lo, full_hi, T, S, qk_scale, window,
-                              BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
-        dk, dv = _dkdv_blocks(dk, dv, k, v, q_base, do_base, stride_qt, stride_dot, lse_base, delta_base,
+                              BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS,
+                              dq_base, stride_dqt, TMA, WS, ATOMIC_DQ)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, q_src, do_src, stride_qt, stride_dot, lse_base, delta_base,
                               bias_base, stride_bias_t, stride_bias_s, docs_base, doc_k, offs_n, offs_d,
                               full_hi, hi, T, S, qk_scale, window,
-                              BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+                              BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS,
+                              dq_base, stride_dqt, TMA, WS, ATOMIC_DQ)
 
     dk = dk * sm_scale
     tl.store(DK + b * stride_dkb + kvh * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
@@ -378,26 +515,31 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _dq_blocks(
     dq, q, do, lse2, delta,
-    k_base, v_base, stride_ks, stride_vs,
+    k_src, v_src, stride_ks, stride_vs,
     bias_base, stride_bias_t, stride_bias_s,
     docs_base, doc_q,
     offs_m, pos_m, offs_d,
     lo, hi, T, S, qk_scale, window,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr = False, WS: tl.constexpr = False,
 ):
     offs_n0 = tl.arange(0, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_n0
-        kt_ptrs = k_base + offs_n[None, :] * stride_ks + offs_d[:, None]  # [D, BN]
-        vt_ptrs = v_base + offs_n[None, :] * stride_vs + offs_d[:, None]  # [D, BN]
-        if MASKED:
-            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < S, other=0.0)
-            vt = tl.load(vt_ptrs, mask=offs_n[None, :] < S, other=0.0)
+        if TMA:
+            kt = tl.trans(k_src.load([start_n, 0]))  # [D, BN], zero past S
+            vt = tl.trans(v_src.load([start_n, 0]))
         else:
-            kt = tl.load(kt_ptrs)
-            vt = tl.load(vt_ptrs)
+            kt_ptrs = k_src + offs_n[None, :] * stride_ks + offs_d[:, None]  # [D, BN]
+            vt_ptrs = v_src + offs_n[None, :] * stride_vs + offs_d[:, None]  # [D, BN]
+            if MASKED:
+                kt = tl.load(kt_ptrs, mask=offs_n[None, :] < S, other=0.0)
+                vt = tl.load(vt_ptrs, mask=offs_n[None, :] < S, other=0.0)
+            else:
+                kt = tl.load(kt_ptrs)
+                vt = tl.load(vt_ptrs)
         s = mm(q, kt) * qk_scale  # [BM, BN]
         if MASKED:
             allowed = offs_n[None, :] < S
@@ -437,6 +579,7 @@ def _attn_bwd_dq(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    TMA: tl.constexpr = False, WS: tl.constexpr = False,
 ):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -455,6 +598,14 @@ def _attn_bwd_dq(
     delta = tl.load(DELTA + off_bh * T + offs_m, mask=rows, other=0.0)
     k_base = K + b * stride_kb + kvh * stride_kh
     v_base = V + b * stride_vb + kvh * stride_vh
+    if TMA:
+        k_src = tl.make_tensor_descriptor(k_base, shape=[S, HEAD_DIM], strides=[stride_ks, 1],
+                                          block_shape=[BLOCK_N, HEAD_DIM])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[S, HEAD_DIM], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, HEAD_DIM])
+    else:
+        k_src = k_base
+        v_src = v_base
     bias_base = BIAS + b * stride_bias_b + h * stride_bias_h
     docs_base = DOCS + b * stride_docs_b
     doc_q = offs_m
@@ -463,21 +614,110 @@ def _attn_bwd_dq(
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, full_lo, full_hi, hi = _key_range(start_m, T, S, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW,
                                           HAS_DOCS or HAS_BIAS)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bias_t,
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, bias_base, stride_bias_t,
                     stride_bias_s, docs_base, doc_q, offs_m, pos_m, offs_d, lo, full_lo, T, S, qk_scale, window,
-                    BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bias_t,
+                    BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, bias_base, stride_bias_t,
                     stride_bias_s, docs_base, doc_q, offs_m, pos_m, offs_d, full_lo, full_hi, T, S, qk_scale, window,
-                    BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
-    dq = _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, bias_base, stride_bias_t,
+                    BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS)
+    dq = _dq_blocks(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, bias_base, stride_bias_t,
                     stride_bias_s, docs_base, doc_q, offs_m, pos_m, offs_d, full_hi, hi, T, S, qk_scale, window,
-                    BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS)
+                    BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_DOCS, HAS_BIAS, TMA, WS)
     dq = dq * sm_scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqt + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=rows[:, None])
 
 
 # --------------------------------------------------------------------------- launch configs
+
+
+class Tile(NamedTuple):
+    """One kernel's launch shape: BLOCK_M x BLOCK_N tiles, warps, software-pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class FlashConfig:
+    """How the three kernels launch: tiles, and the Hopper (sm_90) techniques of FlashAttention-3 that
+    Triton expresses, each a switch so that one sweep times them against the plain kernel.
+
+    Attributes:
+        fwd: the forward's tile (queries x keys per step).
+        dkdv: the dK/dV kernel's tile (queries per step x keys per program).
+        dq: the dQ kernel's tile (queries per program x keys per step).
+        tma: Q, K, V, dO and O tiles through TMA tensor descriptors (``tl.make_tensor_descriptor``: bulk
+            asynchronous copies that the hardware bounds-checks) instead of pointer loads; sm_90+ and
+            16-byte aligned strides, else the pointer loads.
+        warp_specialize: ``tl.range(..., warp_specialize=True)`` on the forward's and dQ's key loops
+            (producer warps issue the loads, consumer warps the products and the softmax), where the Triton
+            build does it: Triton 3.6 and 3.9 emit the same sm_90 PTX with it as without (their automatic
+            warp specialisation targets Blackwell), so on Hopper it changes nothing yet. Not on the dK/dV loop: Triton 3.9's sm_90 warp specialisation aborts there ("unsupported
+            load type for producer commit": the per-row lse/delta pointer loads beside the tiles).
+        persistent: forward programs per SM of a persistent grid walking the tiles, longest first
+            (0: one program per tile).
+        atomic_dq: one backward pass (FA2/FA3): the dK/dV kernel also adds dS K into a float32 dQ with
+            atomics, and the dQ kernel, with its recomputation of S and dP, is not launched.
+        fold_scale: the forward keeps raw q.k logits and puts the scale into the exponent (one FMA per
+            logit, as FA2/FA3's ``exp2(s * scale - m * scale)``) instead of scaling every logit first; for a
+            positive scale without a mask bias (else the plain path).
+    """
+
+    fwd: Tile = Tile(128, 64, 8, 3)
+    dkdv: Tile = Tile(32, 64, 4, 3)
+    dq: Tile = Tile(128, 32, 4, 3)
+    tma: bool = False
+    warp_specialize: bool = False
+    persistent: int = 0
+    atomic_dq: bool = False
+    fold_scale: bool = False
+
+
+_BASE = FlashConfig()  # the tuner's winners for Dh 128, T >= 4k on an H100 (bench results 2026-11-22)
+# the base of the new variants: the same with an 8-warp dQ (the 4-warp 128 x 32 dQ spills 152-176 bytes a thread
+# at Dh 128 in an sm_90 compile by Triton 3.6, the GPU image's, 96-152 by 3.9; 8 warps keep it in ~140 registers)
+_HOPPER = replace(_BASE, dq=Tile(128, 32, 8, 3))
+# (the 64 x 128 dK/dV tile spills at 8 warps; 32 x 128 does not)
+_BN128 = dict(fwd=Tile(128, 128, 8, 2), dkdv=Tile(32, 128, 8, 2), dq=Tile(128, 64, 8, 2))
+#: the variants ``bench/attention/sweep_flash_sm90.py`` times, by name
+VARIANTS: dict[str, FlashConfig] = {
+    "baseline": _BASE,
+    "dq-w8": _HOPPER,
+    "tma": replace(_HOPPER, tma=True),
+    # kept for a Triton that specialises these loops on sm_90: 3.6 and 3.9 emit the same PTX with and without
+    # (compile_flash_sm90.py), so the sweep leaves it out unless named
+    "tma-ws": replace(_HOPPER, tma=True, warp_specialize=True),
+    "tma-persistent": replace(_HOPPER, tma=True, persistent=1),
+    "bn128": replace(_HOPPER, **_BN128),
+    # its dQ keeps the 128 x 32 tile: ptxas 12.x of Triton 3.6 crashes (signal 11) on the 128 x 64 one with TMA
+    "tma-bn128": replace(_HOPPER, **{**_BN128, "dq": _HOPPER.dq}, tma=True),
+    "stages4": replace(_HOPPER, fwd=Tile(128, 64, 8, 4), dkdv=Tile(32, 64, 4, 4), dq=Tile(128, 32, 8, 4)),
+    "tma-stages4": replace(_HOPPER, fwd=Tile(128, 64, 8, 4), dkdv=Tile(32, 64, 4, 4), dq=Tile(128, 32, 8, 4),
+                           tma=True),
+    # FA3's forward tile at Dh 128 (128 x 128, three K/V stages: 225 KiB of the 227 KiB of shared memory)
+    "tma-bn128-s3": replace(_HOPPER, fwd=Tile(128, 128, 8, 3), dkdv=Tile(32, 128, 8, 3), tma=True),
+    "fold": replace(_HOPPER, fold_scale=True),
+    "tma-fold": replace(_HOPPER, tma=True, fold_scale=True),
+    "tma-bn128-s3-fold": replace(_HOPPER, fwd=Tile(128, 128, 8, 3), dkdv=Tile(32, 128, 8, 3), tma=True,
+                                 fold_scale=True),
+    # the dQ product adds a [BM, Dh] float32 tile to the dK/dV loop: 8 warps at 32 x 64 hold it without spilling
+    "atomic-dq": replace(_HOPPER, dkdv=Tile(32, 64, 8, 3), atomic_dq=True),
+    "tma-atomic-dq": replace(_HOPPER, dkdv=Tile(32, 64, 8, 3), atomic_dq=True, tma=True),
+}
+#: THE table to edit after a sweep: per (head_dim, causal), the VARIANTS name whose forward runs and the one
+#: whose backward runs (the sweep prints both winners per key). Keys not listed run "baseline".
+BEST: dict[tuple[int, bool], tuple[str, str]] = {
+    (128, True): ("baseline", "baseline"),
+    (128, False): ("baseline", "baseline"),
+    (64, True): ("baseline", "baseline"),
+    (64, False): ("baseline", "baseline"),
+}
+_INTERPRET_TILE = Tile(16, 16, 4, 1)
+_INTERPRET_PROGRAMS = 3  # a persistent grid in the interpreter: 3 programs walk every tile
+_OVERRIDE: ContextVar[FlashConfig | None] = ContextVar("plyx_flash_config", default=None)
 
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner on a GPU
 _FWD_CONFIGS = [
@@ -492,10 +732,39 @@ _DQ_CONFIGS = [
     (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 4),
     (128, 32, 8, 2), (128, 16, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4),
 ]
-#: defaults when not tuning: the tuner's winners for Dh 128, T >= 4k on an H100 (bench results 2026-11-22)
-_DEFAULTS = {"fwd": (128, 64, 8, 3), "dkdv": (32, 64, 4, 3), "dq": (128, 32, 4, 3)}
-_INTERPRET_DEFAULTS = {"fwd": (16, 16, 4, 1), "dkdv": (16, 16, 4, 1), "dq": (16, 16, 4, 1)}
 _TUNE_KEY = ["TUNE_T", "TUNE_S", "GROUP", "HEAD_DIM", "CAUSAL", "HAS_WINDOW", "HAS_DOCS", "HAS_BIAS"]
+
+
+@contextmanager
+def use_config(config: FlashConfig | str) -> Iterator[FlashConfig]:
+    """Run every flash call inside the block with ``config`` (a ``FlashConfig`` or a ``VARIANTS`` name),
+    forward and backward, whatever ``BEST`` says: what the sweep and the tests use.
+
+    Args:
+        config: the configuration or its name.
+
+    Returns:
+        A context manager yielding the configuration in force.
+    """
+    if isinstance(config, str):
+        if config not in VARIANTS:
+            raise KeyError(f"flash_attention: no variant {config!r}; the variants are {sorted(VARIANTS)}")
+        config = VARIANTS[config]
+    token = _OVERRIDE.set(config)
+    try:
+        yield config
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def config_for(head_dim: int, causal: bool, which: str) -> FlashConfig:
+    """The configuration of the ``which`` pass ("fwd" or "bwd") at ``head_dim`` / ``causal``: the one of
+    ``use_config`` when inside it, else ``BEST``'s entry (``baseline`` where it has none)."""
+    override = _OVERRIDE.get()
+    if override is not None:
+        return override
+    fwd, bwd = BEST.get((head_dim, causal), ("baseline", "baseline"))
+    return VARIANTS[fwd if which == "fwd" else bwd]
 
 
 def _configs(table: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -507,18 +776,48 @@ _attn_bwd_dkdv_tuned = triton.autotune(_configs(_DKDV_CONFIGS), key=_TUNE_KEY)(_
 _attn_bwd_dq_tuned = triton.autotune(_configs(_DQ_CONFIGS), key=_TUNE_KEY)(_attn_bwd_dq)
 
 
-def _launch(kernel, tuned, which: str, grid_of, args: tuple, meta: dict) -> None:
-    """Launch ``kernel`` tuned or with the default config of ``which``."""
+def _launch(kernel, tuned, tile: Tile, grid_of, args: tuple, meta: dict) -> None:
+    """Launch ``kernel`` tuned (tiles only; the switches in ``meta`` stay) or with ``tile``."""
     if _autotuning():
         tuned[lambda cfg: grid_of(cfg["BLOCK_M"], cfg["BLOCK_N"])](*args, **meta)
         return
-    m, n, w, s = (_INTERPRET_DEFAULTS if _interpreting() else _DEFAULTS)[which]
+    m, n, w, s = _INTERPRET_TILE if _interpreting() else tile
     kernel[grid_of(m, n)](*args, **meta, BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
 
 
 def _bucket(n: int) -> int:
     # autotune key: the next power of two, so every new length does not re-tune
     return 1 << max(n - 1, 0).bit_length()
+
+
+def _tma_usable(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need sm_90+, a unit inner stride, 16-byte aligned strides and bases (the per-head bases
+    add multiples of the batch and head strides, so those must be aligned too)."""
+    for t in tensors:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    if _interpreting():
+        return True
+    dev = tensors[0].device
+    return dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] >= 9
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for the descriptors the kernels write (``tl.make_tensor_descriptor``)."""
+    return torch.empty(size, dtype=torch.int8, device="cpu" if _interpreting() else "cuda")
+
+
+def _switches(cfg: FlashConfig, *tensors: torch.Tensor) -> dict[str, bool]:
+    tma = cfg.tma and _tma_usable(*tensors)
+    if tma:
+        triton.set_allocator(_tma_scratch)
+    return {"TMA": tma, "WS": cfg.warp_specialize and not _interpreting()}
+
+
+def _programs(device: torch.device, per_sm: int) -> int:
+    if _interpreting() or device.type != "cuda":
+        return _INTERPRET_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count * per_sm
 
 
 def best_configs() -> dict[str, dict[str, object]]:
@@ -550,8 +849,11 @@ def _forward(q, k, v, bias, docs, *, causal, scale, window):
     lse2 = _empty((B, H, T), like=q, dtype=torch.float32)
     bias_t, bias_strides = _bias_args(bias, q)
     docs_t = docs if docs is not None else q
+    cfg = config_for(D, causal, "fwd")
+    persistent = cfg.persistent > 0 and not _autotuning()
     meta = dict(GROUP=H // KV, HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=window is not None,
-                HAS_DOCS=docs is not None, HAS_BIAS=bias is not None)
+                HAS_DOCS=docs is not None, HAS_BIAS=bias is not None, **_switches(cfg, q, k, v, o),
+                PERSISTENT=persistent, FOLD=cfg.fold_scale and scale > 0 and bias is None)
     args = (
         q, k, v, o, lse2, bias_t, docs_t,
         q.stride(0), q.stride(1), q.stride(2),
@@ -560,9 +862,15 @@ def _forward(q, k, v, bias, docs, *, causal, scale, window):
         o.stride(0), o.stride(1), o.stride(2),
         *bias_strides,
         docs.stride(0) if docs is not None else 0,
-        T, S, H, scale * LOG2E, window or 0, _bucket(T), _bucket(S),
+        T, S, H, B * H, scale * LOG2E, window or 0, _bucket(T), _bucket(S),
     )
-    _launch(_attn_fwd, _attn_fwd_tuned, "fwd", lambda bm, bn: (triton.cdiv(T, bm), B * H), args, meta)
+
+    def grid(bm: int, bn: int) -> tuple[int, ...]:
+        if persistent:
+            return (min(triton.cdiv(T, bm) * B * H, _programs(q.device, cfg.persistent)),)
+        return (triton.cdiv(T, bm), B * H)
+
+    _launch(_attn_fwd, _attn_fwd_tuned, cfg.fwd, grid, args, meta)
     return o, lse2
 
 
@@ -576,12 +884,18 @@ def _backward(do, q, k, v, o, lse2, bias, docs, *, causal, scale, window):
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         T, H, HEAD_DIM=D, BLOCK_M=pre_m,
     )
-    dq, dk, dv = _empty(q.shape, like=q), _empty(k.shape, like=k), _empty(v.shape, like=v)
+    cfg = config_for(D, causal, "bwd")
+    if cfg.atomic_dq and _autotuning():  # the tuner re-runs the kernel: its atomic sums would pile up
+        cfg = replace(cfg, atomic_dq=False)
+    dk, dv = _empty(k.shape, like=k), _empty(v.shape, like=v)
+    # atomic dQ: float32 sums, zeroed (each row gets one add per key block that sees it)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if cfg.atomic_dq else _empty(q.shape, like=q)
     bias_t, bias_strides = _bias_args(bias, q)
     docs_t = docs if docs is not None else q
     docs_stride = docs.stride(0) if docs is not None else 0
+    switches = _switches(cfg, q, k, v, do)
     meta = dict(GROUP=H // KV, HEAD_DIM=D, CAUSAL=causal, HAS_WINDOW=window is not None,
-                HAS_DOCS=docs is not None, HAS_BIAS=bias is not None)
+                HAS_DOCS=docs is not None, HAS_BIAS=bias is not None, **switches)
     common_tail = (*bias_strides, docs_stride)
     dkdv_args = (
         q, k, v, do, lse2, delta, dk, dv, bias_t, docs_t,
@@ -592,10 +906,13 @@ def _backward(do, q, k, v, o, lse2, bias, docs, *, causal, scale, window):
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         *common_tail,
+        dq, *((dq.stride(0), dq.stride(1), dq.stride(2)) if cfg.atomic_dq else (0, 0, 0)),
         T, S, H, KV, scale * LOG2E, scale, window or 0, _bucket(T), _bucket(S),
     )
-    _launch(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, "dkdv", lambda bm, bn: (triton.cdiv(S, bn), B * KV),
-            dkdv_args, meta)
+    _launch(_attn_bwd_dkdv, _attn_bwd_dkdv_tuned, cfg.dkdv, lambda bm, bn: (triton.cdiv(S, bn), B * KV),
+            dkdv_args, {**meta, "WS": False, "ATOMIC_DQ": cfg.atomic_dq})  # WS: see FlashConfig
+    if cfg.atomic_dq:
+        return (dq * scale).to(q.dtype), dk, dv
     dq_args = (
         q, k, v, do, lse2, delta, dq, bias_t, docs_t,
         q.stride(0), q.stride(1), q.stride(2),
@@ -606,7 +923,7 @@ def _backward(do, q, k, v, o, lse2, bias, docs, *, causal, scale, window):
         *common_tail,
         T, S, H, scale * LOG2E, scale, window or 0, _bucket(T), _bucket(S),
     )
-    _launch(_attn_bwd_dq, _attn_bwd_dq_tuned, "dq", lambda bm, bn: (triton.cdiv(T, bm), B * H), dq_args, meta)
+    _launch(_attn_bwd_dq, _attn_bwd_dq_tuned, cfg.dq, lambda bm, bn: (triton.cdiv(T, bm), B * H), dq_args, meta)
     return dq, dk, dv
 
 
