@@ -49,10 +49,12 @@ __all__ = ["accept_ahead", "accept_block", "block_steps", "multi_step_row", "run
 
 
 def multi_step_row(seq: Sequence) -> bool:
-    """Whether a decoding row needs no host logic between two of its tokens: no grammar, stop strings,
-    log-probs, penalties (their counts live on the host), custom processors or samplers, adapter."""
+    """Whether a decoding row needs no host logic between two of its tokens: no grammar, log-probs, penalties
+    (their counts live on the host), custom processors or samplers, adapter. Stop strings are checked on the
+    host while the block's tokens are accepted: a row that ends on one inside a block drops the rest of it
+    (freed with its cache entry, as a row ending by EOS)."""
     p = seq.params
-    return (seq.matcher is None and not p.stop and p.logprobs is None and not p.processors and p.sampler is None
+    return (seq.matcher is None and p.logprobs is None and not p.processors and p.sampler is None
             and not _needs_state(seq) and seq.request.adapter is None
             and len(seq.tokens) > len(seq.request.prompt_ids))  # its first token forks followers (n > 1)
 

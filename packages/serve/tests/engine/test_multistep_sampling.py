@@ -1,0 +1,231 @@
+"""Sampling and stop checks inside multi-step blocks (``DecodeGraphs.sample_steps``, ``engine._sampling``).
+
+The graph path runs eagerly on CPU (``DecodeGraphs(capture=False)``: what a CUDA graph replays). Seeded rows
+draw each token's uniform from Philox-4x32-10 keyed by (seed, token index), so ``decode_steps`` 1 and 4 give
+the same tokens; the draw is checked against the exact distribution of the processed logits."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from plyx.serve import SamplingParams
+from plyx.serve import _processors as P
+from plyx.serve._graphs import DecodeGraphs
+from plyx.serve.engine import Engine, EngineConfig
+from plyx.serve.engine import _sampling as S
+
+_CFG = dict(max_batch_size=8, max_batch_tokens=64, block_size=4, num_blocks=240, prefix_caching=False)
+
+
+def _prompts(count, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randrange(3, 30))] for _ in range(count)]
+
+
+def _engine(lm, k, graphs=True, look_ahead=False, eos=None, tokenizer=None, **kw):
+    engine = Engine(lm, config=EngineConfig(decode_steps=k, look_ahead=look_ahead, **{**_CFG, **kw}),
+                    eos_token_id=eos, tokenizer=tokenizer)
+    if graphs:  # the CUDA path's static steps, eagerly
+        engine.graphs = DecodeGraphs(lm, engine.cache, max_batch=engine.config.max_batch_size, capture=False,
+                                     max_query=max(1, k), buckets=[2, 4, 8])
+    return engine
+
+
+def _spy(engine):
+    """Counts the sampled k-step calls (one graph replay each on CUDA)."""
+    calls = []
+    run = engine.graphs.sample_steps
+    engine.graphs.sample_steps = lambda *a: calls.append(a[2]) or run(*a)
+    return calls
+
+
+def _mixed(count, stop=(), eos=False, seed=1):
+    """Seeded rows with temperature, top-k, top-p, min-p and min_tokens, one greedy row; lengths end mid-block."""
+    rng = random.Random(seed)
+    return [SamplingParams(temperature=0.0 if i == 3 else 0.7 + 0.1 * (i % 3), top_k=(0, 20, 50)[i % 3],
+                           top_p=(1.0, 0.9, 0.8)[i % 3], min_p=0.05 if i % 4 == 1 else 0.0,
+                           min_tokens=3 if i == 5 else 0, seed=1000 + i, max_new_tokens=rng.randrange(5, 23),
+                           stop_token_ids=stop, ignore_eos=not eos) for i in range(count)]
+
+
+def _ids(outs):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs]
+
+
+def test_philox_matches_the_random123_known_answers():
+    counter = np.array([[0, 0, 0, 0], [0xFFFFFFFF] * 4, [0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344]],
+                       dtype=np.uint64)
+    key = np.array([[0, 0], [0xFFFFFFFF] * 2, [0xA4093822, 0x299F31D0]], dtype=np.uint64)
+    got = [[int(x) for x in row] for row in S.philox4x32(counter, key)]
+    assert got == [[0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8],
+                   [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD],
+                   [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]]
+
+
+def test_uniforms_depend_on_seed_and_index_alone():
+    index = np.arange(64)
+    alone = S.row_uniforms([7], index[None])[0]
+    batched = S.row_uniforms([3, 7, 2**64 - 1], np.stack([index[::-1], index, index]))
+    assert np.array_equal(batched[1], alone)  # other rows (and their indices) change nothing
+    assert not np.array_equal(batched[2], alone) and not np.array_equal(S.row_uniforms([8], index[None])[0], alone)
+    many = S.row_uniforms(list(range(200)), np.tile(np.arange(50), (200, 1)))  # [200, 50]
+    assert many.min() >= 0 and many.max() < 1
+    counts = np.histogram(many, bins=20, range=(0, 1))[0]  # 10,000 draws: chi-square with 19 dof
+    assert ((counts - 500) ** 2 / 500).sum() < 43.8  # p = 0.001
+
+
+def _reference(logits, temperature, top_k, top_p, min_p):
+    """The pipeline's own processors (transformers' warper semantics)."""
+    state = P.SamplingState(torch.zeros_like(logits, dtype=torch.bool), torch.zeros_like(logits, dtype=torch.int32),
+                            torch.zeros(logits.shape[0], dtype=torch.long), [None] * logits.shape[0])
+    for proc in (P.Temperature(temperature), P.TopK(top_k), P.TopP(top_p), P.MinP(min_p)):
+        logits = proc(logits, state)
+    return logits
+
+
+def _params(rows):
+    packed = np.full((len(rows), S.PARAM_WIDTH), -1.0)
+    for i, (t, k, p, m) in enumerate(rows):
+        packed[i, :7] = (t, p, m, k, 0, 100, 0)
+    return S.RowParams(torch.from_numpy(packed))
+
+
+def test_tensor_processing_is_the_pipelines():
+    torch.manual_seed(0)
+    rows = [(0.7, 0, 1.0, 0.0), (1.3, 5, 0.9, 0.0), (0.5, 0, 0.6, 0.1), (1.0, 40, 0.95, 0.02), (0.9, 3, 1.0, 0.0)]
+    logits = torch.randn(len(rows), 64) * 3
+    got = S.process_rows(logits, _params(rows), torch.zeros(len(rows), dtype=torch.long))
+    want = _reference(logits, *[[r[j] for r in rows] for j in range(4)])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("row", [(0.8, 0, 1.0, 0.0), (0.7, 6, 0.9, 0.0), (1.2, 0, 0.8, 0.05)])
+def test_draws_follow_the_processed_distribution(row):
+    """Chi-square of 20,000 draws (one uniform per (seed, index)) against the exact softmax of the processed
+    logits; tokens the processors removed are never drawn."""
+    torch.manual_seed(1)
+    logits = torch.randn(1, 16)
+    want = _reference(logits, [row[0]], [row[1]], [row[2]], [row[3]]).softmax(-1)[0].double()
+    n = 20000
+    u = torch.from_numpy(S.row_uniforms(list(range(n)), np.full(n, 5)))  # [n]
+    rp = _params([row] * n)
+    tokens = S.sample_rows_tensor(logits.expand(n, -1), rp, torch.zeros(n, dtype=torch.long), u)
+    counts = torch.bincount(tokens, minlength=16).double()
+    assert counts[want == 0].sum() == 0
+    keep = want > 0
+    assert keep.sum() >= 4  # a distribution worth testing
+    chi2 = ((counts[keep] - n * want[keep]) ** 2 / (n * want[keep])).sum().item()
+    from scipy.stats import chi2 as dist
+
+    assert chi2 < dist.ppf(0.999, int(keep.sum()) - 1)
+
+
+def test_block_count_stops_at_the_first_stop_or_the_limit():
+    packed = np.full((3, S.PARAM_WIDTH), -1.0)
+    packed[:, :7] = [(1, 1, 0, 0, 2, 100, 0), (1, 1, 0, 0, 2, 5, 0), (1, 1, 0, 0, 0, 100, 0)]
+    packed[0, 7:9] = (9, 4)
+    packed[1, 7] = 3
+    tokens = torch.tensor([[1, 4, 9, 4], [2, 2, 2, 3], [5, 6, 7, 8]])
+    assert S.block_count(tokens, S.RowParams(torch.from_numpy(packed))).tolist() == [2, 3, 4]
+
+
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_sampled_blocks_equal_single_steps(lm, look_ahead):
+    """Seeded temperature/top-k/top-p/min-p/min_tokens rows and a greedy row; EOS, a stop id and max_tokens
+    finishing rows inside blocks: the same tokens as one step per schedule, the blocks run by sample_steps."""
+    prompts = _prompts(8, seed=31)
+    plain = _ids(_engine(lm, 1, graphs=False).generate(prompts, _mixed(8)))
+    common = Counter(t for ids, _, _ in plain for t in ids[2:]).most_common(2)
+    stop, eos = common[0][0], common[1][0]
+    params = _mixed(8, stop=(stop,), eos=True)
+    want = _ids(_engine(lm, 1, graphs=False, eos=eos).generate(prompts, params))
+    engine = _engine(lm, 4, look_ahead=look_ahead, eos=eos)
+    calls = _spy(engine)
+    assert _ids(engine.generate(prompts, params)) == want
+    assert 4 in calls and engine.stats.multi_step_blocks > 0
+    assert (engine.stats.looked_ahead > 0) == look_ahead
+    assert engine.cache.usage().blocks_used == 0
+    reasons = Counter(r for _, r, _ in want)
+    assert reasons["stop"] >= 2 and reasons["length"] >= 1
+    assert any(len(ids) % 4 and r == "stop" for ids, r, _ in want)  # a stop inside a block
+
+
+def test_a_seed_gives_its_tokens_alone_or_batched(lm):
+    prompts = _prompts(6, seed=32)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=50 + i, max_new_tokens=17, ignore_eos=True)
+              for i in range(6)]
+    batched = _ids(_engine(lm, 4).generate(prompts, params))
+    for i in (0, 4):
+        assert _ids(_engine(lm, 4).generate([prompts[i]], params[i])) == [batched[i]]
+        assert _ids(_engine(lm, 1, graphs=False).generate([prompts[i]], params[i])) == [batched[i]]
+
+
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_arrival_and_abort_mid_sampled_block(lm, look_ahead):
+    prompts = _prompts(4, seed=33)
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=70 + i, max_new_tokens=30, ignore_eos=True)
+              for i in range(4)]
+
+    def drive(k):
+        engine = _engine(lm, k, graphs=k > 1, look_ahead=look_ahead and k > 1)
+        calls = _spy(engine) if k > 1 else []
+        got: dict[str, list[int]] = {}
+        for i in range(3):
+            engine.add_request(f"r{i}", prompts[i], params[i])
+        aborted, step = False, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.event is not None:
+                    got.setdefault(out.request_id, []).extend(out.event.token_ids)
+            step += 1
+            if step == 3:  # arrives while the others decode (inside a block when k > 1)
+                engine.add_request("r3", prompts[3], params[3])
+            if not aborted and len(got.get("r1", ())) >= 6:
+                engine.abort("r1")
+                aborted = True
+        assert engine.cache.usage().blocks_used == 0
+        return got, calls
+
+    want, _ = drive(1)
+    got, calls = drive(4)
+    assert calls
+    for rid in ("r0", "r2", "r3"):
+        assert got[rid] == want[rid] and len(got[rid]) == 30
+    full = _engine(lm, 1, graphs=False).generate([prompts[1]], params[1])[0].outputs[0].token_ids
+    for stream in (want["r1"], got["r1"]):
+        assert 6 <= len(stream) < 30 and list(full[:len(stream)]) == stream
+
+
+def test_rows_the_graph_cannot_sample_take_k_eager_steps(lm):
+    """A logit-bias row is not a tensor row: its blocks run k one-token steps (the pipeline samples them),
+    still the same tokens as one step per schedule."""
+    prompts = _prompts(3, seed=34)
+    params = [SamplingParams(temperature=0.8, seed=5 + i, max_new_tokens=12, ignore_eos=True,
+                             logit_bias={7: 2.0} if i == 0 else None) for i in range(3)]
+    want = _ids(_engine(lm, 1, graphs=False).generate(prompts, params))
+    engine = _engine(lm, 4)
+    calls = _spy(engine)
+    assert _ids(engine.generate(prompts, params)) == want
+    assert not calls and engine.stats.multi_step_blocks > 0
+
+
+def test_stop_strings_are_checked_on_the_host_after_the_block(bpe_lm, bpe):
+    lm, tok = bpe_lm, bpe
+    prompts = [bpe.encode("hello world").ids, bpe.encode("the quick brown").ids]
+    base = [SamplingParams(temperature=0.9, seed=9 + i, max_new_tokens=24, ignore_eos=True) for i in range(2)]
+    plain = _engine(lm, 1, graphs=False, tokenizer=tok).generate(prompts, base)
+    text = plain[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]  # ends row 0 in the middle of its output
+    params = [SamplingParams(temperature=0.9, seed=9 + i, max_new_tokens=24, ignore_eos=True, stop=(stop,))
+              for i in range(2)]
+    want = _engine(lm, 1, graphs=False, tokenizer=tok).generate(prompts, params)
+    engine = _engine(lm, 4, tokenizer=tok)
+    got = engine.generate(prompts, params)
+    assert [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in got] == \
+        [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in want]
+    assert want[0].outputs[0].finish_reason == "stop" and engine.stats.multi_step_blocks > 0
+    assert engine.cache.usage().blocks_used == 0
