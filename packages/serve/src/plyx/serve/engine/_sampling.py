@@ -256,6 +256,7 @@ def sample_rows_tensor(logits: torch.Tensor, rp: RowParams, generated: torch.Ten
                        any_sampled: bool = True) -> torch.Tensor:
     """The tokens of tensor rows: greedy rows the argmax after ``MinTokens``, the others ``draw_tokens`` of the
     processed logits. ``[R, V]`` -> ``[R]``; graph-safe (no host sync)."""
+    logits = logits.float()  # (bf16 logits: a skipped stage must not change the precision of the rest)
     if stages is None or stages[0]:
         logits = _ban_stops(logits, rp, generated)
     rest = (False, *(stages or (True,) * 5)[1:])
