@@ -7,17 +7,23 @@ host logic) the engine runs ``k`` steps back to back, each fed the previous step
 
 * plain-greedy batches on CUDA: one replay of ``DecodeGraphs.greedy_steps`` (the ``k`` steps and their
   argmax inside one CUDA graph, as ``generate`` decodes);
-* anything else (sampled rows, CPU, no graph bucket): ``k`` one-token forwards (graph replays where a
-  bucket holds the batch) and ``k`` device-side samplings, every row with its own processors and seeded
-  generator, and one device-to-host copy of the ``[B, k]`` tokens at the end.
+* batches of tensor rows (``engine._sampling.tensor_row``: temperature, top-k, top-p, min-p, ``min_tokens``,
+  greedy, seeds) on CUDA: one replay of ``DecodeGraphs.sample_steps``, the ``k`` forwards, each row's
+  processing and draw (its Philox uniforms computed on the host, as the rows' parameters, and copied once per
+  block) and the block's stop checks inside one graph;
+* anything else (logit bias, bans, typical-p; CPU; no graph bucket): ``k`` one-token forwards (graph replays
+  where a bucket holds the batch) and ``k`` device-side samplings (``RowSampler``: the same tensor processing
+  for tensor rows, the ``LogitsPipeline`` for the others, the same uniforms).
 
-Each row's tokens are then accepted in order up to the first that finishes the row (EOS, a stop token id,
-``max_tokens``), so a row keeps exactly what a one-step engine would have emitted and its later tokens are
+Every block yields one ``[B, k + 1]`` tensor read by one device-to-host copy: the tokens, and how many of them
+each row keeps by the stop checks run on the device (``block_count``: EOS and stop ids, ``max_tokens``). Each
+row's kept tokens are accepted in order, the host still checking each (stop strings, which need the text, end
+a row there), so a row keeps exactly what a one-step engine would have emitted and its later tokens are
 discarded with its cache entry. They stream one event per token, or with ``EngineConfig.stream_interval = s``
 in events of up to ``s`` tokens (one ``Completion.add`` and one text delta each): the block's tokens reach the
 host together anyway, and fewer events means less work for the engine and the server's event loop, which share
-the GIL with the engine thread. Seeded and greedy rows produce the same tokens as with ``k = 1``: each row draws
-from its own generator in the same order, and ``min_tokens`` sees the count it would see.
+the GIL with the engine thread. Seeded and greedy rows produce the same tokens as with ``k = 1``: a row's token ``i`` draws the
+uniform of (its seed, ``i``) whatever the block, and ``min_tokens`` sees the count it would see.
 
 A block needs ``k`` free slots per row. When the pool is short, blocks the prefix cache alone holds are
 evicted first, as many as the rows' real tokens need (what the one-step scheduler would evict on its way to

@@ -295,7 +295,7 @@ class RowSampler:
         self.greedy = all(plain_greedy(s) for s in seqs)
         if self.greedy:
             return
-        R, V = len(seqs), vocab
+        V = vocab
         self.device = device
         self.seeds = [s.seed for s in seqs]
         self.generated_host = np.asarray([len(s.tokens) - len(s.request.prompt_ids) for s in seqs], dtype=np.int64)
