@@ -78,20 +78,34 @@ def test_uniforms_depend_on_seed_and_index_alone():
     assert ((counts - 500) ** 2 / 500).sum() < 43.8  # p = 0.001
 
 
-def _reference(logits, temperature, top_k, top_p, min_p):
-    """The pipeline's own processors (transformers' warper semantics)."""
-    state = P.SamplingState(torch.zeros_like(logits, dtype=torch.bool), torch.zeros_like(logits, dtype=torch.int32),
-                            torch.zeros(logits.shape[0], dtype=torch.long), [None] * logits.shape[0])
-    for proc in (P.Temperature(temperature), P.TopK(top_k), P.TopP(top_p), P.MinP(min_p)):
+def _reference(logits, temperature, top_k, top_p, min_p, penalties=None, seen=None):
+    """The pipeline's own processors (transformers' warper semantics); ``penalties``: (repetition, presence,
+    frequency) per row, over ``seen`` (prompt masks, output counts)."""
+    if seen is None:
+        seen = (torch.zeros_like(logits, dtype=torch.bool), torch.zeros_like(logits, dtype=torch.int32))
+    state = P.SamplingState(*seen, torch.zeros(logits.shape[0], dtype=torch.long), [None] * logits.shape[0])
+    procs = [P.Temperature(temperature), P.TopK(top_k), P.TopP(top_p), P.MinP(min_p)]
+    if penalties is not None:
+        rep, pres, freq = zip(*penalties)
+        procs = [P.RepetitionPenalty(list(rep)), P.PresenceFrequencyPenalty(list(pres), list(freq))] + procs
+    for proc in procs:
         logits = proc(logits, state)
     return logits
 
 
-def _params(rows):
-    packed = np.full((len(rows), S.PARAM_WIDTH), -1.0)
-    for i, (t, k, p, m) in enumerate(rows):
-        packed[i, :7] = (t, p, m, k, 0, 100, 0)
+def _packed(rows, stops=None):
+    """``RowParams`` of rows given as {column: value} over the neutral row; ``stops``: per row, its stop ids."""
+    packed = np.stack([S.RowParams.padding() for _ in rows])
+    for i, row in enumerate(rows):
+        for name, value in row.items():
+            packed[i, S._COLS.index(name)] = value
+        for j, stop in enumerate((stops or {}).get(i, ())):
+            packed[i, len(S._COLS) + j] = stop
     return S.RowParams(torch.from_numpy(packed))
+
+
+def _params(rows):
+    return _packed([dict(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in rows])
 
 
 def test_tensor_processing_is_the_pipelines():
@@ -100,6 +114,14 @@ def test_tensor_processing_is_the_pipelines():
     logits = torch.randn(len(rows), 64) * 3
     got = S.process_rows(logits, _params(rows), torch.zeros(len(rows), dtype=torch.long))
     want = _reference(logits, *[[r[j] for r in rows] for j in range(4)])
+    assert torch.equal(got, want)
+    # with penalties over random prompt masks and output counts
+    penalties = [(1.3, 0.0, 0.0), (1.0, 0.5, 0.2), (0.8, -0.3, 0.7), (1.0, 0.0, 0.0), (1.5, 1.0, 1.0)]
+    seen = (torch.rand(len(rows), 64) < 0.2, torch.randint(0, 3, (len(rows), 64), dtype=torch.int32))
+    rp = _packed([dict(temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=r, presence_penalty=pr,
+                       frequency_penalty=f) for (t, k, p, m), (r, pr, f) in zip(rows, penalties)])
+    got = S.process_rows(logits, rp, torch.zeros(len(rows), dtype=torch.long), seen=seen)
+    want = _reference(logits, *[[r[j] for r in rows] for j in range(4)], penalties=penalties, seen=seen)
     assert torch.equal(got, want)
 
 
@@ -125,12 +147,10 @@ def test_draws_follow_the_processed_distribution(row):
 
 
 def test_block_count_stops_at_the_first_stop_or_the_limit():
-    packed = np.full((3, S.PARAM_WIDTH), -1.0)
-    packed[:, :7] = [(1, 1, 0, 0, 2, 100, 0), (1, 1, 0, 0, 2, 5, 0), (1, 1, 0, 0, 0, 100, 0)]
-    packed[0, 7:9] = (9, 4)
-    packed[1, 7] = 3
+    rp = _packed([dict(generated=2, limit=100), dict(generated=2, limit=5), dict(generated=0, limit=100)],
+                 stops={0: (9, 4), 1: (3,)})
     tokens = torch.tensor([[1, 4, 9, 4], [2, 2, 2, 3], [5, 6, 7, 8]])
-    assert S.block_count(tokens, S.RowParams(torch.from_numpy(packed))).tolist() == [2, 3, 4]
+    assert S.block_count(tokens, rp).tolist() == [2, 3, 4]
 
 
 @pytest.mark.parametrize("look_ahead", [False, True])
@@ -229,3 +249,25 @@ def test_stop_strings_are_checked_on_the_host_after_the_block(bpe_lm, bpe):
         [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in want]
     assert want[0].outputs[0].finish_reason == "stop" and engine.stats.multi_step_blocks > 0
     assert engine.cache.usage().blocks_used == 0
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_penalised_rows_run_blocks_with_counts_on_the_device(lm, graphs):
+    """Repetition, presence and frequency penalties (greedy and seeded rows): each step of a block sees the
+    counts of the block's earlier tokens; the same tokens as one step per schedule, with and without the graph
+    path, and with the look-ahead (the next block counts this one's tokens before the host reads them)."""
+    prompts = _prompts(5, seed=35)
+    params = [SamplingParams(temperature=0.0 if i == 0 else 0.9, top_k=30 if i % 2 else 0, seed=300 + i,
+                             repetition_penalty=1.0 if i == 3 else 1.4, presence_penalty=0.6 if i % 2 else 0.0,
+                             frequency_penalty=0.4 if i > 2 else 0.0, max_new_tokens=18, ignore_eos=True)
+              for i in range(5)]
+    want = _ids(_engine(lm, 1, graphs=False).generate(prompts, params))
+    for look_ahead in (False, True):
+        engine = _engine(lm, 4, graphs=graphs, look_ahead=look_ahead and graphs)
+        calls = _spy(engine) if graphs else []
+        assert _ids(engine.generate(prompts, params)) == want
+        assert engine.stats.multi_step_blocks > 0 and bool(calls) == graphs
+    # the penalties change the output (else this test would show nothing)
+    plain = [SamplingParams(temperature=p.temperature, top_k=p.top_k, seed=p.seed, max_new_tokens=18, ignore_eos=True)
+             for p in params]
+    assert _ids(_engine(lm, 1, graphs=False).generate(prompts, plain)) != want

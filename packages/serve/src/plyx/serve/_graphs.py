@@ -114,6 +114,7 @@ class DecodeGraphs:
         self._sampling_host: list[torch.Tensor] | None = None
         self._copied: list[Any] = []
         self._turn = 0
+        self._seen: tuple[torch.Tensor, torch.Tensor] | None = None  # penalties' [max_batch, V] mask and counts
         self._pool: Any = None
         self.steps = 0  # every step run here
         self.replays = 0  # the steps that replayed a captured graph
@@ -208,7 +209,8 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def sample_steps(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[int], steps: int,
-                     params: Any, uniforms: Any) -> torch.Tensor:
+                     params: Any, uniforms: Any, seen: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     ) -> torch.Tensor:
         """``steps`` sampled one-token steps in one replay, with the block's stop checks: ``tokens`` (``[B]``)
         are fed first, then each step's token, chosen inside the graph by ``engine._sampling.sample_rows_tensor``
         (temperature, top-k, top-p, min-p, ``min_tokens``; greedy rows the argmax).
@@ -218,6 +220,8 @@ class DecodeGraphs:
             steps: tokens per row, in ``[1, max_query]``.
             params: ``[B, PARAM_WIDTH]`` float64 host array (``RowParams.pack``).
             uniforms: ``[B, steps]`` float64 host array, each token's uniform (``row_uniforms``).
+            seen: the penalties' prompt masks ``[B, V]`` bool and output counts ``[B, V]`` int32 on the device
+                (``seen_state``), or None (no row penalised). Each step adds its tokens to the graph's copy.
 
         Returns:
             ``[B, steps + 1]`` int64 (a view: read before the next step): the chosen tokens, then how many of them
@@ -229,6 +233,7 @@ class DecodeGraphs:
         if not 1 <= steps <= self.max_query:
             raise ValueError(f"steps must be in [1, {self.max_query}] (the step buffers' width), got {steps}")
         self._load_sampling(params, uniforms, B, bucket, steps)
+        self._load_seen(seen, B, bucket)
         self.decode.prepare(seq_ids, tokens, bucket, steps=steps)
         return self._run((bucket, 1, False, steps, True))[:B]  # type: ignore[no-any-return]
 
@@ -260,6 +265,28 @@ class DecodeGraphs:
         self._sampling[:bucket].copy_(host[:bucket], non_blocking=True)
         if copied is not None:
             copied.record()
+
+    def _seen_buffers(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The persistent prompt masks and output counts the sampled graphs read, ``[max_batch, vocab]`` each."""
+        if self._seen is None:
+            device = torch.device(self.decode.cache.layout.device)
+            self._seen = (torch.zeros(self.max_batch, vocab, dtype=torch.bool, device=device),
+                          torch.zeros(self.max_batch, vocab, dtype=torch.int32, device=device))
+        return self._seen
+
+    def _load_seen(self, seen: tuple[torch.Tensor, torch.Tensor] | None, B: int, bucket: int) -> None:
+        """The block's penalty state into the persistent buffers (device copies); zeros where none (the graph's
+        steps add their tokens to the counts, so the buffers are written every block)."""
+        if seen is None and self._seen is None:
+            return  # allocated (zeros) by the first sampled forward
+        mask, counts = self._seen_buffers(seen[0].shape[1] if seen is not None else 0)
+        start = 0
+        if seen is not None:
+            mask[:B].copy_(seen[0])
+            counts[:B].copy_(seen[1])
+            start = B
+        mask[start:bucket].zero_()
+        counts[start:bucket].zero_()
 
     def _run(self, key: tuple[int, int, bool, int, bool]) -> Any:
         """Replay ``key``'s graph (captured on first use), or run it eagerly without capture."""
@@ -315,7 +342,10 @@ class DecodeGraphs:
         chosen = []
         for j, (positions, step) in enumerate(per_step):
             logits = self.model(ids, position_ids=positions, kv_step=step)[:, -1]  # [bucket, V]
-            token = sample_rows_tensor(logits, rp, rp.generated + j, uniforms[:, j])  # [bucket]
+            mask, counts = self._seen_buffers(logits.shape[1])  # (allocated by the eager run before a capture)
+            seen = (mask[:bucket], counts[:bucket])
+            token = sample_rows_tensor(logits, rp, rp.generated + j, uniforms[:, j], seen=seen)  # [bucket]
+            seen[1].scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
             chosen.append(token)
             # padding rows share row 0's cache slots (``StaticDecode.prepare``): they are fed row 0's token, so
             # they write its keys and values again, never their own (a greedy padding row would pick another)

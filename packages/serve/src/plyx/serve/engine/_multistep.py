@@ -42,8 +42,10 @@ from plyx.serve.engine._sampling import (
     RowSampler,
     _needs_state,
     block_count,
+    count_tokens,
     plain_greedy,
     row_uniforms,
+    seen_state,
     tensor_row,
 )
 from plyx.serve.engine._sequence import SeqStatus, Sequence
@@ -55,13 +57,14 @@ __all__ = ["accept_ahead", "accept_block", "block_steps", "multi_step_row", "run
 
 
 def multi_step_row(seq: Sequence) -> bool:
-    """Whether a decoding row needs no host logic between two of its tokens: no grammar, log-probs, penalties
-    (their counts live on the host), custom processors or samplers, adapter. Stop strings are checked on the
+    """Whether a decoding row needs no host logic between two of its tokens: no grammar, log-probs, custom
+    processors or samplers, adapter; penalties only on a tensor row (its output counts are updated on the
+    device, step by step inside the block). Stop strings are checked on the
     host while the block's tokens are accepted: a row that ends on one inside a block drops the rest of it
     (freed with its cache entry, as a row ending by EOS)."""
     p = seq.params
     return (seq.matcher is None and p.logprobs is None and not p.processors and p.sampler is None
-            and not _needs_state(seq) and seq.request.adapter is None
+            and (tensor_row(seq) or not _needs_state(seq)) and seq.request.adapter is None
             and len(seq.tokens) > len(seq.request.prompt_ids))  # its first token forks followers (n > 1)
 
 
@@ -151,9 +154,16 @@ def _queue_block(engine: Engine, seqs: list[Sequence], first: list[int] | torch.
         if all(plain_greedy(s) for s in seqs):
             # one replay; its output buffer is overwritten by the next: cloned (a device copy) for a queued block
             tokens = graphs.greedy_steps(ids, first, k)  # [B, k]
+            count_tokens(seqs, tokens)
             return _with_count(tokens, _params_on(params, tokens.device))
         if all(tensor_row(s) for s in seqs):  # sampling and stop checks inside the one replay
-            return graphs.sample_steps(ids, first, k, params, _uniforms(seqs, unread, k)).clone()  # type: ignore
+            seen = None
+            if any(_needs_state(s) for s in seqs):
+                vocab = next(s.prompt_mask.shape[0] for s in seqs if s.prompt_mask is not None)  # type: ignore
+                seen = seen_state(seqs, vocab, engine.device)
+            out = graphs.sample_steps(ids, first, k, params, _uniforms(seqs, unread, k), seen).clone()
+            count_tokens(seqs, out[:, :k])
+            return out  # type: ignore[no-any-return]
     tokens = first if isinstance(first, torch.Tensor) else torch.tensor(first, dtype=torch.long, device=engine.device)
     sample: RowSampler | None = None
     chosen = []
@@ -162,8 +172,10 @@ def _queue_block(engine: Engine, seqs: list[Sequence], first: list[int] | torch.
         if sample is None:  # built once per block (the logits' width may exceed the tokenizer's vocabulary)
             sample = RowSampler(seqs, logits.shape[1], logits.device, engine.generator)
         tokens = sample(logits, generated_offset=unread + j)  # [B], no host sync
+        sample.advance(tokens)  # penalised rows: the next step counts this token
         chosen.append(tokens)
     out = torch.stack(chosen, dim=1)  # [B, k]
+    count_tokens(seqs, out)
     return _with_count(out, _params_on(params, out.device))
 
 

@@ -34,9 +34,9 @@ from plyx.serve._processors import GreedySampler, SamplingState
 from plyx.serve._structured import GrammarMask
 from plyx.serve.engine._sequence import Sequence
 
-__all__ = ["MAX_STOP_IDS", "PARAM_WIDTH", "RowParams", "RowSampler", "admission_seed", "block_count", "draw_tokens", "philox4x32",
-           "plain_greedy", "process_rows", "row_seed", "row_uniforms", "sample_rows", "sample_rows_tensor",
-           "sample_tokens", "tensor_row"]
+__all__ = ["MAX_STOP_IDS", "PARAM_WIDTH", "STAGES", "RowParams", "RowSampler", "admission_seed", "block_count",
+           "count_tokens", "draw_tokens", "philox4x32", "plain_greedy", "process_rows", "row_seed", "row_uniforms",
+           "sample_rows", "sample_rows_tensor", "sample_tokens", "seen_state", "tensor_row"]
 
 #: the most stop ids (EOS and ``stop_token_ids``) a tensor row may have: the width of ``RowParams.stops``
 MAX_STOP_IDS = 8
@@ -72,11 +72,11 @@ def plain_greedy(seq: Sequence) -> bool:
 
 
 def tensor_row(seq: Sequence) -> bool:
-    """Whether a row's sampling is tensorised (``process_rows``): temperature, top-k, top-p, min-p and
-    ``min_tokens`` only, at most ``MAX_STOP_IDS`` stop ids. Penalties (output counts), logit bias, bans,
-    typical-p, grammar, plugin processors and samplers take the ``LogitsPipeline``."""
+    """Whether a row's sampling is tensorised (``process_rows``): repetition, presence and frequency penalties,
+    ``min_tokens``, temperature, top-k, top-p and min-p only, at most ``MAX_STOP_IDS`` stop ids. Logit bias,
+    bans, typical-p, grammar, plugin processors and samplers take the ``LogitsPipeline``."""
     p = seq.params
-    return (seq.matcher is None and not p.processors and p.sampler is None and not _needs_state(seq)
+    return (seq.matcher is None and not p.processors and p.sampler is None
             and not p.logit_bias and not p.banned_token_ids and p.typical_p >= 1.0
             and len(seq.completion.stop_ids) <= MAX_STOP_IDS)
 
@@ -152,7 +152,8 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 #: columns of a packed ``RowParams`` row (float64; integers are exact below 2**53), then the stop ids
-_COLS = ("temperature", "top_p", "min_p", "top_k", "generated", "limit", "min_tokens")
+_COLS = ("temperature", "top_p", "min_p", "top_k", "generated", "limit", "min_tokens", "repetition_penalty",
+         "presence_penalty", "frequency_penalty")
 PARAM_WIDTH = len(_COLS) + MAX_STOP_IDS
 
 
@@ -164,6 +165,7 @@ class RowParams:
         temperature, top_p, min_p: ``[R, 1]`` float32. top_k: ``[R, 1]`` int64 (0: all).
         generated: ``[R]`` int64, tokens the row had generated before the block's first token.
         limit: ``[R]`` int64, the completion's length limit. min_tokens: ``[R]`` int64.
+        repetition, presence, frequency: ``[R, 1]`` float32, the penalties (1, 0, 0: none).
         stops: ``[R, MAX_STOP_IDS]`` int64 stop ids, -1 padded. greedy: ``[R]`` bool (temperature 0).
     """
 
@@ -176,6 +178,9 @@ class RowParams:
         self.generated = packed[:, 4].long()
         self.limit = packed[:, 5].long()
         self.min_tokens = packed[:, 6].long()
+        self.repetition = packed[:, 7:8].float()
+        self.presence = packed[:, 8:9].float()
+        self.frequency = packed[:, 9:10].float()
         self.stops = packed[:, n:].long()
         self.greedy = self.temperature[:, 0] == 0
 
@@ -190,7 +195,7 @@ class RowParams:
             stops = sorted(s.completion.stop_ids)[:MAX_STOP_IDS]
             out[i, :len(_COLS)] = (p.temperature, p.top_p, p.min_p, p.top_k,
                                    len(s.tokens) - len(s.request.prompt_ids) + offset, s.completion.limit,
-                                   p.min_tokens)
+                                   p.min_tokens, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
             out[i, len(_COLS):len(_COLS) + len(stops)] = stops
         return out
 
@@ -198,7 +203,7 @@ class RowParams:
     def padding() -> np.ndarray:
         """A neutral row (greedy, no stops, no limit): what a graph's padded batch rows read."""
         row = np.full(PARAM_WIDTH, -1.0)
-        row[:len(_COLS)] = (0.0, 1.0, 0.0, 0, 0, 1 << 40, 0)
+        row[:len(_COLS)] = (0.0, 1.0, 0.0, 0, 0, 1 << 40, 0, 1.0, 0.0, 0.0)
         return row
 
 
@@ -210,15 +215,35 @@ def _ban_stops(logits: torch.Tensor, rp: RowParams, generated: torch.Tensor) -> 
     return logits.masked_fill(table & (generated < rp.min_tokens)[:, None], float("-inf"))
 
 
-def process_rows(logits: torch.Tensor, rp: RowParams, generated: torch.Tensor,
-                 stages: tuple[bool, bool, bool, bool, bool] | None = None) -> torch.Tensor:
-    """The tensor rows' processors, in the pipeline's order (``MinTokens``, ``Temperature``, ``TopK``, ``TopP``,
-    ``MinP``; their arithmetic): ``[R, V]`` float32 -> ``[R, V]``.
+#: the stages of ``process_rows``, in the pipeline's order
+STAGES = ("penalties", "min_tokens", "temperature", "top_k", "top_p", "min_p")
 
-    ``stages``: which of the five to run (None: all, as a graph does). A stage left out is one every row has
-    at its neutral value, where it changes no probability: eager steps skip the work.
+
+def _penalise(logits: torch.Tensor, rp: RowParams, seen: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``RepetitionPenalty`` then ``PresenceFrequencyPenalty`` (their arithmetic); ``seen``: the rows' prompt
+    masks ``[R, V]`` bool and output counts ``[R, V]`` int32. Neutral values (1, 0, 0) change nothing."""
+    prompt_mask, counts = seen
+    p = rp.repetition
+    penalised = torch.where(logits < 0, logits * p, logits / p)
+    logits = torch.where(prompt_mask | (counts > 0), penalised, logits)
+    c = counts.to(logits.dtype)
+    return logits - rp.frequency * c - rp.presence * (c > 0).to(logits.dtype)
+
+
+def process_rows(logits: torch.Tensor, rp: RowParams, generated: torch.Tensor,
+                 stages: tuple[bool, ...] | None = None,
+                 seen: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The tensor rows' processors, in the pipeline's order (``STAGES``: the penalties, ``MinTokens``,
+    ``Temperature``, ``TopK``, ``TopP``, ``MinP``; their arithmetic): ``[R, V]`` float32 -> ``[R, V]``.
+
+    ``stages``: which of the six to run (None: all, as a graph does). A stage left out is one every row has
+    at its neutral value, where it changes no probability: eager steps skip the work. ``seen``: the penalties'
+    prompt masks and output counts (None: no penalty stage).
     """
-    on = stages or (True,) * 5
+    on = stages or (True,) * len(STAGES)
+    if on[0] and seen is not None:
+        logits = _penalise(logits, rp, seen)
+    on = on[1:]
     if on[0]:
         logits = _ban_stops(logits, rp, generated)
     if on[1]:
@@ -252,14 +277,18 @@ def draw_tokens(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def sample_rows_tensor(logits: torch.Tensor, rp: RowParams, generated: torch.Tensor, uniforms: torch.Tensor,
-                       stages: tuple[bool, bool, bool, bool, bool] | None = None, *, any_greedy: bool = True,
-                       any_sampled: bool = True) -> torch.Tensor:
-    """The tokens of tensor rows: greedy rows the argmax after ``MinTokens``, the others ``draw_tokens`` of the
-    processed logits. ``[R, V]`` -> ``[R]``; graph-safe (no host sync)."""
+                       stages: tuple[bool, ...] | None = None, *, any_greedy: bool = True,
+                       any_sampled: bool = True, seen: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       ) -> torch.Tensor:
+    """The tokens of tensor rows: greedy rows the argmax after the penalties and ``MinTokens``, the others
+    ``draw_tokens`` of the processed logits. ``[R, V]`` -> ``[R]``; graph-safe (no host sync)."""
     logits = logits.float()  # (bf16 logits: a skipped stage must not change the precision of the rest)
-    if stages is None or stages[0]:
+    on = stages or (True,) * len(STAGES)
+    if on[0] and seen is not None:
+        logits = _penalise(logits, rp, seen)
+    if on[1]:
         logits = _ban_stops(logits, rp, generated)
-    rest = (False, *(stages or (True,) * 5)[1:])
+    rest = (False, False, *on[2:])
     greedy = logits.argmax(dim=-1) if any_greedy else None
     if not any_sampled:
         return greedy  # type: ignore[return-value]
@@ -277,6 +306,31 @@ def block_count(tokens: torch.Tensor, rp: RowParams) -> torch.Tensor:
     hit |= (rp.generated[:, None] + steps) >= rp.limit[:, None]
     first = torch.where(hit, steps, k + 1).amin(dim=-1)  # [R]: 1-based index of the first finishing token
     return first.clamp(max=k)
+
+
+def seen_state(seqs: Seq[Sequence], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked prompt masks ``[R, V]`` and output counts ``[R, V]`` of rows (zeros for a row without penalties)."""
+    for s in seqs:
+        if _needs_state(s):
+            _row_state(s, vocab, device)
+    zero_mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    zero_counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+    return (torch.stack([s.prompt_mask if s.prompt_mask is not None else zero_mask for s in seqs]),
+            torch.stack([s.output_counts if s.output_counts is not None else zero_counts for s in seqs]))
+
+
+def count_tokens(seqs: Seq[Sequence], tokens: torch.Tensor) -> None:
+    """Add a block's tokens (``[R, k]`` on the device) to the output counts of the rows that keep them (the
+    penalised rows), without a host sync. A row that finishes inside the block counts its discarded tail too:
+    it never samples again."""
+    rows = [i for i, s in enumerate(seqs) if s.output_counts is not None]
+    if not rows:
+        return
+    counts = [seqs[i].output_counts for i in rows]
+    picked = tokens if len(rows) == len(seqs) else tokens.index_select(0, torch.as_tensor(rows, device=tokens.device))
+    delta = torch.zeros(len(rows), counts[0].shape[0], dtype=torch.int32, device=tokens.device)  # type: ignore[union-attr]
+    delta.scatter_add_(1, picked, torch.ones_like(picked, dtype=torch.int32))
+    torch._foreach_add_(counts, list(delta.unbind(0)))  # type: ignore[arg-type]
 
 
 class RowSampler:
@@ -306,8 +360,12 @@ class RowSampler:
             rows = [seqs[i] for i in self.simple]
             self.params = RowParams(_to_device(RowParams.pack(rows), device))
             ps = [s.params for s in rows]
-            self.stages = (any(p.min_tokens for p in ps), any(p.temperature not in (0.0, 1.0) for p in ps),
+            penalised = any(_needs_state(s) for s in rows)
+            self.stages = (penalised, any(p.min_tokens for p in ps), any(p.temperature not in (0.0, 1.0) for p in ps),
                            any(p.top_k > 0 for p in ps), any(p.top_p < 1.0 for p in ps), any(p.min_p > 0 for p in ps))
+            self.seen: tuple[torch.Tensor, torch.Tensor] | None = None
+            if penalised:  # stacked copies: a block's steps add their tokens to these counts (``advance``)
+                self.seen = seen_state(rows, V, device)
             self.any_greedy = any(p.greedy for p in ps)
             self.any_sampled = not all(p.greedy for p in ps)
             self._simple_idx = torch.as_tensor(self.simple, device=device)
@@ -335,6 +393,14 @@ class RowSampler:
         self.plugin = any(s.params.sampler is not None for s in rows)
         self._other_idx = torch.as_tensor(self.other, device=device)
 
+    def advance(self, tokens: torch.Tensor) -> None:
+        """Count one step's tokens (``[R]``, on the device) in the penalised tensor rows' stacked counts: the next
+        step of a block sees them, as the next single step would (``sample_rows`` counts on the host there)."""
+        if self.greedy or not self.simple or self.seen is None:
+            return
+        picked = tokens if not self.other else tokens.index_select(0, self._simple_idx)
+        self.seen[1].scatter_add_(1, picked[:, None], torch.ones_like(picked[:, None], dtype=torch.int32))
+
     def __call__(self, logits: torch.Tensor, generated_offset: int = 0) -> torch.Tensor:
         """One token per row of ``logits`` (``[R, V]``), on the device: no host sync.
 
@@ -348,14 +414,14 @@ class RowSampler:
         uniforms = _to_device(row_uniforms(self.seeds, self.generated_host + generated_offset), self.device)  # [R]
         if not self.other:
             return sample_rows_tensor(logits, self.params, generated, uniforms, self.stages,
-                                      any_greedy=self.any_greedy, any_sampled=self.any_sampled)
+                                      any_greedy=self.any_greedy, any_sampled=self.any_sampled, seen=self.seen)
         out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         if self.simple:
             idx = self._simple_idx
             out.index_copy_(0, idx, sample_rows_tensor(
                 logits.index_select(0, idx), self.params, generated.index_select(0, idx),
                 uniforms.index_select(0, idx), self.stages, any_greedy=self.any_greedy,
-                any_sampled=self.any_sampled))
+                any_sampled=self.any_sampled, seen=self.seen))
         idx = self._other_idx
         gen = generated.index_select(0, idx)
         state = SamplingState(self.prompt_mask, self.counts, gen, self.generators, self.default_generator)
