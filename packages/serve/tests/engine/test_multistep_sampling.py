@@ -271,3 +271,32 @@ def test_penalised_rows_run_blocks_with_counts_on_the_device(lm, graphs):
     plain = [SamplingParams(temperature=p.temperature, top_k=p.top_k, seed=p.seed, max_new_tokens=18, ignore_eos=True)
              for p in params]
     assert _ids(_engine(lm, 1, graphs=False).generate(prompts, plain)) != want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampled_blocks_replay_one_captured_graph_on_cuda():
+    """On a GPU (decode_steps 8, graphs and the look-ahead on by default): penalised, top-k/top-p/min-p,
+    min_tokens and greedy rows, stop ids and lengths ending mid-block, replay the captured sampled k-step graphs
+    and give the tokens of one step per schedule. The model is one the Triton paged kernel takes (bf16,
+    head_dim 64), as in test_multi_step.py's CUDA test."""
+    from plyx.model import TransformerLM
+    from plyx.specs import ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=512, max_seq_len=160,
+                      init_std=0.5)
+    model = TransformerLM(cfg).eval().to("cuda", torch.bfloat16)
+    prompts = _prompts(6, seed=36)
+    params = _mixed(6, stop=(17, 99))
+    params[2] = SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.3, presence_penalty=0.5,
+                               seed=7, max_new_tokens=37, ignore_eos=True)
+    kw = dict(max_batch_size=8, max_batch_tokens=64, block_size=4, num_blocks=240, prefix_caching=False)
+    want = _ids(Engine(model, config=EngineConfig(decode_steps=1, **kw)).generate(prompts, params))
+    engine = Engine(model, config=EngineConfig(**kw))
+    assert engine.decode_steps == 8 and engine.graphs is not None and engine.look_ahead
+    calls = _spy(engine)
+    replays = engine.graphs.replays
+    assert _ids(engine.generate(prompts, params)) == want
+    assert calls and engine.graphs.replays > replays
+    assert {key[3] for key in engine.graphs._graphs if key[4]} == {2, 4, 8}  # captured at warm-up
+    assert engine.cache.usage().blocks_used == 0
