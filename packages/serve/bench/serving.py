@@ -28,6 +28,9 @@ Decode-heavy, against ``plyx.serve.generate`` at the same batch in the same run 
     python packages/serve/bench/serving.py --device cuda --dtype bfloat16 --model 1.1b --num-prompts 64 \\
         --max-concurrency 32 --input-len 32 --prefix-len 0 --output-len 512 --range-ratio 0 \\
         --skip-hf --skip-prefix-off --vs-generate
+
+``--temperature T --top-p P`` samples every request instead (serving and generate's loop alike; the
+transformers baseline stays greedy): the engine's sampled multi-step graphs against generate's sampled loop.
 """
 
 from __future__ import annotations
