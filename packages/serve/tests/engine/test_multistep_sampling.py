@@ -220,14 +220,17 @@ def test_arrival_and_abort_mid_sampled_block(lm, look_ahead):
         assert 6 <= len(stream) < 30 and list(full[:len(stream)]) == stream
 
 
-def test_rows_the_graph_cannot_sample_take_k_eager_steps(lm):
-    """A logit-bias row is not a tensor row: its blocks run k one-token steps (the pipeline samples them),
-    still the same tokens as one step per schedule."""
+@pytest.mark.parametrize("case", ["logit_bias", "capture_failed"])
+def test_rows_the_graph_cannot_sample_take_k_eager_steps(lm, case):
+    """A logit-bias row is not a tensor row, and a failed capture of the sampled graph turns
+    ``DecodeGraphs.sampling`` off: such blocks run k one-token steps (sampled on the device in between), still
+    the same tokens as one step per schedule."""
     prompts = _prompts(3, seed=34)
     params = [SamplingParams(temperature=0.8, seed=5 + i, max_new_tokens=12, ignore_eos=True,
-                             logit_bias={7: 2.0} if i == 0 else None) for i in range(3)]
+                             logit_bias={7: 2.0} if i == 0 and case == "logit_bias" else None) for i in range(3)]
     want = _ids(_engine(lm, 1, graphs=False).generate(prompts, params))
     engine = _engine(lm, 4)
+    engine.graphs.sampling = case != "capture_failed"
     calls = _spy(engine)
     assert _ids(engine.generate(prompts, params)) == want
     assert not calls and engine.stats.multi_step_blocks > 0

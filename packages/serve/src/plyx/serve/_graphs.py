@@ -115,6 +115,7 @@ class DecodeGraphs:
         self._copied: list[Any] = []
         self._turn = 0
         self._seen: tuple[torch.Tensor, torch.Tensor] | None = None  # penalties' [max_batch, V] mask and counts
+        self.sampling = True  # sample_steps may run (False after its capture failed: the engine steps instead)
         self._pool: Any = None
         self.steps = 0  # every step run here
         self.replays = 0  # the steps that replayed a captured graph
@@ -356,11 +357,16 @@ class DecodeGraphs:
     def _capture(self, key: tuple[int, int, bool, int, bool]) -> Any:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        sampled = key[4]
         result, entry = capture_step(
             lambda: self._forward(*key), self._pool,
+            "CUDA graph capture of the sampled multi-step decode failed, so sampled blocks run k one-token steps "
+            "from now on (greedy blocks and one-token steps keep their graphs)" if sampled else
             "CUDA graph capture of the decode step failed, so decode steps run eagerly from now on (a kernel the "
             "registry chose syncs with the host; `plyx kernels explain paged_attention` shows which)")
-        if entry is None:
+        if entry is None and sampled:
+            self.sampling = False  # the forward alone captured before: only the sampling's kernels failed
+        elif entry is None:
             self.capture = False
         else:
             self._graphs[key] = entry
@@ -383,7 +389,7 @@ class DecodeGraphs:
         cache = self.decode.cache
         for bucket in reversed(self.buckets):
             for steps, greedy, sampled in keys:
-                if (bucket, 1, greedy, steps, sampled) in self._graphs:
+                if (bucket, 1, greedy, steps, sampled) in self._graphs or (sampled and not self.sampling):
                     continue
                 cache.allocate(_SCRATCH_ID)
                 try:

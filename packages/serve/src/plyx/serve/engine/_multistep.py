@@ -156,7 +156,7 @@ def _queue_block(engine: Engine, seqs: list[Sequence], first: list[int] | torch.
             tokens = graphs.greedy_steps(ids, first, k)  # [B, k]
             count_tokens(seqs, tokens)
             return _with_count(tokens, _params_on(params, tokens.device))
-        if all(tensor_row(s) for s in seqs):  # sampling and stop checks inside the one replay
+        if graphs.sampling and all(tensor_row(s) for s in seqs):  # sampling and stop checks inside one replay
             seen = None
             if any(_needs_state(s) for s in seqs):
                 vocab = next(s.prompt_mask.shape[0] for s in seqs if s.prompt_mask is not None)  # type: ignore

@@ -327,7 +327,8 @@ def count_tokens(seqs: Seq[Sequence], tokens: torch.Tensor) -> None:
     if not rows:
         return
     counts = [seqs[i].output_counts for i in rows]
-    picked = tokens if len(rows) == len(seqs) else tokens.index_select(0, torch.as_tensor(rows, device=tokens.device))
+    picked = tokens if len(rows) == len(seqs) else \
+        tokens.index_select(0, _to_device(np.asarray(rows, dtype=np.int64), tokens.device))
     delta = torch.zeros(len(rows), counts[0].shape[0], dtype=torch.int32, device=tokens.device)  # type: ignore[union-attr]
     delta.scatter_add_(1, picked, torch.ones_like(picked, dtype=torch.int32))
     torch._foreach_add_(counts, list(delta.unbind(0)))  # type: ignore[arg-type]
@@ -353,7 +354,8 @@ class RowSampler:
         self.device = device
         self.seeds = [s.seed for s in seqs]
         self.generated_host = np.asarray([len(s.tokens) - len(s.request.prompt_ids) for s in seqs], dtype=np.int64)
-        self.generated = torch.as_tensor(self.generated_host, device=device)
+        # host-to-device copies through pinned memory: a pageable copy would wait for the queued forward
+        self.generated = _to_device(self.generated_host, device)
         self.simple = [i for i, s in enumerate(seqs) if tensor_row(s)]
         self.other = [i for i, s in enumerate(seqs) if not tensor_row(s)]
         if self.simple:
@@ -368,7 +370,7 @@ class RowSampler:
                 self.seen = seen_state(rows, V, device)
             self.any_greedy = any(p.greedy for p in ps)
             self.any_sampled = not all(p.greedy for p in ps)
-            self._simple_idx = torch.as_tensor(self.simple, device=device)
+            self._simple_idx = _to_device(np.asarray(self.simple, dtype=np.int64), device)
         if not self.other:
             return
         rows = [seqs[i] for i in self.other]
@@ -388,10 +390,10 @@ class RowSampler:
         self.generators = [s.generator for s in rows]
         self.default_generator = default_generator
         # built-in multinomial rows draw by the counter-based uniform; greedy and plugin samplers by the pipeline
-        self.multinomial = torch.as_tensor([s.params.sampler is None and not s.params.greedy for s in rows],
-                                           device=device)
+        self.multinomial = _to_device(np.asarray([s.params.sampler is None and not s.params.greedy for s in rows]),
+                                      device)
         self.plugin = any(s.params.sampler is not None for s in rows)
-        self._other_idx = torch.as_tensor(self.other, device=device)
+        self._other_idx = _to_device(np.asarray(self.other, dtype=np.int64), device)
 
     def advance(self, tokens: torch.Tensor) -> None:
         """Count one step's tokens (``[R]``, on the device) in the penalised tensor rows' stacked counts: the next
