@@ -375,7 +375,7 @@ class Engine:
             completion = Completion(request_index=0, index=i, prompt_ids=req.prompt_ids, params=params,
                                     stop_ids=stops, context=self.max_model_len, tokenizer=self.tokenizer,
                                     seq_id=sid, generator=gen, matcher=matcher)
-            seq = Sequence(req, i, sid, completion, gen, matcher, seed=admission_seed(self, params.seed, i, sid))
+            seq = Sequence(req, i, sid, completion, gen, matcher, seed=admission_seed(self, params, i, sid))
             self._priority[sid] = (order, i)
             req.seqs.append(seq)
         for seq in req.seqs[1:]:

@@ -132,11 +132,14 @@ def row_seed(base: int, seq_id: int) -> int:
     return z ^ (z >> 31)
 
 
-def admission_seed(engine: Any, seed: int | None, index: int, seq_id: int) -> int:
-    """The row seed of completion ``index`` of a request: ``seed + index`` (64 bits), or for an unseeded request
-    ``row_seed`` of a base drawn once per ``engine.generator`` (one host sync per generator, not per request)."""
-    if seed is not None:
-        return (seed + index) & 0xFFFFFFFFFFFFFFFF
+def admission_seed(engine: Any, params: Any, index: int, seq_id: int) -> int:
+    """The row seed of completion ``index`` of a request: ``params.seed + index`` (64 bits), or for an unseeded
+    request ``row_seed`` of a base drawn once per ``engine.generator`` (one host sync per generator, not per
+    request); 0 for a greedy request (it never draws)."""
+    if params.seed is not None:
+        return (params.seed + index) & 0xFFFFFFFFFFFFFFFF
+    if params.greedy and params.sampler is None:
+        return 0
     gen = engine.generator
     cached = getattr(engine, "_seed_base", None)
     if cached is None or cached[0] is not gen:
