@@ -301,10 +301,38 @@ class StepTrace:
         self._step = engine.step
         self._t0 = time.perf_counter()
         engine.step = self._traced
+        # CUDA: each multi-step block's replay bracketed by timing events, so the summary can say how long the
+        # device computed a block and how long it sat idle between two (host-bound) blocks
+        self.replay_events: list[tuple[Any, Any]] = []
+        graphs = getattr(engine, "graphs", None)
+        if engine.device.type == "cuda" and graphs is not None and hasattr(graphs, "greedy_steps"):
+            replay = graphs.greedy_steps
+
+            def timed_replay(*args: Any, **kwargs: Any) -> Any:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = replay(*args, **kwargs)
+                end.record()
+                self.replay_events.append((start, end))
+                return out
+
+            graphs.greedy_steps = timed_replay
 
     def reset(self) -> None:
         self.rows.clear()
+        self.replay_events.clear()
         self._t0 = time.perf_counter()
+
+    def device_blocks(self) -> dict[str, float]:
+        """Device ms of each block replay and device idle ms between consecutive replays (medians and totals)."""
+        if not self.replay_events:
+            return {}
+        torch.cuda.synchronize()
+        busy = [a.elapsed_time(b) for a, b in self.replay_events]
+        idle = [b.elapsed_time(a2) for (_, b), (a2, _) in zip(self.replay_events, self.replay_events[1:])]
+        return {"blocks": len(busy), "block_device_ms_median": statistics.median(busy),
+                "block_device_ms_total": sum(busy), "idle_between_ms_median": statistics.median(idle) if idle else 0.0,
+                "idle_between_ms_total": sum(idle)}
 
     def _replays(self) -> tuple[int, int]:
         e = self.engine
@@ -350,6 +378,8 @@ class StepTrace:
                "mixed_step_ms": statistics.fmean(mixed) if mixed else 0.0,
                "decode_step_ms": statistics.fmean(decode) if decode else 0.0,
                "mixed_ms_total": sum(mixed), "decode_ms_total": sum(decode), "paths": paths}
+        if self.replay_events:
+            out["device_blocks"] = self.device_blocks()
         if self.rows:
             from step_trace_report import analyse
 
@@ -425,6 +455,11 @@ def bench_plyx(model: Any, tokenizer: Any, reqs: list[Request], args: argparse.N
         print(f"engine steps {t['steps']}: mixed-step mean {t['mixed_step_ms']:.2f} ms ({t['mixed_steps']} steps, "
               f"{t['mixed_ms_total']:.0f} ms), decode-only-step mean {t['decode_step_ms']:.2f} ms ({t['decode_steps']} "
               f"steps, {t['decode_ms_total']:.0f} ms), by path {t['paths']}")
+        if t.get("device_blocks"):
+            d = t["device_blocks"]
+            print(f"multi-step block replays {d['blocks']}: device {d['block_device_ms_median']:.2f} ms median "
+                  f"({d['block_device_ms_total']:.0f} ms in all), device idle between two "
+                  f"{d['idle_between_ms_median']:.2f} ms median ({d['idle_between_ms_total']:.0f} ms in all)")
     step = "" if packed else ", one forward per group"
     step += f", decode_steps {getattr(engine, 'decode_steps', 1)}"
     if hasattr(engine.config, "stream_interval"):

@@ -147,11 +147,46 @@ def bench_case(B: int, ctx: int) -> dict[str, object]:
     return row
 
 
+#: ``--engine-shape``: an engine's decode step (the 1.1B serving benchmark: 32 heads over 4, head dim 64, 32 rows)
+#: whose tables are as wide as max_model_len while the sequences are shorter; every split count timed
+ENGINE_SHAPE = {"heads": 32, "kv_heads": 4, "head_dim": 64, "block_size": 16, "batch": 32, "table_columns": 45,
+                "contexts": [64, 128, 256, 512, 700], "splits": [1, 2, 3, 4, 5, 6, 8]}
+
+
+def engine_shape() -> list[dict[str, object]]:
+    """Kernel time per split count at the engine's shape (short sequences in a wide table)."""
+    e = ENGINE_SHAPE
+    B, H, KV, D, bs, width = e["batch"], e["heads"], e["kv_heads"], e["head_dim"], e["block_size"], e["table_columns"]
+    dtype = getattr(torch, SIZES["dtype"])
+    k_pool = torch.randn(B * width, bs, KV, D, device="cuda", dtype=dtype)
+    v_pool = torch.randn_like(k_pool)
+    tables = torch.randperm(B * width, device="cuda").view(B, width).to(torch.int32)
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=dtype)
+    rows = []
+    for ctx in e["contexts"]:
+        lens = torch.full((B,), ctx, device="cuda", dtype=torch.int32)
+        default = num_splits_for(B, KV, width * bs, _paged.GPU_CONFIG_SPLIT["block_n"], _sm_count(q.device))
+        row: dict[str, object] = {"ctx": ctx, "default_splits": default}
+        for n in e["splits"]:
+            row[f"splits{n}_us"] = kernel_ms(lambda n=n, lens=lens: paged_attention_triton(q, k_pool, v_pool, tables, lens,
+                                                                                num_splits=n)) * 1e3
+        rows.append(row)
+        print("engine shape", row, flush=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file, rewritten after each case")
     parser.add_argument("--sweep", action="store_true", help="also time the launch configs of SIZES['sweep_configs']")
+    parser.add_argument("--engine-shape", action="store_true",
+                        help="only the engine-shape split sweep (ENGINE_SHAPE), written to --out")
     args = parser.parse_args()
+    if args.engine_shape:
+        result = {"engine_shape": ENGINE_SHAPE, "device": torch.cuda.get_device_name(), "cases": engine_shape()}
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return 0
     copy = copy_bandwidth()
     result = {"sizes": SIZES, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "copy_GBps": copy,

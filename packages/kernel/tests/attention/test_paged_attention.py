@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(
 TOL = {torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
 
 
-def _cache(lens, Tq, H, KV, D, block_size, dtype, extra_blocks=3):
+def _cache(lens, Tq, H, KV, D, block_size, dtype, extra_blocks=3, spare_columns=1):
     B = len(lens)
-    max_blocks = max(-(-n // block_size) for n in lens) + 1  # one spare column: never read
+    max_blocks = max(-(-n // block_size) for n in lens) + spare_columns  # spare columns: never read
     num_blocks = B * max_blocks + extra_blocks
     dev = TRITON_DEVICE
     k_pool = torch.randn(num_blocks, block_size, KV, D, device=dev, dtype=dtype)
@@ -35,8 +35,8 @@ def _cache(lens, Tq, H, KV, D, block_size, dtype, extra_blocks=3):
     return q, k_pool, v_pool, tables, lens_t
 
 
-def _check(seed, lens, Tq, H, KV, D=64, block_size=16, dtype=torch.float16, **kw):
-    q, k_pool, v_pool, tables, lens_t = _cache(lens, Tq, H, KV, D, block_size, dtype)
+def _check(seed, lens, Tq, H, KV, D=64, block_size=16, dtype=torch.float16, spare_columns=1, **kw):
+    q, k_pool, v_pool, tables, lens_t = _cache(lens, Tq, H, KV, D, block_size, dtype, spare_columns=spare_columns)
     o = paged_attention_triton(q, k_pool, v_pool, tables, lens_t, **kw)
     ref_kw = {k: v for k, v in kw.items() if k != "num_splits"}
     ref = paged_attention_reference(q.double(), k_pool.double(), v_pool.double(), tables, lens_t, **ref_kw)
@@ -66,6 +66,14 @@ def test_paged_head_dim_128(seed):
     _check(seed, [50, 129], 1, 4, 2, D=128, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_paged_split_by_sequence_length_in_a_wide_table(seed, num_splits):
+    """An engine's tables are as wide as max_model_len: each split cuts its own sequence's length (sequences of
+    1 to 70 tokens over 20 spare columns; more splits than a short sequence has tiles leaves some empty)."""
+    _check(seed, [70, 1, 33, 17], 1, 8, 2, spare_columns=20, num_splits=num_splits)
+    _check(seed, [70, 40], 2, 4, 2, spare_columns=20, num_splits=num_splits, window=24)
+
+
 @pytest.mark.parametrize("window", [1, 4, 50])
 def test_paged_sliding_window(seed, window):
     _check(seed, [3, 120, 77], 3, 4, 2, window=window, num_splits=3)
@@ -85,6 +93,8 @@ def test_paged_split_count_fills_the_gpu():
     assert num_splits_for(1, 8, 32768, 64, 132) > 1  # one long sequence is split
     assert num_splits_for(64, 8, 32768, 64, 132) == 1  # enough (sequence, head) programs already
     assert num_splits_for(1, 8, 256, 64, 132) == 1  # too short to be worth a second kernel
+    assert num_splits_for(32, 4, 720, 64, 132) == 1  # an engine's 32 rows: no split below thousands of tokens
+    assert num_splits_for(32, 4, 8192, 64, 132) > 1
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])

@@ -278,7 +278,7 @@ def test_penalised_rows_run_blocks_with_counts_on_the_device(lm, graphs):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_sampled_blocks_replay_one_captured_graph_on_cuda():
-    """On a GPU (decode_steps 8, graphs and the look-ahead on by default): penalised, top-k/top-p/min-p,
+    """On a GPU (decode_steps 8; graphs and the look-ahead on by default): penalised, top-k/top-p/min-p,
     min_tokens and greedy rows, stop ids and lengths ending mid-block, replay the captured sampled k-step graphs
     and give the tokens of one step per schedule. The model is one the Triton paged kernel takes (bf16,
     head_dim 64), as in test_multi_step.py's CUDA test."""
@@ -295,8 +295,8 @@ def test_sampled_blocks_replay_one_captured_graph_on_cuda():
                                seed=7, max_new_tokens=37, ignore_eos=True)
     kw = dict(max_batch_size=8, max_batch_tokens=64, block_size=4, num_blocks=240, prefix_caching=False)
     want = _ids(Engine(model, config=EngineConfig(decode_steps=1, **kw)).generate(prompts, params))
-    engine = Engine(model, config=EngineConfig(**kw))
-    assert engine.decode_steps == 8 and engine.graphs is not None and engine.look_ahead
+    engine = Engine(model, config=EngineConfig(decode_steps=8, **kw))
+    assert engine.graphs is not None and engine.look_ahead
     calls = _spy(engine)
     replays = engine.graphs.replays
     assert _ids(engine.generate(prompts, params)) == want

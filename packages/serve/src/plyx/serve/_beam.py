@@ -1,6 +1,14 @@
-"""``beam_search()``: transformers' vectorised beam search, on any KV cache through ``fork``/``evict``.
+"""``beam_search()``: transformers' beam search, as a client of the engine.
 
-Per step and prompt (P prompts, N beams, K = max(2, 1 + #stop ids) * N candidates):
+One decode path: the prompts are submitted to a ``plyx.serve.engine.Engine`` as ``BeamSearchParams`` requests
+(each a group of ``num_beams`` rows sharing the prompt's paged blocks through ``fork``; the search itself is
+``plyx.serve.engine._beam_group``) and the engine is drained; its batching, prefix cache and preemption apply, and
+the guardrails run on every prompt as for ``generate``.
+
+What the engine has no equivalent for (``use_cache=False``, a plugin cache kind or a cache object that is not a
+``plyx.attn.PagedKVCache``) runs the reference loop below (``_search``), transformers' vectorised beam search on
+any KV cache through ``fork``/``evict``. Per step and prompt (P prompts, N beams, K = max(2, 1 + #stop ids) * N
+candidates):
 
 1. ``acc[b, v] = running_score[b] + log_softmax(logits[b])[v]`` over the N beams; keep the top K of
    the N * V continuations (K > N so that N non-finished beams always remain);
@@ -12,18 +20,20 @@ Per step and prompt (P prompts, N beams, K = max(2, 1 + #stop ids) * N candidate
 4. stop when no running beam can beat the worst finished one (``early_stopping``; transformers'
    heuristic), or every candidate hit a stop.
 
-This mirrors ``GenerationMixin._beam_search`` step for step, so the tests compare token ids and
+Both mirror ``GenerationMixin._beam_search`` step for step, so the tests compare token ids and
 scores with transformers on the same weights.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import torch
 from plyx.serve._outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
-from plyx.serve._params import BeamSearchParams
+from plyx.serve._params import BeamSearchParams, SamplingParams
 from plyx.serve._runner import Runner, model_device
 from plyx.specs.kvcache import KVCache
 
@@ -45,42 +55,74 @@ def beam_search(
     """Beam-search completions for a batch of prompts (deterministic; no sampling).
 
     Args:
-        model, prompts, tokenizer, eos_token_id, cache, use_cache: as for ``generate``.
+        model, prompts, tokenizer, eos_token_id, cache, use_cache: as for ``generate`` (``contiguous`` and
+            ``paged`` run the engine on its paged pool, a ``PagedKVCache`` runs the engine in that pool).
         params: a ``BeamSearchParams`` (default: 4 beams, 16 new tokens).
 
     Returns:
         One ``RequestOutput`` per prompt whose ``outputs`` are the ``num_return_sequences`` best
         finished hypotheses, best first, each with its length-penalised ``score``.
 
+    Raises:
+        ConfigError: a bad prompt or parameter, before any compute.
+        RequestRefused: an input rail refused a prompt; nothing ran.
+
     Example:
         >>> out = beam_search(model, [[1, 2, 3]], BeamSearchParams(num_beams=4, max_new_tokens=8))
         >>> out[0].outputs[0].token_ids, out[0].outputs[0].score
     """
-    from plyx.serve._generate import _check_model, _eos_ids, _normalize_prompts
-    from plyx.serve._tokenizer import TokenizerView
+    from plyx.serve._generate import _engine_runs, _Plan
     from plyx.specs.errors import ConfigError
 
     params = params or BeamSearchParams()
     if not isinstance(params, BeamSearchParams):
         raise ConfigError("params", "beam_search takes a BeamSearchParams", value=type(params).__name__,
                           fix="pass BeamSearchParams(num_beams=..., max_new_tokens=...)")
-    config = _check_model(model)
-    tok = TokenizerView(tokenizer) if tokenizer is not None else None
-    prompt_ids, prompt_texts = _normalize_prompts(prompts, tok)
-    context = int(config.max_seq_len)
-    for i, ids in enumerate(prompt_ids):
-        if len(ids) >= context:
-            raise ConfigError(f"prompts[{i}]", f"the prompt has {len(ids)} tokens but the model's context is "
-                              f"{context}", value=len(ids), fix=f"shorten the prompt to at most {context - 1} tokens")
-        bad = [t for t in ids if not 0 <= t < int(config.vocab_size)]
-        if bad:
-            raise ConfigError(f"prompts[{i}]", f"token ids must be in [0, {config.vocab_size})", value=bad[:5],
-                              fix="encode the prompt with the model's tokenizer")
-    stops = _eos_ids(eos_token_id, tok)
+    # validation as generate's (empty, too long or out-of-vocabulary prompts), with the rows the beams take
+    plan = _Plan(model, prompts, SamplingParams(n=params.num_beams, temperature=0.0,
+                                                max_new_tokens=params.max_new_tokens), tokenizer, eos_token_id)
+    if not _engine_runs(cache, use_cache, None):
+        return _reference(model, plan, params, cache if use_cache else None)
+    return _engine_beams(model, plan, params, cache)
+
+
+def _engine_beams(model: Any, plan: Any, params: BeamSearchParams, cache: Any) -> list[RequestOutput]:
+    """Submit every prompt to the call's engine as a beam request, drain it, outputs in prompt order."""
+    from plyx.serve._generate import _drain, _engine_for, _rewritten_ids
+
+    engine = _engine_for(plan, model, cache, None, None)
+    base = f"beams-{uuid.uuid4().hex[:12]}-"
+    requests: list[Any] = []
+    try:
+        for r, ids in enumerate(plan.prompt_ids):
+            rid = f"{base}{r}"
+            guard = None
+            if engine.config.guardrails:
+                guard = engine.guard_for(rid, ids, plan.prompt_texts[r], endpoint="beam_search")
+                guard.admit()  # raises RequestRefused (reported to plyx_on_response first)
+                if guard.rewritten is not None:  # an input rail redacted the prompt: the model sees the new text
+                    ids = _rewritten_ids(plan, r, guard.rewritten)
+            requests.append(engine.add_request(rid, ids, params, guard=guard))
+    except BaseException:
+        for req in requests:
+            engine.abort(req.request_id)
+        engine.client_busy = False
+        raise
+    for _ in _drain(engine, requests):  # closes (aborting what still runs) on an exception
+        pass
+    return [msgspec.structs.replace(engine.request_output(req, r), prompt=plan.prompt_texts[r])
+            for r, req in enumerate(requests)]
+
+
+def _reference(model: Any, plan: Any, params: BeamSearchParams, cache: Any) -> list[RequestOutput]:
+    """The reference loop (``_search``) on a ``Runner``: no cache, a plugin kind or a non-paged cache object."""
+    tok, prompt_ids, prompt_texts = plan.tokenizer, plan.prompt_ids, plan.prompt_texts
+    context = plan.context
+    stops = list(plan.eos)
     stops += [t for t in params.stop_token_ids if t not in stops]
     nb = params.num_beams
     longest = min(context, max(len(ids) for ids in prompt_ids) + params.max_new_tokens)
-    runner = Runner(model, cache if use_cache else None, num_sequences=2 * nb * len(prompt_ids), max_seq_len=longest)
+    runner = Runner(model, cache, num_sequences=2 * nb * len(prompt_ids), max_seq_len=longest)
     try:
         with torch.inference_mode():
             seqs, scores, lens, lps, steps = _search(runner, prompt_ids, params, stops, context)

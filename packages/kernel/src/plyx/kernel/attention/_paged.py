@@ -18,7 +18,9 @@ a second kernel combines them::
     m = max_s m_s;  l = sum_s l_s * 2^(m_s - m);  o = sum_s acc_s * 2^(m_s - m) / l
 
 The number of splits depends only on B, KV, the table width and the GPU, so
-no device-to-host sync (no ``context_lens.max()``) is needed.
+no device-to-host sync (no ``context_lens.max()``) is needed; each program cuts
+its own sequence's length into that many chunks (whole key tiles), so the
+splits share the work of a sequence far shorter than its table.
 
 Quantised pools (``QUANT``, ``paged_attention_quant``): int8 or float8_e4m3fn pools with a float32
 scale per (token, kv head) in ``[num_blocks, block_size, KV]`` pools beside them. A stored key is
@@ -55,7 +57,7 @@ def _paged_fwd(
     stride_ksblk, stride_ksslot, stride_vsblk, stride_vsslot,
     stride_bt_b,
     stride_ob, stride_ot, stride_oh,
-    Tq, KV, qk_scale, window, chunk, table_width,
+    Tq, KV, qk_scale, window, table_width,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROW_TILES: tl.constexpr,
     SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, USE_GDC: tl.constexpr, QUANT: tl.constexpr,
@@ -69,15 +71,9 @@ def _paged_fwd(
     row_tile = tl.program_id(1) % ROW_TILES
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
-    start = split * chunk
     offs_n0 = tl.arange(0, BLOCK_N)
     table = BLOCK_TABLES + b * stride_bt_b
     max_ctx = table_width * BLOCK_SIZE
-    if not HAS_WINDOW:
-        # the first tile's block ids do not depend on the context length: fetched beside it, not after it
-        # (at decode sizes a program is a chain of memory round trips: length, block ids, keys and values)
-        first = start + offs_n0
-        blk = tl.load(table + first // BLOCK_SIZE, mask=first < max_ctx, other=0).to(tl.int64)
     L = tl.load(CONTEXT_LENS + b)
 
     # row r = g * Tq + t: head kvh * GROUP + g, new token t at position L - Tq + t
@@ -91,11 +87,17 @@ def _paged_fwd(
     q = tl.load(Q + b * stride_qb + t[:, None] * stride_qt + h[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)  # [BM, D]
 
+    # this sequence's keys (from the window's first tile, if any) cut into num_splits chunks of whole tiles: the
+    # splits share the sequence's own length, not the table's width, so a short sequence in a wide table (an
+    # engine's max_model_len) still spreads over every split instead of landing whole in the first
+    lo = 0
+    if HAS_WINDOW:  # no key before the window's start is visible to any row
+        lo = tl.maximum(L - Tq - window + 1, 0) // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(L - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * chunk
     end = tl.minimum(start + chunk, L)
-    if HAS_WINDOW:  # no key of this split is visible to any row: skip to the window's start
-        start = tl.maximum(start, (L - Tq - window + 1) // BLOCK_N * BLOCK_N)
-        first = start + offs_n0
-        blk = tl.load(table + first // BLOCK_SIZE, mask=first < max_ctx, other=0).to(tl.int64)
+    first = start + offs_n0
+    blk = tl.load(table + first // BLOCK_SIZE, mask=first < max_ctx, other=0).to(tl.int64)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -227,10 +229,16 @@ def _sm_count(device: torch.device) -> int:
 
 
 def num_splits_for(batch: int, kv_heads: int, max_context: int, block_n: int, sm_count: int) -> int:
-    """Splits so that about two programs run per multiprocessor, each with at least 4 key tiles."""
+    """Splits so that about two programs run per multiprocessor, each with at least 4 key tiles.
+
+    Once the (sequence, head) programs alone are half the multiprocessors or more, only long tables split: at 32
+    sequences x 4 heads on an H100 (128 programs, 132 SMs, a 45-column table) every split count from 2 to 8 was
+    slower than none at contexts 64 to 700 (5.9 against 8.0 us at 64, 13.1 against 14.9 at 512;
+    ``bench_paged_attention.py --engine-shape``, 2026-11-25): the partials and the combine cost more than the
+    shorter chains save until a sequence holds thousands of tokens."""
     programs = batch * kv_heads
     tiles = triton.cdiv(max_context, block_n)
-    if programs >= sm_count or tiles < 8:
+    if programs >= sm_count or tiles < 8 or (2 * programs >= sm_count and tiles < 32):
         return 1
     return max(1, min(triton.cdiv(2 * sm_count, programs), tiles // 4, 64))
 
@@ -302,7 +310,6 @@ def paged_attention(
         config = single_cfg if num_splits <= 1 else split_cfg
     block_n = config["block_n"] if D <= 128 else min(config["block_n"], 32)
     num_splits = max(1, min(int(num_splits), triton.cdiv(max_context, block_n)))
-    chunk = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     o = _empty(q.shape, like=q)
     split = num_splits > 1
     gdc = pdl(q.device)
@@ -320,7 +327,7 @@ def paged_attention(
         ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
         block_tables.stride(0),
         o.stride(0), o.stride(1), o.stride(2),
-        Tq, KV, scale * LOG2E, window or 0, chunk, block_tables.shape[1],
+        Tq, KV, scale * LOG2E, window or 0, block_tables.shape[1],
         GROUP=group, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, ROW_TILES=row_tiles,
         SPLIT=split, HAS_WINDOW=window is not None, USE_GDC=gdc, QUANT=quant,
         V_T=bool(config.get("v_trans", 0)), num_warps=config["num_warps"],

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from plyx.serve._params import SamplingParams
+from plyx.serve._params import BeamSearchParams, SamplingParams
 from plyx.serve.engine._engine import Engine, EngineOutput
 from plyx.serve.engine._guard import RequestGuard
 
@@ -140,7 +140,7 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # -- the event-loop side ---------------------------------------------------------------
-    async def add(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, *,
+    async def add(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams | BeamSearchParams, *,
                   adapter: str | None = None, guard: RequestGuard | None = None) -> RequestStream:
         """Queue a request and wait until the engine took it; raises what ``Engine.add_request`` raises.
 
@@ -148,7 +148,7 @@ class AsyncEngine:
         makes one per request (``Engine.add_request``)."""
         loop = asyncio.get_running_loop()
         grammar = None
-        if params.structured is not None:  # compiling may take a while: not on the loop, not on the engine
+        if getattr(params, "structured", None) is not None:  # BeamSearchParams has none; compiling may take a while: not on the loop, not on the engine
             grammar = await asyncio.to_thread(self.engine.compile_grammar, params)
         stream = RequestStream(request_id, loop)
         ack: asyncio.Future[None] = loop.create_future()

@@ -18,7 +18,8 @@ Every ``step()``:
    adapters) one forward per group of equal new-token counts, so no row is padded.
 3. **sample** the rows that reached the end of their tokens, each with its own
    processors and seeded generator; completions ``n > 1`` fork completion 0's
-   cache once its prompt is computed.
+   cache once its prompt is computed. The rows of a beam request (``BeamSearchParams``) are not
+   sampled: their group takes a beam-search step once all its beams have logits (``_beam_group``).
 
 All state lives on the thread that calls ``step`` (``AsyncEngine`` runs it on its own thread).
 """
@@ -36,9 +37,10 @@ import msgspec
 import torch
 from plyx.serve._completion import Completion
 from plyx.serve._outputs import RequestOutput, StreamEvent
-from plyx.serve._params import SamplingParams
+from plyx.serve._params import BeamSearchParams, SamplingParams
 from plyx.serve._tokenizer import TokenizerView
-from plyx.serve.engine._config import EngineConfig
+from plyx.serve.engine._beam_group import BeamGroup, beam_rows_params, check_beam_request, step_beams
+from plyx.serve.engine._config import DEFAULT_CUDA_DECODE_STEPS, EngineConfig
 from plyx.serve.engine._guard import RequestGuard
 from plyx.serve.engine._multistep import accept_ahead, block_steps, multi_step_row, run_block
 from plyx.serve.engine._prefix_cache import PrefixCache
@@ -168,6 +170,7 @@ class Engine:
         self.prefix: PrefixCache | None = (PrefixCache(self.cache, bs) if c.prefix_caching and cache is None
                                            else None)
         self.requests: dict[str, EngineRequest] = {}
+        self.beam_groups: dict[str, BeamGroup] = {}  # request id -> the search of a running beam request
         self.waiting: list[Sequence] = []  # sorted by priority (arrival order)
         self.running: list[Sequence] = []
         self.stats = EngineStats()
@@ -181,7 +184,7 @@ class Engine:
         self._lm_head = getattr(model, "lm_head_weight", None) is not None
         # resident adapters (``plyx.serve.MultiLora``): requests name one; a step's rows may mix them
         self.lora = lora
-        steps = c.decode_steps if c.decode_steps is not None else (8 if self.device.type == "cuda" else 1)
+        steps = c.decode_steps if c.decode_steps is not None else (DEFAULT_CUDA_DECODE_STEPS if self.device.type == "cuda" else 1)
         # multi-step decode (``_multistep``): plain rows only; drafts and adapters keep one step per schedule
         heads = draft_heads if draft_heads is not None else (c.draft_heads or None)
         self.decode_steps = 1 if lora is not None or c.speculative_ngram or heads is not None else steps
@@ -313,7 +316,7 @@ class Engine:
         return RequestGuard(request, {"request_id": request_id, "client": "", "endpoint": endpoint,
                                       "guardrail_policy": ""})
 
-    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams, *,
+    def add_request(self, request_id: str, prompt_ids: Seq[int], params: SamplingParams | BeamSearchParams, *,
                     grammar: Any = None, arrival: float | None = None, adapter: str | None = None,
                     guard: RequestGuard | None = None, prompt_text: str | None = None) -> EngineRequest:
         """Queue a request; its outputs come from later ``step()`` calls.
@@ -323,6 +326,9 @@ class Engine:
         emits, ``plyx_on_response`` when it ends.
 
         Args:
+            params: ``SamplingParams``; or ``BeamSearchParams``: a beam search whose ``num_beams`` rows share the
+                prompt's blocks, and whose ``num_return_sequences`` best hypotheses come out when it ends (one
+                output each, index = rank; no per-token outputs).
             adapter: a resident LoRA adapter's name (``lora=``), or None for the base model.
             guard: the guardrails of the caller's request (a server shares one among the prompts of an API
                 call, and re-encodes a rewritten prompt itself); None: one is made for this request
@@ -339,6 +345,10 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use; pass a unique id")
         self.check_prompt(prompt_ids)
+        beam = None
+        if isinstance(params, BeamSearchParams):  # its rows carry greedy SamplingParams; the group decides tokens
+            check_beam_request(self, prompt_ids, params, adapter)
+            beam, params = params, beam_rows_params(params)
         if guard is None and self.config.guardrails:
             guard = self.guard_for(request_id, prompt_ids, prompt_text)
             guard.admit()
@@ -382,9 +392,11 @@ class Engine:
             seq.status = SeqStatus.FOLLOWER
         self._enqueue(req.seqs[0])
         self.requests[request_id] = req
+        if beam is not None:
+            self.beam_groups[request_id] = BeamGroup(self, req, beam, stops)
         if guard is not None:
             req.guard = guard
-            guard.attach(request_id, len(req.prompt_ids), params.n)
+            guard.attach(request_id, len(req.prompt_ids), params.n if beam is None else beam.num_return_sequences)
             self._guards[request_id] = req
         return req
 
@@ -394,6 +406,7 @@ class Engine:
         if req is None:
             return []
         req.aborted = True
+        self.beam_groups.pop(request_id, None)
         for seq in req.seqs:
             self._free(seq)
             seq.status = SeqStatus.FINISHED
@@ -483,7 +496,8 @@ class Engine:
         self.stats.steps += 1
         self.stats.last_batch_seqs = len(planned)
         self.stats.last_batch_tokens = sum(n for _, n in planned)
-        k = block_steps(self, planned) if self.decode_steps > 1 else 1
+        # beam groups need their logits every step (host logic between tokens): single steps while one runs
+        k = block_steps(self, planned) if self.decode_steps > 1 and not self.beam_groups else 1
         if k > 1:  # a block of k decode steps, the tokens read once (``_multistep``)
             seqs = [s for s, _ in planned]
             self.stats.steps += k - 1
@@ -502,6 +516,9 @@ class Engine:
             for group in self._groups(work):
                 rows.extend(self._forward(group, finishing))
         outputs: list[EngineOutput] = []
+        if finishing and self.beam_groups:  # beam rows: their groups' search steps, not sampling
+            finishing, rows, beam_outputs = step_beams(self, finishing, rows)
+            outputs.extend(beam_outputs)
         if finishing:
             seqs, logits = self._with_followers(finishing, rows)  # [R, V]
             ahead: list[Any] = []
@@ -550,6 +567,8 @@ class Engine:
         log-probs asked, base model; with draft-head chains also plain sampled rows (the rejection rule)."""
         from plyx.serve.engine._sampling import plain_greedy
 
+        if seq.request.request_id in self.beam_groups:  # a beam's next token is the group's choice, not argmax
+            return False
         if plain_greedy(seq) and seq.params.logprobs is None and seq.request.adapter is None:
             return True
         return self.proposer is not None and self.proposer.samples(seq)
@@ -641,7 +660,7 @@ class Engine:
         only known after the host reads the tokens: their share of this forward is wasted and their blocks freed.
         Returns ``(rows, logits [r, V])``, or ``()`` when nothing was queued.
         """
-        if self.waiting or any(s.pending for s in self.running):
+        if self.waiting or self.beam_groups or any(s.pending for s in self.running):
             return ()
         if self.decode_steps > 1 and all(multi_step_row(s) or s.finished for s in seqs):
             return ()  # the next step runs a multi-step block (it needs its rows' tokens on the host first)
@@ -973,9 +992,11 @@ class Engine:
         return [(s, n) for s, (n, _) in planned.items()]
 
     # -- convenience ---------------------------------------------------------------------
-    def generate(self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams]) -> list[RequestOutput]:
-        """Run ``prompts`` (token ids) to completion through the scheduler; one ``RequestOutput`` each, in order."""
-        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    def generate(self, prompts: Seq[Seq[int]], params: Any) -> list[RequestOutput]:
+        """Run ``prompts`` (token ids) to completion through the scheduler; one ``RequestOutput`` each, in order.
+        ``params``: one ``SamplingParams`` or ``BeamSearchParams`` for all, or one per prompt (mixed freely)."""
+        one = isinstance(params, (SamplingParams, BeamSearchParams))
+        plist = [params] * len(prompts) if one else list(params)
         base = f"gen-{next(self._order)}-"
         reqs = [self.add_request(f"{base}{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist))]
         while any(not r.finished for r in reqs):
@@ -987,10 +1008,15 @@ class Engine:
         filters let it out."""
         guard = req.guard if req.guard is not None and req.guard.filtering else None
         outs = []
-        for s in req.seqs:
+        finals = req.beam_outputs
+        for s in req.seqs if finals is None else ():
             out = s.completion.output()
             if guard is not None and out.text is not None:
                 out = msgspec.structs.replace(out, text=guard.text(req.request_id, s.index))
+            outs.append(out)
+        for out in finals or ():  # a beam request: its best hypotheses, best first
+            if guard is not None and out.text is not None:
+                out = msgspec.structs.replace(out, text=guard.text(req.request_id, out.index))
             outs.append(out)
         return RequestOutput(request_index=index, prompt=None, prompt_token_ids=tuple(req.prompt_ids),
                              outputs=tuple(outs))

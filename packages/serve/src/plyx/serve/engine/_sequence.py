@@ -89,6 +89,7 @@ class EngineRequest:
         self.aborted = False
         self.adapter: str | None = None  # the LoRA adapter it runs through (None: the base model)
         self.guard: Any = None  # its RequestGuard (the guardrails it passed and its output filters), or None
+        self.beam_outputs: tuple[Any, ...] | None = None  # a beam request's best hypotheses, once it ended
 
     @property
     def finished(self) -> bool:

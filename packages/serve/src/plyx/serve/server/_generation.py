@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 from plyx.serve._outputs import TokenLogprob
-from plyx.serve._params import SamplingParams
+from plyx.serve._params import BeamSearchParams, SamplingParams
 from plyx.serve.engine import AsyncEngine, EngineOutput, RequestGuard, RequestStream
 
 __all__ = ["Choice", "Job", "new_job_id"]
@@ -50,18 +50,27 @@ class Job:
             every choice and reports the response when the last prompt ended. None: the engine guards each
             prompt on its own.
         adapter: the resident LoRA adapter the request runs through (None: the base model).
+        keep: the choices returned per prompt when more are computed (``best_of`` samples: the ``keep`` of highest
+            cumulative log-probability, ``returned``); None: all.
+        show_logprobs: whether the answer carries log-probabilities (default: when ``params`` asks for them).
     """
 
     def __init__(self, aengine: AsyncEngine, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 guard: RequestGuard | None, kind: str, job_id: str | None = None, adapter: str | None = None) -> None:
+                 guard: RequestGuard | None, kind: str, job_id: str | None = None, adapter: str | None = None,
+                 keep: int | None = None, show_logprobs: bool | None = None) -> None:
         self.aengine = aengine
         self.prompts = [list(p) for p in prompts]
         self.params = params
+        beams = isinstance(params, BeamSearchParams)
+        self.n = params.num_return_sequences if beams else params.n  # choices each prompt's request emits
+        self.keep = keep
+        self.show_logprobs = (params.logprobs if beams else params.logprobs is not None) if show_logprobs is None \
+            else show_logprobs
         self.adapter = adapter  # the resident LoRA adapter the request named (None: the base model)
         self.id = job_id or new_job_id(kind)
         self.created = int(time.time())
         self.guard = guard
-        self.choices = [Choice(i) for i in range(len(prompts) * params.n)]
+        self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.streams: list[RequestStream] = []
         self.arrival = time.monotonic()
         self.first_token: float | None = None
@@ -149,12 +158,12 @@ class Job:
                 self.abort()
 
     def _apply(self, p: int, out: EngineOutput) -> list[Event]:
-        choice = self.choices[p * self.params.n + out.index]
+        choice = self.choices[p * self.n + out.index]
         if choice.finish_reason is not None:
             return []
         if out.aborted:
             events = []
-            for c in self.choices[p * self.params.n:(p + 1) * self.params.n]:
+            for c in self.choices[p * self.n:(p + 1) * self.n]:
                 if c.finish_reason is None:
                     c.finish_reason = "abort"
                     events.append((c, "", [], "abort"))
@@ -172,7 +181,23 @@ class Job:
         choice.text += text
         return [(choice, text, new_lp, choice.finish_reason)]
 
+    def returned(self) -> list[Choice]:
+        """The choices the answer carries: all, or per prompt the ``keep`` of highest cumulative log-probability
+        (``best_of`` sampling), best first, renumbered ``prompt * keep + rank``."""
+        if self.keep is None or self.keep >= self.n:
+            return self.choices
+        out = []
+        for p in range(len(self.prompts)):
+            group = self.choices[p * self.n:(p + 1) * self.n]
+            ranked = sorted(group, key=lambda c: -sum(lp.logprob for lp in c.logprobs))  # stable: index on ties
+            for rank, c in enumerate(ranked[:self.keep]):
+                c.index = p * self.keep + rank
+                out.append(c)
+        return out
+
     def usage(self) -> dict[str, int]:
+        """Tokens of every choice computed: all ``best_of`` samples (as OpenAI bills them); a beam search's returned
+        hypotheses."""
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal, Union
 
 import msgspec
-from plyx.serve._params import SamplingParams, StructuredOutput
+from plyx.serve._params import BeamSearchParams, SamplingParams, StructuredOutput
 from plyx.serve.server._errors import APIError, from_config_error
 from plyx.specs.errors import ConfigError
 
@@ -20,6 +20,7 @@ __all__ = [
     "LoadLoraRequest",
     "TokenizeRequest",
     "UnloadLoraRequest",
+    "best_of_params",
     "sampling_params",
 ]
 
@@ -90,7 +91,15 @@ class CompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
     logprobs: Union[int, None] = None
     echo: bool = False
     best_of: Union[int, None] = None
+    """Sequences computed per prompt (>= n); the ``n`` best are returned (OpenAI's legacy API)."""
     suffix: Union[str, None] = None
+    # vLLM's beam-search extras
+    use_beam_search: bool = False
+    """Beam search with ``best_of`` (default ``n``) beams; the ``n`` best hypotheses are returned."""
+    length_penalty: float = 1.0
+    """A hypothesis scores sum_logprobs / length ** length_penalty (beam search)."""
+    early_stopping: Union[bool, str] = False
+    """Beam search: True, False or "never" (transformers' meanings)."""
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True, forbid_unknown_fields=True):
@@ -156,6 +165,59 @@ def _structured(fmt: ResponseFormat | None) -> StructuredOutput | None:
         raise APIError(400, "response_format of type json_schema needs json_schema.schema (a JSON Schema object)",
                        param="response_format.json_schema", code="invalid_value")
     return StructuredOutput(json_schema=fmt.json_schema.schema)
+
+
+#: most sequences one prompt of a completions request computes (``best_of``, beams included)
+MAX_BEST_OF = 16
+
+#: sampling fields a beam search has no use for: (field, its default); a request setting one is refused
+_NOT_FOR_BEAMS = (("stop", None), ("response_format", None), ("logit_bias", None), ("presence_penalty", 0.0),
+                  ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("top_p", None), ("top_k", 0),
+                  ("min_p", 0.0), ("min_tokens", 0), ("ignore_eos", False))  # a seed is harmless: no draw
+
+
+def best_of_params(req: CompletionRequest, params: SamplingParams) -> tuple[SamplingParams | BeamSearchParams, int]:
+    """The engine parameters of a completions request's ``best_of`` and ``use_beam_search``, and how many
+    sequences each prompt computes.
+
+    ``use_beam_search``: a beam search of ``best_of`` beams (default ``n``) whose ``n`` best hypotheses are the
+    choices; ``best_of > n`` without it: ``best_of`` samples, ranked by cumulative log-probability (the server
+    keeps the ``n`` best). Neither can stream: the ``n`` best are known only when every sequence ended (a 400
+    says so, as vLLM's). A bad combination is a 400 naming the field.
+    """
+    best_of = req.n if req.best_of is None else req.best_of
+    if not req.n <= best_of <= MAX_BEST_OF:
+        raise APIError(400, f"best_of must be in [n={req.n}, {MAX_BEST_OF}] (got {best_of}): the n best of best_of "
+                       "sequences are returned", param="best_of", code="invalid_value")
+    if req.stream and (req.use_beam_search or best_of > req.n):
+        what = "use_beam_search" if req.use_beam_search else "best_of"
+        raise APIError(400, f"{what} cannot be streamed: the n best sequences are known only when all of them "
+                       "ended; send stream=false", param="stream", code="unsupported_parameter")
+    if not req.use_beam_search:
+        if best_of == req.n:
+            return params, best_of
+        # the ranking reads every sample's cumulative log-probability: computed even when not returned
+        lp = params.logprobs if params.logprobs is not None else 0
+        return msgspec.structs.replace(params, n=best_of, logprobs=lp), best_of
+    if req.temperature not in (None, 0.0):
+        raise APIError(400, f"beam search is deterministic: leave temperature out or 0 (got {req.temperature})",
+                       param="temperature", code="invalid_value")
+    for name, default in _NOT_FOR_BEAMS:
+        if getattr(req, name) != default:
+            raise APIError(400, f"`{name}` does not apply to beam search (it stops on EOS, stop_token_ids and "
+                           "max_tokens, and scores raw log-probabilities); leave it out or use_beam_search=false",
+                           param=name, code="unsupported_parameter")
+    if req.logprobs not in (None, 0):
+        raise APIError(400, f"beam search reports each chosen token's log-probability (logprobs=0), not the top "
+                       f"alternatives (got logprobs={req.logprobs})", param="logprobs", code="invalid_value")
+    try:
+        beams = BeamSearchParams(num_beams=best_of, max_new_tokens=params.max_new_tokens,
+                                 num_return_sequences=req.n, length_penalty=req.length_penalty,
+                                 early_stopping=req.early_stopping, stop_token_ids=params.stop_token_ids,
+                                 logprobs=req.logprobs is not None)
+    except ConfigError as exc:
+        raise from_config_error(exc) from None
+    return beams, best_of
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, *, max_tokens: int | None,
