@@ -78,6 +78,21 @@ def test_uniforms_depend_on_seed_and_index_alone():
     assert ((counts - 500) ** 2 / 500).sum() < 43.8  # p = 0.001
 
 
+def test_row_windows_serve_the_same_uniforms():
+    """``seq_uniforms`` (windows of ``UNIFORM_WINDOW`` tokens per row, refilled when a request runs past one)
+    gives exactly ``row_uniforms`` at every index, for blocks crossing a window's end."""
+    from types import SimpleNamespace
+
+    rows = [SimpleNamespace(seed=s, uniforms=None) for s in (3, 99, 2**63 + 5)]
+    start = np.array([0, 10, 60])
+    for _ in range(12):
+        k = 1 + int(start[0]) % 7
+        got = S.seq_uniforms(rows, start, k)
+        want = S.row_uniforms([r.seed for r in rows], start[:, None] + np.arange(k))
+        assert np.array_equal(got, want)
+        start = start + k
+
+
 def _reference(logits, temperature, top_k, top_p, min_p, penalties=None, seen=None):
     """The pipeline's own processors (transformers' warper semantics); ``penalties``: (repetition, presence,
     frequency) per row, over ``seen`` (prompt masks, output counts)."""

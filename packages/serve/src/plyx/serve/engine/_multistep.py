@@ -44,8 +44,8 @@ from plyx.serve.engine._sampling import (
     block_count,
     count_tokens,
     plain_greedy,
-    row_uniforms,
     seen_state,
+    seq_uniforms,
     tensor_row,
 )
 from plyx.serve.engine._sequence import SeqStatus, Sequence
@@ -196,7 +196,7 @@ def _uniforms(seqs: list[Sequence], unread: int, k: int) -> Any:
     import numpy as np
 
     start = np.asarray([len(s.tokens) - len(s.request.prompt_ids) + unread for s in seqs], dtype=np.int64)
-    return row_uniforms([s.seed for s in seqs], start[:, None] + np.arange(k))
+    return seq_uniforms(seqs, start, k)
 
 
 def run_block(engine: Engine, seqs: list[Sequence], k: int) -> list[EngineOutput]:

@@ -36,7 +36,7 @@ from plyx.serve.engine._sequence import Sequence
 
 __all__ = ["MAX_STOP_IDS", "PARAM_WIDTH", "STAGES", "RowParams", "RowSampler", "admission_seed", "block_count",
            "count_tokens", "draw_tokens", "philox4x32", "plain_greedy", "process_rows", "row_seed", "row_uniforms",
-           "sample_rows", "sample_rows_tensor", "sample_tokens", "seen_state", "tensor_row"]
+           "sample_rows", "sample_rows_tensor", "sample_tokens", "seen_state", "seq_uniforms", "tensor_row"]
 
 #: the most stop ids (EOS and ``stop_token_ids``) a tensor row may have: the width of ``RowParams.stops``
 MAX_STOP_IDS = 8
@@ -121,6 +121,32 @@ def row_uniforms(seeds: Seq[int], index: np.ndarray) -> np.ndarray:
     hi = (x[:, 0] >> np.uint64(5)).astype(np.float64)  # 27 bits
     lo = (x[:, 1] >> np.uint64(6)).astype(np.float64)  # 26 bits
     return ((hi * 67108864.0 + lo) / 9007199254740992.0).reshape(shape)
+
+
+#: uniforms computed per row at once, ahead of its tokens (``seq_uniforms``): numpy's per-call overhead, not the
+#: arithmetic, sets Philox's cost here (~0.2 ms a call for 32 rows), so one call serves a row's next 64 tokens
+UNIFORM_WINDOW = 64
+
+
+def seq_uniforms(seqs: Seq[Sequence], start: np.ndarray, k: int) -> np.ndarray:
+    """``row_uniforms`` of each row's tokens ``start[r] .. start[r] + k - 1`` (``[R, k]`` float64), served from
+    the rows' windows (``Sequence.uniforms``), refilled ``UNIFORM_WINDOW`` tokens ahead in one call for all rows
+    that ran out. The values are a pure function of (seed, index): a window is never stale."""
+    out = np.empty((len(seqs), k))
+    missing = []
+    for r, s in enumerate(seqs):
+        i, window = int(start[r]), s.uniforms
+        if window is not None and window[0] <= i and i + k <= window[0] + len(window[1]):
+            out[r] = window[1][i - window[0]:i - window[0] + k]
+        else:
+            missing.append(r)
+    if missing:
+        first = np.asarray([int(start[r]) for r in missing], dtype=np.int64)
+        fresh = row_uniforms([seqs[r].seed for r in missing], first[:, None] + np.arange(max(k, UNIFORM_WINDOW)))
+        for j, r in enumerate(missing):
+            seqs[r].uniforms = (int(first[j]), fresh[j])
+            out[r] = fresh[j, :k]
+    return out
 
 
 def row_seed(base: int, seq_id: int) -> int:
@@ -355,7 +381,7 @@ class RowSampler:
             return
         V = vocab
         self.device = device
-        self.seeds = [s.seed for s in seqs]
+        self.seqs = list(seqs)
         self.generated_host = np.asarray([len(s.tokens) - len(s.request.prompt_ids) for s in seqs], dtype=np.int64)
         # host-to-device copies through pinned memory: a pageable copy would wait for the queued forward
         self.generated = _to_device(self.generated_host, device)
@@ -416,7 +442,8 @@ class RowSampler:
         if self.greedy:
             return logits.argmax(dim=-1)  # [R]
         generated = self.generated + generated_offset if generated_offset else self.generated
-        uniforms = _to_device(row_uniforms(self.seeds, self.generated_host + generated_offset), self.device)  # [R]
+        uniforms = _to_device(seq_uniforms(self.seqs, self.generated_host + generated_offset, 1)[:, 0],
+                              self.device)  # [R]
         if not self.other:
             return sample_rows_tensor(logits, self.params, generated, uniforms, self.stages,
                                       any_greedy=self.any_greedy, any_sampled=self.any_sampled, seen=self.seen)

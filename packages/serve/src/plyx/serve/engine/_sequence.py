@@ -39,6 +39,7 @@ class Sequence:
         # the 64-bit key of this row's counter-based random stream (``engine._sampling.row_uniforms``): the
         # request's seed + index, or drawn at admission for an unseeded request
         self.seed = seed
+        self.uniforms: tuple[int, Any] | None = None  # (first token index, the next uniforms of its stream)
         self.matcher = matcher
         self.tokens: list[int] = list(request.prompt_ids)
         self.num_computed = 0
