@@ -156,7 +156,9 @@ def _queue_block(engine: Engine, seqs: list[Sequence], first: list[int] | torch.
             tokens = graphs.greedy_steps(ids, first, k)  # [B, k]
             count_tokens(seqs, tokens)
             return _with_count(tokens, _params_on(params, tokens.device))
-        if graphs.sampling and all(tensor_row(s) for s in seqs):  # sampling and stop checks inside one replay
+        # sampling and stop checks inside one replay (a penalised row whose state was never built, e.g. one whose
+        # first token came from a prefill worker, takes one eager block: its sampler builds the state)
+        if graphs.sampling and all(tensor_row(s) and (s.prompt_mask is not None or not _needs_state(s)) for s in seqs):
             seen = None
             if any(_needs_state(s) for s in seqs):
                 vocab = next(s.prompt_mask.shape[0] for s in seqs if s.prompt_mask is not None)  # type: ignore
