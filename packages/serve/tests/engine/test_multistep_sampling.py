@@ -123,13 +123,16 @@ def _params(rows):
     return _packed([dict(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in rows])
 
 
-def test_tensor_processing_is_the_pipelines():
-    torch.manual_seed(0)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tensor_processing_is_the_pipelines(seed):
+    """The same logits as the pipeline's processors, bit for bit (top-p reuses top-k's sort)."""
+    torch.manual_seed(seed)
     rows = [(0.7, 0, 1.0, 0.0), (1.3, 5, 0.9, 0.0), (0.5, 0, 0.6, 0.1), (1.0, 40, 0.95, 0.02), (0.9, 3, 1.0, 0.0)]
-    logits = torch.randn(len(rows), 64) * 3
+    logits = torch.randn(len(rows), 64 if seed == 0 else 1000) * 3
     got = S.process_rows(logits, _params(rows), torch.zeros(len(rows), dtype=torch.long))
     want = _reference(logits, *[[r[j] for r in rows] for j in range(4)])
     assert torch.equal(got, want)
+    logits = logits[:, :64]
     # with penalties over random prompt masks and output counts
     penalties = [(1.3, 0.0, 0.0), (1.0, 0.5, 0.2), (0.8, -0.3, 0.7), (1.0, 0.0, 0.0), (1.5, 1.0, 1.0)]
     seen = (torch.rand(len(rows), 64) < 0.2, torch.randint(0, 3, (len(rows), 64), dtype=torch.int32))
@@ -138,6 +141,25 @@ def test_tensor_processing_is_the_pipelines():
     got = S.process_rows(logits, rp, torch.zeros(len(rows), dtype=torch.long), seen=seen)
     want = _reference(logits, *[[r[j] for r in rows] for j in range(4)], penalties=penalties, seen=seen)
     assert torch.equal(got, want)
+
+
+def test_eager_stages_equal_the_graphs_with_tied_logits():
+    """bf16 logits tie often: an eager step skips the stages no row needs (here top-k), the graph runs them all;
+    top-p sees the tied tokens in the same order both ways, so both keep the same tokens."""
+    torch.manual_seed(3)
+    logits = (torch.randn(64, 1000) * 2).bfloat16().float()  # [64, 1000], ~200 distinct values per row
+    rp = _params([(1.0, 0, 0.1 + 0.0125 * i, 0.0) for i in range(64)])
+    generated = torch.zeros(64, dtype=torch.long)
+    graph = S.process_rows(logits, rp, generated)
+    eager = S.process_rows(logits, rp, generated, (False, False, False, False, True, False))
+    assert torch.equal(graph, eager)
+    assert (graph.isinf().sum(-1) > 0).all()  # top-p removed tokens in every row
+    # (an ascending sort of its own would order the ties otherwise: some rows would keep other tokens)
+    values, order = logits.sort(dim=-1)
+    remove = values.softmax(dim=-1).cumsum(dim=-1) <= (1 - rp.top_p)
+    remove[:, -1] = False
+    own = logits.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    assert not torch.equal(own.isinf(), graph.isinf())
 
 
 @pytest.mark.parametrize("row", [(0.8, 0, 1.0, 0.0), (0.7, 6, 0.9, 0.0), (1.2, 0, 0.8, 0.05)])

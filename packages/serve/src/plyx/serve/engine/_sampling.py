@@ -278,13 +278,20 @@ def process_rows(logits: torch.Tensor, rp: RowParams, generated: torch.Tensor,
     if on[1]:
         t = rp.temperature
         logits = logits / torch.where(t == 0, torch.ones_like(t), t)
+    desc: tuple[torch.Tensor, torch.Tensor] | None = None
     if on[2]:
         v = logits.shape[-1]
         k = torch.where((rp.top_k <= 0) | (rp.top_k > v), torch.full_like(rp.top_k, v), rp.top_k)  # [R, 1]
-        kth = logits.sort(dim=-1, descending=True).values.gather(-1, k - 1)  # [R, 1]
+        values, order = logits.sort(dim=-1, descending=True)  # [R, V] each
+        kth = values.gather(-1, k - 1)  # [R, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+        desc = (values.masked_fill(values < kth, float("-inf")), order)  # the masked logits, sorted: top-p's too
     if on[3]:
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)  # [R, V] ascending
+        # ascending order as the pipeline's TopP, from the descending sort (top-k's: one sort per step). Always
+        # this sort, whether top-k ran or not: tied logits (common in bf16) then sit in the same order in an
+        # eager step and in the graph, so top-p removes the same ones
+        values, order = desc if desc is not None else logits.sort(dim=-1, descending=True)  # [R, V] each
+        sorted_logits, sorted_idx = values.flip(-1), order.flip(-1)  # ascending
         remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - rp.top_p)
         remove[:, -1] = False  # keep at least the best token
         logits = logits.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
