@@ -1,7 +1,9 @@
 """``generate`` through the engine against the pre-engine decode loop (``plyx.serve._reference``), same run.
 
 Each workload (greedy and sampled, a few batch sizes) runs both ways, alternating, ``--repeats`` times; the
-best time of each side is kept (wall and process CPU time: ratios > 1 mean the engine is faster), and the tokens are compared (greedy: equal; sampled: both seeded). The
+best time of each side is kept (wall and process CPU time: ratios > 1 mean the engine is faster), and the
+tokens are compared (greedy: equal; sampled: both seeded, and since serve 1.8 different by design: the engine
+draws from counter-based Philox streams, the reference loop from torch generators). The
 reference loop is exactly what ``generate`` ran before it became a client of the engine, so its column is
 "before" and the engine's "after", interleaved on one machine.
 

@@ -1,7 +1,7 @@
 """The host side of multi-step decode alone: a decode-heavy batch through ``Engine.step`` with a real tokenizer.
 
 ``--batch`` requests of ``--input-len`` random tokens, each decoding ``--output-len`` tokens (greedy, EOS
-ignored), in an engine with ``EngineConfig.decode_steps = --decode-steps``, stepped to the end; a model so
+ignored; sampled and seeded with ``--temperature``), in an engine with ``EngineConfig.decode_steps = --decode-steps``, stepped to the end; a model so
 small (the ``tiny`` shape) that the forward is a small share of the time, so what is measured is the engine's
 host work per token: scheduling, reading blocks back, accepting tokens, detokenising, building the outputs
 the server streams. Reported: process CPU seconds per run (the machine's other jobs do not count in it),
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
 import statistics
 import sys
@@ -43,8 +44,11 @@ def run_once(model, tok, args: argparse.Namespace) -> tuple[float, int, int]:
         max_batch_size=args.batch, max_batch_tokens=max(512, args.batch * args.input_len), block_size=16,
         max_model_len=args.input_len + args.output_len, prefix_caching=False, decode_steps=args.decode_steps,
         **extra))
-    params = SamplingParams(temperature=0, max_new_tokens=args.output_len, ignore_eos=True)
-    for i, p in enumerate(prompts):
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k} \
+        if getattr(args, "temperature", 0.0) else {"temperature": 0.0}
+    for i, p in enumerate(prompts):  # sampled rows seeded (seed + row): each run draws the same tokens
+        params = SamplingParams(**sampling, seed=args.seed * 1000 + i if sampling["temperature"] else None,
+                                max_new_tokens=args.output_len, ignore_eos=True)
         engine.add_request(f"r{i}", p, params)
     outputs = 0
     start = time.process_time()
@@ -62,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=8)
     p.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval (serve >= 1.7)")
+    p.add_argument("--temperature", type=float, default=0.0, help="every row's temperature (0: greedy rows)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="append the result as a JSON line to this file")
@@ -77,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     import plyx.serve
 
     result = {"serve": str(Path(plyx.serve.__file__).parent), "batch": args.batch, "output_len": args.output_len,
-              "decode_steps": args.decode_steps, "stream_interval": args.stream_interval, "cpu_s_best": min(cpu),
+              "decode_steps": args.decode_steps, "stream_interval": args.stream_interval,
+              "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+              "device": "cpu", "machine": platform.processor() or platform.machine(),
+              "date": time.strftime("%Y-%m-%d", time.gmtime()), "cpu_s_best": min(cpu),
               "cpu_s_median": statistics.median(cpu),
               "outputs": outputs, "tokens": tokens, "cpu_us_per_token_best": min(cpu) / tokens * 1e6}
     print(json.dumps(result))

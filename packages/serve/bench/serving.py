@@ -28,6 +28,9 @@ Decode-heavy, against ``plyx.serve.generate`` at the same batch in the same run 
     python packages/serve/bench/serving.py --device cuda --dtype bfloat16 --model 1.1b --num-prompts 64 \\
         --max-concurrency 32 --input-len 32 --prefix-len 0 --output-len 512 --range-ratio 0 \\
         --skip-hf --skip-prefix-off --vs-generate
+
+``--temperature T --top-p P`` samples every request instead (serving and generate's loop alike; the
+transformers baseline stays greedy): the engine's sampled multi-step graphs against generate's sampled loop.
 """
 
 from __future__ import annotations
@@ -76,6 +79,17 @@ class Request:
     prompt: list[int]
     output_len: int
     arrival: float  # seconds after the start
+    sampling: dict[str, float] = field(default_factory=dict)  # request body fields: temperature, top_p
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, float]:
+    """The requests' sampling fields (none for the default greedy run: its request bodies stay as they were)."""
+    out = {}
+    if getattr(args, "temperature", 0.0):
+        out["temperature"] = args.temperature
+    if getattr(args, "top_p", 1.0) < 1.0:
+        out["top_p"] = args.top_p
+    return out
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[Request]:
@@ -86,7 +100,8 @@ def workload(args: argparse.Namespace, vocab: int) -> list[Request]:
     t, reqs = 0.0, []
     for _ in range(args.num_prompts):
         n_in = rng.randint(lo_in, hi_in)
-        reqs.append(Request(prefix + [rng.randrange(8, vocab) for _ in range(n_in)], rng.randint(lo_out, hi_out), t))
+        reqs.append(Request(prefix + [rng.randrange(8, vocab) for _ in range(n_in)], rng.randint(lo_out, hi_out), t,
+                            _sampling(args)))
         if args.request_rate != float("inf"):
             t += rng.expovariate(args.request_rate)  # Poisson process
     return reqs
@@ -149,7 +164,7 @@ async def _one(client: Any, url: str, req: Request, start: float, sem: asyncio.S
     await asyncio.sleep(max(0.0, start + req.arrival - time.perf_counter()))
     timing = Timing()
     body = {"model": "bench", "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **req.sampling}
     if sem is not None:
         await sem.acquire()
     try:
@@ -206,7 +221,7 @@ async def _load(client: Any, url: str, reqs: list[Request], max_concurrency: int
     # (prefill chunks, mixed and decode steps) and fill the allocator
     # (as many as run at once, long enough for multi-step decode blocks: every graph of the measured
     # batch size is captured here, not in the measured run)
-    warm = [Request(r.prompt, 24, 0.0) for r in reqs[:max(16, min(len(reqs), max_concurrency or 16))]]
+    warm = [Request(r.prompt, 24, 0.0, r.sampling) for r in reqs[:max(16, min(len(reqs), max_concurrency or 16))]]
     await asyncio.gather(*(_one(client, url, r, time.perf_counter(), None) for r in warm))
     conn.send("warm")
     if conn.recv() != "go":  # the server side resets its prefix cache and counters meanwhile
@@ -217,7 +232,7 @@ async def _load(client: Any, url: str, reqs: list[Request], max_concurrency: int
     conn.send(([vars(t) for t in timings], time.perf_counter() - start))
 
 
-def _client_main(url: str, reqs: list[tuple[list[int], int, float]], max_concurrency: int, conn: Any) -> None:
+def _client_main(url: str, reqs: list[tuple[Any, ...]], max_concurrency: int, conn: Any) -> None:
     """The client process's entry point (module level, so that the spawn context can pickle it)."""
     try:
         asyncio.run(_client(url, [Request(*r) for r in reqs], max_concurrency, conn))
@@ -240,7 +255,7 @@ def _recv(conn: Any, proc: Any, what: str) -> Any:
 
 def run_client(url: str, reqs: list[Request], max_concurrency: int, on_warm: Any) -> tuple[list[Timing], float]:
     """Run the load from a spawned process: warm-up, ``on_warm()`` here, then the measured requests."""
-    return spawn_client(_client_main, (url, [(r.prompt, r.output_len, r.arrival) for r in reqs], max_concurrency),
+    return spawn_client(_client_main, (url, [(r.prompt, r.output_len, r.arrival, r.sampling) for r in reqs], max_concurrency),
                         on_warm)
 
 
@@ -525,7 +540,8 @@ def bench_generate(model: Any, reqs: list[Request], args: argparse.Namespace) ->
     device = next(model.parameters()).device
 
     def run(chunk: list[Request]) -> int:
-        params = [SamplingParams(temperature=0, max_new_tokens=r.output_len, ignore_eos=True) for r in chunk]
+        params = [SamplingParams(**{"temperature": 0, **r.sampling}, max_new_tokens=r.output_len, ignore_eos=True)
+                  for r in chunk]
         outs = generate(model, [r.prompt for r in chunk], params)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
@@ -629,6 +645,10 @@ def main(argv: list[str] | None = None) -> int:
                         "engine's, 0: a row's block per event; 1: each token)")
     p.add_argument("--compare-stream-interval", type=int, default=None,
                    help="also run the server with this EngineConfig.stream_interval (e.g. 1: every token its own event)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (0: greedy); sampled requests decode through the engine's "
+                        "sampled multi-step graphs")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
     p.add_argument("--skip-prefix-off", action="store_true", help="skip the run with prefix caching off")
     p.add_argument("--vs-generate", action="store_true",
                    help="also time plyx generate on the same requests, --max-concurrency at a time, and report "

@@ -138,7 +138,8 @@ def test_rows_needing_host_logic_keep_one_step(lm):
 @pytest.mark.parametrize("look_ahead", [False, True])
 def test_blocks_through_the_static_graph_step(lm, look_ahead):
     """The CUDA path, run eagerly on CPU (``DecodeGraphs(capture=False)``, what a graph replays): plain-greedy
-    blocks take ``greedy_steps`` (k steps in one call), sampled blocks k one-token static steps; with the
+    blocks take ``greedy_steps`` (k steps in one call), sampled blocks ``sample_steps`` (see
+    test_multistep_sampling.py); with the
     look-ahead on (CUDA's default) the engine still reaches blocks. Same tokens as one step at a time."""
     from plyx.serve._graphs import DecodeGraphs
 
@@ -163,8 +164,9 @@ def test_blocks_through_the_static_graph_step(lm, look_ahead):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_blocks_replay_captured_graphs_on_cuda():
-    """On a GPU (decode_steps defaults to 8): greedy blocks replay one captured k-step graph, sampled blocks
-    one-step graphs; same tokens as one step per schedule.
+    """On a GPU (decode_steps defaults to 16 since serve 1.8): greedy blocks replay one captured k-step graph,
+    sampled blocks one captured k-step graph with the sampling and stop checks in it; same tokens as one step
+    per schedule.
 
     The model is one the Triton paged kernel takes (bf16, head_dim 64): the tiny fp32 head_dim-16 model of the
     CPU tests gets the plain-torch paged reference, which syncs with the host, so its steps cannot be captured
@@ -178,11 +180,15 @@ def test_blocks_replay_captured_graphs_on_cuda():
     model = TransformerLM(cfg).eval().to("cuda", torch.bfloat16)
     prompts = _prompts(6, seed=25)
     for params in (SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
-                   [SamplingParams(temperature=0.8, seed=i, max_new_tokens=30, ignore_eos=True) for i in range(6)]):
+                   [SamplingParams(temperature=0.8, top_k=50 if i % 2 else 0, top_p=0.9 if i % 3 else 1.0, seed=i,
+                                   max_new_tokens=30, ignore_eos=True) for i in range(6)]):
         want = _engine(model, 1).generate(prompts, params)
         engine = Engine(model, config=EngineConfig(max_batch_size=8, max_batch_tokens=64, block_size=4,
                                                    num_blocks=240, prefix_caching=False))
-        assert engine.decode_steps == 8 and engine.graphs is not None
+        assert engine.decode_steps > 1 and engine.graphs is not None  # (the CUDA default, 16 since serve 1.8)
         got = engine.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
         assert engine.stats.multi_step_blocks > 0 and engine.graphs.replays > 0
+        # (bucket, query_len, greedy, steps, sampled): every block length was captured both ways at warm-up
+        lengths = {1 << i for i in range(1, engine.decode_steps.bit_length())}
+        assert {key[3] for key in engine.graphs._graphs if key[4]} == lengths

@@ -106,8 +106,16 @@ class DecodeGraphs:
         if self.buckets[-1] > max_batch or self.buckets[0] < 1:
             raise ValueError(f"buckets {self.buckets} must lie in [1, max_batch={max_batch}]")
         self.max_batch = self.buckets[-1]
-        # (bucket, tokens per row, greedy output, one-token steps per replay) -> (graph, its output)
-        self._graphs: dict[tuple[int, int, bool, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        # (bucket, tokens per row, greedy output, one-token steps per replay, sampled) -> (graph, its output)
+        self._graphs: dict[tuple[int, int, bool, int, bool], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        # sampled multi-step blocks read their rows' parameters and uniforms here (``sample_steps``): float64
+        # [max_batch, PARAM_WIDTH + max_query], filled by one copy per block from a pinned host twin
+        self._sampling: torch.Tensor | None = None
+        self._sampling_host: list[torch.Tensor] | None = None
+        self._copied: list[Any] = []
+        self._turn = 0
+        self._seen: tuple[torch.Tensor, torch.Tensor] | None = None  # penalties' [max_batch, V] mask and counts
+        self.sampling = True  # sample_steps may run (False after its capture failed: the engine steps instead)
         self._pool: Any = None
         self.steps = 0  # every step run here
         self.replays = 0  # the steps that replayed a captured graph
@@ -181,7 +189,7 @@ class DecodeGraphs:
         B = len(seq_ids)
         bucket = self._bucket_of(B)
         self.decode.prepare(seq_ids, tokens, bucket, query_len=query_len)
-        out = self._run((bucket, query_len, greedy, 1))
+        out = self._run((bucket, query_len, greedy, 1, False))
         return (out[0][:B], out[1][:B]) if greedy else out[:B]
 
     @torch.inference_mode()
@@ -198,9 +206,90 @@ class DecodeGraphs:
         if not 1 <= steps <= self.max_query:
             raise ValueError(f"steps must be in [1, {self.max_query}] (the step buffers' width), got {steps}")
         self.decode.prepare(seq_ids, tokens, bucket, steps=steps)
-        return self._run((bucket, 1, True, steps))[:B]  # type: ignore[no-any-return]
+        return self._run((bucket, 1, True, steps, False))[:B]  # type: ignore[no-any-return]
 
-    def _run(self, key: tuple[int, int, bool, int]) -> Any:
+    @torch.inference_mode()
+    def sample_steps(self, seq_ids: Sequence[int], tokens: torch.Tensor | Sequence[int], steps: int,
+                     params: Any, uniforms: Any, seen: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     ) -> torch.Tensor:
+        """``steps`` sampled one-token steps in one replay, with the block's stop checks: ``tokens`` (``[B]``)
+        are fed first, then each step's token, chosen inside the graph by ``engine._sampling.sample_rows_tensor``
+        (temperature, top-k, top-p, min-p, ``min_tokens``; greedy rows the argmax).
+
+        Args:
+            seq_ids: the rows. tokens: their first inputs.
+            steps: tokens per row, in ``[1, max_query]``.
+            params: ``[B, PARAM_WIDTH]`` float64 host array (``RowParams.pack``).
+            uniforms: ``[B, steps]`` float64 host array, each token's uniform (``row_uniforms``).
+            seen: the penalties' prompt masks ``[B, V]`` bool and output counts ``[B, V]`` int32 on the device
+                (``seen_state``), or None (no row penalised). Each step adds its tokens to the graph's copy.
+
+        Returns:
+            ``[B, steps + 1]`` int64 (a view: read before the next step): the chosen tokens, then how many of them
+            the row keeps (``block_count``: up to its first stop id or its length limit). The cache holds all
+            ``steps`` tokens of every row: the caller crops or frees a row that finished early.
+        """
+        B = len(seq_ids)
+        bucket = self._bucket_of(B)
+        if not 1 <= steps <= self.max_query:
+            raise ValueError(f"steps must be in [1, {self.max_query}] (the step buffers' width), got {steps}")
+        self._load_sampling(params, uniforms, B, bucket, steps)
+        self._load_seen(seen, B, bucket)
+        self.decode.prepare(seq_ids, tokens, bucket, steps=steps)
+        return self._run((bucket, 1, False, steps, True))[:B]  # type: ignore[no-any-return]
+
+    def _load_sampling(self, params: Any, uniforms: Any, B: int, bucket: int, steps: int) -> None:
+        """Write the block's parameters (padded rows neutral) into the persistent buffer the graph reads: one
+        non-blocking copy from a pinned host buffer. Two host buffers take turns (with the look-ahead the next
+        block is filled while the last one's copy may still wait in the stream); an event per buffer says when
+        its copy ran."""
+        from plyx.serve.engine._sampling import PARAM_WIDTH, RowParams
+
+        width = PARAM_WIDTH + self.max_query
+        device = torch.device(self.decode.cache.layout.device)
+        if self._sampling is None:
+            self._sampling = torch.zeros(self.max_batch, width, dtype=torch.float64, device=device)
+            pinned = device.type == "cuda"
+            self._sampling_host = [torch.zeros(self.max_batch, width, dtype=torch.float64, pin_memory=pinned)
+                                   for _ in range(2)]
+            self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+            self._turn = 0
+        self._turn ^= 1
+        host, copied = self._sampling_host[self._turn], self._copied[self._turn]  # type: ignore[index]
+        if copied is not None:
+            copied.synchronize()  # (returns at once unless the device is two blocks behind)
+        view = host.numpy()
+        view[:B, :PARAM_WIDTH] = params
+        view[:B, PARAM_WIDTH:PARAM_WIDTH + steps] = uniforms
+        view[B:bucket, :PARAM_WIDTH] = RowParams.padding()
+        view[B:bucket, PARAM_WIDTH:] = 0.5
+        self._sampling[:bucket].copy_(host[:bucket], non_blocking=True)
+        if copied is not None:
+            copied.record()
+
+    def _seen_buffers(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The persistent prompt masks and output counts the sampled graphs read, ``[max_batch, vocab]`` each."""
+        if self._seen is None:
+            device = torch.device(self.decode.cache.layout.device)
+            self._seen = (torch.zeros(self.max_batch, vocab, dtype=torch.bool, device=device),
+                          torch.zeros(self.max_batch, vocab, dtype=torch.int32, device=device))
+        return self._seen
+
+    def _load_seen(self, seen: tuple[torch.Tensor, torch.Tensor] | None, B: int, bucket: int) -> None:
+        """The block's penalty state into the persistent buffers (device copies); zeros where none (the graph's
+        steps add their tokens to the counts, so the buffers are written every block)."""
+        if seen is None and self._seen is None:
+            return  # allocated (zeros) by the first sampled forward
+        mask, counts = self._seen_buffers(seen[0].shape[1] if seen is not None else 0)
+        start = 0
+        if seen is not None:
+            mask[:B].copy_(seen[0])
+            counts[:B].copy_(seen[1])
+            start = B
+        mask[start:bucket].zero_()
+        counts[start:bucket].zero_()
+
+    def _run(self, key: tuple[int, int, bool, int, bool]) -> Any:
         """Replay ``key``'s graph (captured on first use), or run it eagerly without capture."""
         self.steps += key[3]
         if not self.capture:
@@ -212,7 +301,9 @@ class DecodeGraphs:
         self.replays += 1
         return out
 
-    def _forward(self, bucket: int, query_len: int, greedy: bool, steps: int = 1) -> Any:
+    def _forward(self, bucket: int, query_len: int, greedy: bool, steps: int = 1, sampled: bool = False) -> Any:
+        if sampled:
+            return self._forward_sampled(bucket, steps)
         if steps > 1:
             return self._forward_steps(bucket, steps)
         from plyx.serve._runner import last_logits
@@ -241,14 +332,41 @@ class DecodeGraphs:
             ids = token[:, None]
         return torch.stack(chosen, dim=1)
 
-    def _capture(self, key: tuple[int, int, bool, int]) -> Any:
+    def _forward_sampled(self, bucket: int, steps: int) -> torch.Tensor:
+        """``steps`` sampled steps from the persistent parameters; ``[bucket, steps + 1]`` tokens and kept counts."""
+        from plyx.serve.engine._sampling import PARAM_WIDTH, RowParams, block_count, sample_rows_tensor
+
+        assert self._sampling is not None
+        rp = RowParams(self._sampling[:bucket, :PARAM_WIDTH])
+        uniforms = self._sampling[:bucket, PARAM_WIDTH:]  # [bucket, max_query]
+        ids, per_step = self.decode.inputs_steps(bucket, steps)
+        chosen = []
+        for j, (positions, step) in enumerate(per_step):
+            logits = self.model(ids, position_ids=positions, kv_step=step)[:, -1]  # [bucket, V]
+            mask, counts = self._seen_buffers(logits.shape[1])  # (allocated by the eager run before a capture)
+            seen = (mask[:bucket], counts[:bucket])
+            token = sample_rows_tensor(logits, rp, rp.generated + j, uniforms[:, j], seen=seen)  # [bucket]
+            seen[1].scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
+            chosen.append(token)
+            # padding rows share row 0's cache slots (``StaticDecode.prepare``): they are fed row 0's token, so
+            # they write its keys and values again, never their own (a greedy padding row would pick another)
+            ids = token.index_select(0, self.decode.row_map[:bucket])[:, None]  # [bucket, 1]
+        tokens = torch.stack(chosen, dim=1)  # [bucket, steps]
+        return torch.cat([tokens, block_count(tokens, rp)[:, None]], dim=1)  # [bucket, steps + 1]
+
+    def _capture(self, key: tuple[int, int, bool, int, bool]) -> Any:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        sampled = key[4]
         result, entry = capture_step(
             lambda: self._forward(*key), self._pool,
+            "CUDA graph capture of the sampled multi-step decode failed, so sampled blocks run k one-token steps "
+            "from now on (greedy blocks and one-token steps keep their graphs)" if sampled else
             "CUDA graph capture of the decode step failed, so decode steps run eagerly from now on (a kernel the "
             "registry chose syncs with the host; `plyx kernels explain paged_attention` shows which)")
-        if entry is None:
+        if entry is None and sampled:
+            self.sampling = False  # the forward alone captured before: only the sampling's kernels failed
+        elif entry is None:
             self.capture = False
         else:
             self._graphs[key] = entry
@@ -256,23 +374,29 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def warm_up(self, block_steps: Sequence[int] = ()) -> float:
-        """Capture, for every bucket, the one-step graphs (logits; logits + greedy token) and the greedy
-        multi-step graphs of ``block_steps`` (the engine's block lengths), so serving never captures mid-run;
+        """Capture, for every bucket, the one-step graphs (logits; logits + greedy token) and the greedy and
+        sampled multi-step graphs of ``block_steps`` (the engine's block lengths), so serving never captures mid-run;
         returns the seconds it took. Captured lazily, a batch that grows through new buckets paid a capture
         per bucket and block length on its way: one mixed step of an H100 serving run waited 4.7 s for them.
         Runs on a scratch sequence (freed afterwards), largest bucket first (the memory pool is sized once).
         """
         start = time.perf_counter()
-        keys = [(1, False), (1, True)] + [(k, True) for k in sorted(set(block_steps)) if 1 < k <= self.max_query]
+        from plyx.serve.engine._sampling import RowParams
+
+        lengths = [k for k in sorted(set(block_steps)) if 1 < k <= self.max_query]
+        keys = [(1, False, False), (1, True, False)] + [(k, True, False) for k in lengths] + \
+            [(k, False, True) for k in lengths]
         cache = self.decode.cache
         for bucket in reversed(self.buckets):
-            for steps, greedy in keys:
-                if (bucket, 1, greedy, steps) in self._graphs:
+            for steps, greedy, sampled in keys:
+                if (bucket, 1, greedy, steps, sampled) in self._graphs or (sampled and not self.sampling):
                     continue
                 cache.allocate(_SCRATCH_ID)
                 try:
+                    if sampled:
+                        self._load_sampling(RowParams.padding()[None], [[0.5] * steps], 1, bucket, steps)
                     self.decode.prepare([_SCRATCH_ID], [0], bucket, steps=steps)
-                    self._run((bucket, 1, greedy, steps))
+                    self._run((bucket, 1, greedy, steps, sampled))
                 finally:
                     cache.evict(_SCRATCH_ID)
                 self.steps -= steps

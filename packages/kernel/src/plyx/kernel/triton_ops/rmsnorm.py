@@ -192,7 +192,9 @@ def backward_saved(dy: torch.Tensor, dh_out: torch.Tensor | None, h: torch.Tenso
         return dx, torch.zeros_like(weight)
     dho2 = dho if dho is not None else dy2
     rows = (dy2, h, weight, rstd, dho2)
-    key = ((dy2.dtype, h.dtype, weight.dtype, dho2.dtype, dho is not None, _ints(n, rows_per_program, programs, d))
+    # d itself, not only its divisibility: the BLOCK constexpr and the warps follow from it (a key of the flags alone
+    # relaunched d=64's kernel for d=130: infinite gradients on an H100, 2026-11-25)
+    key = ((dy2.dtype, h.dtype, weight.dtype, dho2.dtype, dho is not None, d, _ints(n, rows_per_program, programs, d))
            if n < 1 << 31 and all(t.stride(0) == d for t in (dy2, h, dho2)) and _aligned(*rows) else None)
     launch(_BWD, key, _rmsnorm_bwd, (programs, 1, 1),
            (dy2, h, weight, rstd, dho2, dx, partial, dy2.stride(0), h.stride(0), dho2.stride(0), dx.stride(0), n, d,

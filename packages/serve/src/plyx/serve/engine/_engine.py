@@ -44,7 +44,7 @@ from plyx.serve.engine._config import DEFAULT_CUDA_DECODE_STEPS, EngineConfig
 from plyx.serve.engine._guard import RequestGuard
 from plyx.serve.engine._multistep import accept_ahead, block_steps, multi_step_row, run_block
 from plyx.serve.engine._prefix_cache import PrefixCache
-from plyx.serve.engine._sampling import sample_rows
+from plyx.serve.engine._sampling import admission_seed, sample_rows
 from plyx.serve.engine._sequence import EngineRequest, SeqStatus, Sequence
 from plyx.specs.errors import ConfigError
 
@@ -394,7 +394,7 @@ class Engine:
             completion = Completion(request_index=0, index=i, prompt_ids=req.prompt_ids, params=params,
                                     stop_ids=stops, context=self.max_model_len, tokenizer=self.tokenizer,
                                     seq_id=sid, generator=gen, matcher=matcher)
-            seq = Sequence(req, i, sid, completion, gen, matcher)
+            seq = Sequence(req, i, sid, completion, gen, matcher, seed=admission_seed(self, params, i, sid))
             self._priority[sid] = (order, i)
             req.seqs.append(seq)
         for seq in req.seqs[1:]:

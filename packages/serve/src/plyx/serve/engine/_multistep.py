@@ -7,17 +7,23 @@ host logic) the engine runs ``k`` steps back to back, each fed the previous step
 
 * plain-greedy batches on CUDA: one replay of ``DecodeGraphs.greedy_steps`` (the ``k`` steps and their
   argmax inside one CUDA graph, as ``generate`` decodes);
-* anything else (sampled rows, CPU, no graph bucket): ``k`` one-token forwards (graph replays where a
-  bucket holds the batch) and ``k`` device-side samplings, every row with its own processors and seeded
-  generator, and one device-to-host copy of the ``[B, k]`` tokens at the end.
+* batches of tensor rows (``engine._sampling.tensor_row``: temperature, top-k, top-p, min-p, ``min_tokens``,
+  greedy, seeds) on CUDA: one replay of ``DecodeGraphs.sample_steps``, the ``k`` forwards, each row's
+  processing and draw (its Philox uniforms computed on the host, as the rows' parameters, and copied once per
+  block) and the block's stop checks inside one graph;
+* anything else (logit bias, bans, typical-p; CPU; no graph bucket): ``k`` one-token forwards (graph replays
+  where a bucket holds the batch) and ``k`` device-side samplings (``RowSampler``: the same tensor processing
+  for tensor rows, the ``LogitsPipeline`` for the others, the same uniforms).
 
-Each row's tokens are then accepted in order up to the first that finishes the row (EOS, a stop token id,
-``max_tokens``), so a row keeps exactly what a one-step engine would have emitted and its later tokens are
+Every block yields one ``[B, k + 1]`` tensor read by one device-to-host copy: the tokens, and how many of them
+each row keeps by the stop checks run on the device (``block_count``: EOS and stop ids, ``max_tokens``). Each
+row's kept tokens are accepted in order, the host still checking each (stop strings, which need the text, end
+a row there), so a row keeps exactly what a one-step engine would have emitted and its later tokens are
 discarded with its cache entry. They stream one event per token, or with ``EngineConfig.stream_interval = s``
 in events of up to ``s`` tokens (one ``Completion.add`` and one text delta each): the block's tokens reach the
 host together anyway, and fewer events means less work for the engine and the server's event loop, which share
-the GIL with the engine thread. Seeded and greedy rows produce the same tokens as with ``k = 1``: each row draws
-from its own generator in the same order, and ``min_tokens`` sees the count it would see.
+the GIL with the engine thread. Seeded and greedy rows produce the same tokens as with ``k = 1``: a row's token ``i`` draws the
+uniform of (its seed, ``i``) whatever the block, and ``min_tokens`` sees the count it would see.
 
 A block needs ``k`` free slots per row. When the pool is short, blocks the prefix cache alone holds are
 evicted first, as many as the rows' real tokens need (what the one-step scheduler would evict on its way to
@@ -31,7 +37,17 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from plyx.serve.engine._sampling import RowSampler, _needs_state, plain_greedy
+from plyx.serve.engine._sampling import (
+    RowParams,
+    RowSampler,
+    _needs_state,
+    block_count,
+    count_tokens,
+    plain_greedy,
+    seen_state,
+    seq_uniforms,
+    tensor_row,
+)
 from plyx.serve.engine._sequence import SeqStatus, Sequence
 
 if TYPE_CHECKING:
@@ -41,11 +57,14 @@ __all__ = ["accept_ahead", "accept_block", "block_steps", "multi_step_row", "run
 
 
 def multi_step_row(seq: Sequence) -> bool:
-    """Whether a decoding row needs no host logic between two of its tokens: no grammar, stop strings,
-    log-probs, penalties (their counts live on the host), custom processors or samplers, adapter."""
+    """Whether a decoding row needs no host logic between two of its tokens: no grammar, log-probs, custom
+    processors or samplers, adapter; penalties only on a tensor row (its output counts are updated on the
+    device, step by step inside the block). Stop strings are checked on the
+    host while the block's tokens are accepted: a row that ends on one inside a block drops the rest of it
+    (freed with its cache entry, as a row ending by EOS)."""
     p = seq.params
-    return (seq.matcher is None and not p.stop and p.logprobs is None and not p.processors and p.sampler is None
-            and not _needs_state(seq) and seq.request.adapter is None
+    return (seq.matcher is None and p.logprobs is None and not p.processors and p.sampler is None
+            and (tensor_row(seq) or not _needs_state(seq)) and seq.request.adapter is None
             and len(seq.tokens) > len(seq.request.prompt_ids))  # its first token forks followers (n > 1)
 
 
@@ -123,16 +142,30 @@ def _one_step(engine: Engine, ids: list[int], tokens: torch.Tensor) -> torch.Ten
 
 def _queue_block(engine: Engine, seqs: list[Sequence], first: list[int] | torch.Tensor, k: int,
                  unread: int = 0) -> torch.Tensor:
-    """Queue ``k`` decode steps of ``seqs``, fed ``first`` (host ints or ``[B]`` on the device) first; the chosen
-    tokens ``[B, k]`` on the device, not read (a copy where a graph's output buffer held them). ``unread``: tokens
-    each row chose in a block the host has not read yet (the look-ahead's), counted as generated by the sampler
-    (``min_tokens``)."""
+    """Queue ``k`` decode steps of ``seqs``, fed ``first`` (host ints or ``[B]`` on the device) first; on the device,
+    not read: ``[B, k + 1]``, the chosen tokens and how many of them each row keeps (``block_count``: up to its
+    first stop id or its length limit), a copy where a graph's output buffer held them. ``unread``: tokens each row
+    chose in a block the host has not read yet (the look-ahead's), counted as generated by the sampler
+    (``min_tokens``, the rows' random streams) and the stop checks."""
     ids = [s.seq_id for s in seqs]
     graphs = engine.graphs
-    if (graphs is not None and graphs.bucket(len(ids)) is not None and k <= graphs.max_query
-            and all(plain_greedy(s) for s in seqs)):
-        # one replay; its output buffer is overwritten by the next: cloned (a device copy) for a queued block
-        return graphs.greedy_steps(ids, first, k).clone()  # type: ignore[no-any-return]
+    params = RowParams.pack(seqs, offset=unread)  # [B, PARAM_WIDTH] on the host
+    if graphs is not None and graphs.bucket(len(ids)) is not None and k <= graphs.max_query:
+        if all(plain_greedy(s) for s in seqs):
+            # one replay; its output buffer is overwritten by the next: cloned (a device copy) for a queued block
+            tokens = graphs.greedy_steps(ids, first, k)  # [B, k]
+            count_tokens(seqs, tokens)
+            return _with_count(tokens, _params_on(params, tokens.device))
+        # sampling and stop checks inside one replay (a penalised row whose state was never built, e.g. one whose
+        # first token came from a prefill worker, takes one eager block: its sampler builds the state)
+        if graphs.sampling and all(tensor_row(s) and (s.prompt_mask is not None or not _needs_state(s)) for s in seqs):
+            seen = None
+            if any(_needs_state(s) for s in seqs):
+                vocab = next(s.prompt_mask.shape[0] for s in seqs if s.prompt_mask is not None)  # type: ignore
+                seen = seen_state(seqs, vocab, engine.device)
+            out = graphs.sample_steps(ids, first, k, params, _uniforms(seqs, unread, k), seen).clone()
+            count_tokens(seqs, out[:, :k])
+            return out  # type: ignore[no-any-return]
     tokens = first if isinstance(first, torch.Tensor) else torch.tensor(first, dtype=torch.long, device=engine.device)
     sample: RowSampler | None = None
     chosen = []
@@ -141,8 +174,31 @@ def _queue_block(engine: Engine, seqs: list[Sequence], first: list[int] | torch.
         if sample is None:  # built once per block (the logits' width may exceed the tokenizer's vocabulary)
             sample = RowSampler(seqs, logits.shape[1], logits.device, engine.generator)
         tokens = sample(logits, generated_offset=unread + j)  # [B], no host sync
+        sample.advance(tokens)  # penalised rows: the next step counts this token
         chosen.append(tokens)
-    return torch.stack(chosen, dim=1)  # [B, k]
+    out = torch.stack(chosen, dim=1)  # [B, k]
+    count_tokens(seqs, out)
+    return _with_count(out, _params_on(params, out.device))
+
+
+def _params_on(params: Any, device: torch.device) -> RowParams:
+    """``RowParams`` of a packed host array, copied without waiting for the device."""
+    index = torch.from_numpy(params)
+    return RowParams(index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device))
+
+
+def _with_count(tokens: torch.Tensor, rp: RowParams) -> torch.Tensor:
+    """``[B, k]`` tokens and the stop checks' kept counts, ``[B, k + 1]`` (one tensor: one read)."""
+    return torch.cat([tokens, block_count(tokens, rp)[:, None]], dim=1)
+
+
+def _uniforms(seqs: list[Sequence], unread: int, k: int) -> Any:
+    """Each row's ``k`` uniforms of the block (``[B, k]`` float64 host array): its stream at the block's token
+    indices."""
+    import numpy as np
+
+    start = np.asarray([len(s.tokens) - len(s.request.prompt_ids) + unread for s in seqs], dtype=np.int64)
+    return seq_uniforms(seqs, start, k)
 
 
 def run_block(engine: Engine, seqs: list[Sequence], k: int) -> list[EngineOutput]:
@@ -206,7 +262,7 @@ def _queue_next(engine: Engine, seqs: list[Sequence], out: torch.Tensor, k: int)
     if not engine.look_ahead or not _may_wait(engine) or len(seqs) != len(engine.running):
         return
     left = [s.completion.limit - len(s.completion.token_ids) - k for s in seqs]  # after this block
-    last = out[:, -1]  # [B]: each row's next input
+    last = out[:, k - 1]  # [B]: each row's next input (column k holds the kept counts)
     if min(left) <= 0:  # a row ends by length inside this block
         if engine.waiting:
             return  # its slot goes to a waiting request: schedule afresh
@@ -238,7 +294,7 @@ def accept_ahead(engine: Engine) -> list[EngineOutput]:
     if len(alive) != len(seqs):
         out = out.index_select(0, _device_index(alive, out.device))  # [B', k]
         seqs = [seqs[i] for i in alive]
-    k = out.shape[1]
+    k = out.shape[1] - 1  # [B', k + 1]: the tokens, then the kept counts
     engine.stats.steps += k
     engine.stats.multi_step_blocks += 1
     _queue_next(engine, seqs, out, k)
@@ -256,24 +312,35 @@ def _device_index(rows: list[int], device: torch.device) -> torch.Tensor:
 
 def accept_block(engine: Engine, seqs: list[Sequence], rows: list[list[int]]) -> list[EngineOutput]:
     """Accept each row's tokens in order, up to the token that finishes it (its cache entry, holding the block's
-    later tokens too, is freed then): one event per ``EngineConfig.stream_interval`` tokens (0: per block)."""
+    later tokens too, is freed then): one event per ``EngineConfig.stream_interval`` tokens (0: per block).
+
+    ``rows``: per row its ``k`` tokens then the count the device's stop checks keep (``block_count``); the host
+    looks at those alone. It still checks each (stop strings end a row earlier; a grammar row never gets here).
+    """
     outputs: list[EngineOutput] = []
     interval = engine.config.stream_interval
-    for seq, row in zip(seqs, rows):
+    for seq, packed in zip(seqs, rows):
+        row, kept = packed[:-1], packed[-1]
         every = interval or len(row)  # 0: the row's whole block in one event
-        if every == 1:
-            for token in row:
-                seq.num_computed += 1  # the token fed before this one is in the cache
-                outputs.extend(engine._accept(seq, token, None))
-                if seq.finished:
-                    break
-            continue
-        for start in range(0, len(row), every):
-            part = row[start:start + every]
-            # the tokens fed before these are in the cache (a row that finishes inside ``part`` is freed and its
-            # count clamped by ``_accept_tokens``)
-            seq.num_computed += len(part)
-            outputs.extend(engine._accept_tokens(seq, part))
-            if seq.finished:
-                break
+        _accept_row(engine, seq, row[:kept], every, outputs)
+        if not seq.finished and kept < len(row):  # (the device saw a stop the host did not: take the rest)
+            _accept_row(engine, seq, row[kept:], every, outputs)
     return outputs
+
+
+def _accept_row(engine: Engine, seq: Sequence, row: list[int], every: int, outputs: list[EngineOutput]) -> None:
+    if every == 1:
+        for token in row:
+            seq.num_computed += 1  # the token fed before this one is in the cache
+            outputs.extend(engine._accept(seq, token, None))
+            if seq.finished:
+                return
+        return
+    for start in range(0, len(row), every):
+        part = row[start:start + every]
+        # the tokens fed before these are in the cache (a row that finishes inside ``part`` is freed and its
+        # count clamped by ``_accept_tokens``)
+        seq.num_computed += len(part)
+        outputs.extend(engine._accept_tokens(seq, part))
+        if seq.finished:
+            return

@@ -30,12 +30,16 @@ class Sequence:
     """
 
     def __init__(self, request: EngineRequest, index: int, seq_id: int, completion: Completion,
-                 generator: torch.Generator | None, matcher: Any) -> None:
+                 generator: torch.Generator | None, matcher: Any, seed: int = 0) -> None:
         self.request = request
         self.index = index
         self.seq_id = seq_id
         self.completion = completion
-        self.generator = generator
+        self.generator = generator  # seeded requests' torch generator (plugin samplers, speculative drafts)
+        # the 64-bit key of this row's counter-based random stream (``engine._sampling.row_uniforms``): the
+        # request's seed + index, or drawn at admission for an unseeded request
+        self.seed = seed
+        self.uniforms: tuple[int, Any] | None = None  # (first token index, the next uniforms of its stream)
         self.matcher = matcher
         self.tokens: list[int] = list(request.prompt_ids)
         self.num_computed = 0
