@@ -103,3 +103,19 @@ def test_paged_more_query_rows_than_one_program_takes(seed, poison, num_splits):
     poison()
     _check(seed, [200, 41], 20, 8, 1, num_splits=num_splits)
     _check(seed, [33], 32, 8, 2, num_splits=num_splits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graph capture)")
+def test_reference_captures_in_a_cuda_graph(seed):
+    """The reference runs where no Triton kernel does (float32 on a GPU): inside a CUDA graph it cannot read the
+    longest length back, so it gathers the whole table; replays with new lengths equal the eager call."""
+    q, k_pool, v_pool, tables, lens = _cache([40, 7, 25], 2, 4, 2, 16, 16, torch.float32, spare_columns=3)
+    q, k_pool, v_pool, tables, lens = (t.cuda() for t in (q, k_pool, v_pool, tables, lens))
+    paged_attention_reference(q, k_pool, v_pool, tables, lens)  # warm (allocator, kernels)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_reference(q, k_pool, v_pool, tables, lens)
+    for new in ([40, 7, 25], [3, 50, 16]):
+        lens.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.testing.assert_close(out, paged_attention_reference(q, k_pool, v_pool, tables, lens))

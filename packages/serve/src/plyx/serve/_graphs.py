@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import time
+import traceback
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -71,9 +72,19 @@ def capture_step(run: Any, pool: Any, failure: str) -> tuple[Any, tuple[Any, Any
             out = run()
     except RuntimeError as exc:
         torch.cuda.synchronize()
-        warnings.warn(f"{failure}: {str(exc).splitlines()[0]}", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"{failure}: {str(exc).splitlines()[0]}{_raised_at(exc)}", RuntimeWarning, stacklevel=4)
         return result, None
     return result, (graph, out)
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`` (at file:line in function)`` of the innermost plyx frame ``exc`` passed through: which of the step's
+    operations cannot be captured (a host copy, a sync), so the warning names the line to fix."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "plyx" in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (at {'/'.join(f.filename.split('/')[-3:])}:{f.lineno} in {f.name})"
 
 
 class DecodeGraphs:

@@ -200,29 +200,22 @@ def paged_attention_reference(
     (``index_select`` on the pool with the flattened block table), one mask holds
     causality among the new tokens, the lengths and the window, and one attention
     runs with the queries of each kv head grouped as [B, KV, group*Tq, Dh], so
-    K/V are never repeated per query head. One host sync (the longest length).
+    K/V are never repeated per query head. One host sync (the longest length), none while a CUDA graph is
+    captured (the whole table is gathered then).
     """
     B, Tq, H, KV, D, block_size = check_paged(q, k_pool, v_pool, block_tables, context_lens)
     if window is not None and window < 1:
         raise ValueError(f"paged_attention: `window` must be >= 1 (keys with q_pos - k_pos >= window are masked), "
                          f"got {window}")
     lens = context_lens.to(device=q.device, dtype=torch.long)  # (B,)
-    shortest, longest = torch.stack(torch.aminmax(lens)).tolist() if B else (Tq, Tq)  # one host sync
-    if shortest < Tq:
-        b = int(torch.nonzero(lens < Tq)[0, 0])
-        raise ValueError(
-            f"paged_attention: context_lens[{b}]={int(lens[b])} is smaller than Tq={Tq}; context_lens counts the "
-            f"new query tokens too, so reserve them in the cache before attending"
-        )
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = H // KV
-    n_blocks = -(-longest // block_size)
-    if n_blocks > block_tables.shape[1]:
-        raise ValueError(
-            f"paged_attention: `block_tables` has {block_tables.shape[1]} columns but context_lens holds up to "
-            f"{longest} tokens, which take {n_blocks} blocks of {block_size}; pass a table wide enough for the "
-            f"longest sequence (cache.block_table(seq_ids))"
-        )
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        # inside a CUDA graph no value reaches the host: the whole table is gathered (the masks below hide every
+        # key past a sequence's length) and the lengths go unchecked, so a float32 engine's steps capture too
+        n_blocks = block_tables.shape[1]
+    else:
+        n_blocks = _checked_blocks(lens, Tq, block_size, block_tables.shape[1])
     S = n_blocks * block_size  # every sequence padded to the longest one's blocks
     # Gather through the block table. Entries past a sequence's own blocks are not part of the
     # contract (0 by convention), so they are replaced by block 0: read, then masked out below.
@@ -249,6 +242,27 @@ def paged_attention_reference(
     p = (e / e.sum(dim=-1, keepdim=True)).view(B, KV, group * Tq, S)
     o = (p @ v).view(B, KV, group, Tq, D).permute(0, 3, 1, 2, 4).reshape(B, Tq, H, D)
     return o.to(q.dtype)
+
+
+def _checked_blocks(lens: torch.Tensor, Tq: int, block_size: int, columns: int) -> int:
+    """Blocks of the longest sequence, after checking every length holds the Tq new tokens and fits the table
+    (one host sync)."""
+    B = lens.shape[0]
+    shortest, longest = torch.stack(torch.aminmax(lens)).tolist() if B else (Tq, Tq)
+    if shortest < Tq:
+        b = int(torch.nonzero(lens < Tq)[0, 0])
+        raise ValueError(
+            f"paged_attention: context_lens[{b}]={int(lens[b])} is smaller than Tq={Tq}; context_lens counts the "
+            f"new query tokens too, so reserve them in the cache before attending"
+        )
+    n_blocks = -(-longest // block_size)
+    if n_blocks > columns:
+        raise ValueError(
+            f"paged_attention: `block_tables` has {columns} columns but context_lens holds up to "
+            f"{longest} tokens, which take {n_blocks} blocks of {block_size}; pass a table wide enough for the "
+            f"longest sequence (cache.block_table(seq_ids))"
+        )
+    return n_blocks
 
 
 def paged_attention_per_sequence(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
