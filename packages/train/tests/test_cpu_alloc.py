@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
                                 reason="glibc's mallopt only")
 
 # the most mmapped blocks (mallinfo2's hblks) added during 20 malloc/free rounds of 8 MiB, and what tune_cpu_allocator said
@@ -44,13 +44,28 @@ def _probe(mode: str, **env: str) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
+@glibc_only
 def test_tuned_allocator_serves_large_blocks_from_the_heap():
     """Untuned, an 8 MiB block is an mmap (glibc's threshold starts at 128 KiB); tuned, it comes from the heap."""
     assert _probe("none") == ("None", 1)
     assert _probe("tune") == ("True", 0)
 
 
+@glibc_only
 @pytest.mark.parametrize("env", [{"PLYX_CPU_MALLOC": "0"}, {"MALLOC_MMAP_THRESHOLD_": "131072"},
                                  {"MALLOC_ARENA_MAX_": "2"}])
 def test_the_users_choice_is_left_alone(env):
     assert _probe("tune", **env) == ("False", 1)  # glibc's own threshold (128 KiB at first) still in force
+
+
+def test_fit_on_cpu_applies_the_setting(tiny_config, prepared, tmp_path, monkeypatch):
+    """``Trainer.fit`` on CPU asks for the setting before its first step (the GPU path never does)."""
+    import plyx.train._trainer as trainer_module
+    from plyx.train import Trainer, TrainOptions
+
+    calls = []
+    monkeypatch.setattr(trainer_module, "tune_cpu_allocator", lambda: calls.append(True) or True)
+    cfg = tiny_config(prepared, tmp_path / "run", steps=2, eval_every=0, checkpoint_every=0, sample_tokens=0,
+                      device="cpu")
+    Trainer(cfg, options=TrainOptions(progress=False)).fit()
+    assert calls == [True]
