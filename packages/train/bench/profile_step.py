@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{date}, load {load}", "",
              f"self CPU ms per step at {B} x {T} tokens (torch.profiler, {args.steps} steps each; its own overhead "
              "inflates the small ops):", "",
-             f"| category | plyx | nanoGPT | plyx - nanoGPT |", "|---|---|---|---|"]
+             "| category | plyx | nanoGPT | plyx - nanoGPT |", "|---|---|---|---|"]
     cats = sorted(set(ops["plyx"]["categories"]) | set(ops["nanogpt"]["categories"]),
                   key=lambda c: -max(ops["plyx"]["categories"].get(c, 0), ops["nanogpt"]["categories"].get(c, 0)))
     for cat in cats:
