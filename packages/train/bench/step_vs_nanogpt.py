@@ -290,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_wall_median": statistics.median(wall["plyx"]) / statistics.median(wall["nanogpt"]),
         "ratio_cpu_median": statistics.median(cpu["plyx"]) / statistics.median(cpu["nanogpt"]),
         "ratio_per_round_median": statistics.median(per_round),
+        "ratio_per_round_min": min(per_round), "ratio_per_round_max": max(per_round),
         "rounds": args.rounds, "chunk": args.chunk,
     }
     if baseline is not None:
@@ -304,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{s:>16}: {row['ms_per_iter_median'][s]:7.2f} ms/iter wall, {row['cpu_ms_per_iter_median'][s]:7.2f} "
               f"CPU ms/iter, {row['params'][s]:,} params")
     print(f"plyx / nanoGPT: {row['ratio_wall_median']:.3f} wall, {row['ratio_cpu_median']:.3f} CPU, "
-          f"{row['ratio_per_round_median']:.3f} median of {args.rounds} paired rounds")
+          f"{row['ratio_per_round_median']:.3f} median of {args.rounds} paired rounds "
+          f"({row['ratio_per_round_min']:.3f}-{row['ratio_per_round_max']:.3f})")
     if baseline is not None:
         b = row["baseline"]
         print(f"plyx@{args.baseline} / nanoGPT: {b['ratio_wall_median']:.3f} wall, {b['ratio_cpu_median']:.3f} CPU, "
