@@ -4,9 +4,9 @@ glibc ``malloc`` serves a request above its mmap threshold (128 KiB, raised dyna
 blocks are freed) with a fresh ``mmap`` and returns it with ``munmap`` on free; memory it frees at the top of the
 heap beyond the trim threshold goes back to the kernel too. A CPU training step allocates and frees the same
 activation and gradient sizes every iteration (nanoGPT's CPU recipe: about a hundred 0.4-1 MiB tensors), so each
-one is page-faulted and zero-filled by the kernel again, step after step: in-step elementwise ops ran ~10x slower
-than the same op on a reused buffer. Raising both thresholds once keeps those blocks in the heap for reuse (what
-tcmalloc/jemalloc, which PyTorch's CPU performance guide recommends preloading, do by design).
+one is page-faulted and zero-filled by the kernel again, step after step. Raising both thresholds once keeps those
+blocks in the heap for reuse (what tcmalloc/jemalloc, which PyTorch's CPU performance guide recommends preloading,
+do by design): 2-3 % of the recipe's step, more for plyx's than for nanoGPT's (issue 20; bench/results/README.md).
 
 Applied by ``Trainer.fit`` on CPU only (a GPU run's host allocations are few and large, and CUDA memory is torch's
 caching allocator's); not where the user chose an allocator (``MALLOC_*`` tunables in the environment or a
