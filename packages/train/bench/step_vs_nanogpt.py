@@ -17,6 +17,11 @@ is also taken per round (median of the rounds' ratios). CPU time (``process_time
 
     python packages/train/bench/step_vs_nanogpt.py [--rounds 15 --chunk 20 --threads 2] [--out DIR]
     python packages/train/bench/step_vs_nanogpt.py --baseline 659e47f     # + plyx with that commit's references
+    python packages/train/bench/step_vs_nanogpt.py --allocator glibc      # glibc's allocator defaults
+
+``--allocator plyx`` (the default) applies the allocator setting that ``plyx train`` applies on CPU
+(``plyx.train._cpu_alloc``: activations reused from the heap instead of page-faulted mmaps every step) before
+either side runs; one process, so nanoGPT's step runs under it too.
 
 ``--baseline REF`` adds a third side, ``plyx@REF``: the same model with the reference kernels of git commit
 REF (``swiglu``, ``rmsnorm``, ``rope``, ``rope_qk``, ``linear_cross_entropy``, read with ``git show`` and
@@ -214,10 +219,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--label", default="", help="recorded with the result (e.g. the commit)")
+    p.add_argument("--allocator", choices=("plyx", "glibc"), default="plyx",
+                   help="plyx: the allocator setting `plyx train` applies on CPU (plyx.train._cpu_alloc), in force for "
+                        "all sides (one process); glibc: its defaults, as before plyx-train 1.x")
     p.add_argument("--baseline", default="", metavar="REF",
                    help="also time plyx with the reference kernels of git commit REF (before/after in one run)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    allocator = "glibc"
+    if args.allocator == "plyx":
+        from plyx.train._cpu_alloc import tune_cpu_allocator
+
+        allocator = "plyx" if tune_cpu_allocator() else "glibc (plyx's setting not applicable here)"
     from plyx.specs import TrainConfig, load_config
     from plyx.train._cli import shipped_configs
 
@@ -270,13 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     row = {
         "date": date, "device": "cpu", "machine": platform.machine(), "torch": torch.__version__,
-        "threads": args.threads, "load_average": load, "label": args.label, "batch": B, "seq_len": T,
+        "threads": args.threads, "allocator": allocator, "load_average": load, "label": args.label, "batch": B, "seq_len": T,
         "params": {s: sum(p.numel() for p in v[2]) for s, v in sides.items()},
         "ms_per_iter_median": {s: 1e3 * statistics.median(v) for s, v in wall.items()},
         "cpu_ms_per_iter_median": {s: 1e3 * statistics.median(v) for s, v in cpu.items()},
         "ratio_wall_median": statistics.median(wall["plyx"]) / statistics.median(wall["nanogpt"]),
         "ratio_cpu_median": statistics.median(cpu["plyx"]) / statistics.median(cpu["nanogpt"]),
         "ratio_per_round_median": statistics.median(per_round),
+        "ratio_per_round_min": min(per_round), "ratio_per_round_max": max(per_round),
         "rounds": args.rounds, "chunk": args.chunk,
     }
     if baseline is not None:
@@ -285,12 +299,14 @@ def main(argv: list[str] | None = None) -> int:
                            "ratio_wall_median": statistics.median(wall[b]) / statistics.median(wall["nanogpt"]),
                            "ratio_cpu_median": statistics.median(cpu[b]) / statistics.median(cpu["nanogpt"]),
                            "ratio_per_round_median": statistics.median(per_round_baseline)}
-    print(f"cpu ({platform.machine()}), torch {torch.__version__}, {args.threads} threads, {date}, load {load}")
+    print(f"cpu ({platform.machine()}), torch {torch.__version__}, {args.threads} threads, allocator {allocator}, {date}, "
+          f"load {load}")
     for s in sides:
         print(f"{s:>16}: {row['ms_per_iter_median'][s]:7.2f} ms/iter wall, {row['cpu_ms_per_iter_median'][s]:7.2f} "
               f"CPU ms/iter, {row['params'][s]:,} params")
     print(f"plyx / nanoGPT: {row['ratio_wall_median']:.3f} wall, {row['ratio_cpu_median']:.3f} CPU, "
-          f"{row['ratio_per_round_median']:.3f} median of {args.rounds} paired rounds")
+          f"{row['ratio_per_round_median']:.3f} median of {args.rounds} paired rounds "
+          f"({row['ratio_per_round_min']:.3f}-{row['ratio_per_round_max']:.3f})")
     if baseline is not None:
         b = row["baseline"]
         print(f"plyx@{args.baseline} / nanoGPT: {b['ratio_wall_median']:.3f} wall, {b['ratio_cpu_median']:.3f} CPU, "

@@ -41,6 +41,7 @@ import torch
 from plyx.specs import ConfigError, PlyxError, TrainConfig, get_plugin_manager
 from plyx.train._card import card_fields, tokenizer_config
 from plyx.train._checkpoint import CheckpointManager, ResumeError, optimizer_from_flat, restore_rng
+from plyx.train._cpu_alloc import tune_cpu_allocator
 from plyx.train._dataset import TokenDataset
 from plyx.train._datasource import resolve_data_dir
 from plyx.train._distributed import LocalStrategy, resolve_strategy
@@ -498,6 +499,10 @@ class Trainer:
 
         c = self.config
         dtype = torch.bfloat16 if c.precision == "bf16-autocast" else torch.float32
+        if self.device.type == "cpu":
+            # CPU only: the step's activations are reused heap blocks, not fresh mmaps page-faulted every step
+            # (plyx.train._cpu_alloc); a GPU run's tensors live in torch's CUDA caching allocator already
+            tune_cpu_allocator()
         with training_kernels(c.attention, c.compiled_norms, device=self.device, dtype=dtype) as chosen:
             self._say(None, chosen.describe(compiled=c.compile))
             return self._fit()
