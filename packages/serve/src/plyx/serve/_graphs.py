@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecodeGraphs", "capture_step", "chunk_limit", "default_buckets"]
+__all__ = ["BucketGraphs", "DecodeGraphs", "capture_step", "chunk_limit", "default_buckets"]
 
 #: the scratch sequence id ``warm_up`` captures on (engine ids count up from 0; MixedGraphs uses -(1 << 40))
 _SCRATCH_ID = -(1 << 40) - 1
@@ -85,6 +85,47 @@ def _raised_at(exc: BaseException) -> str:
         return ""
     f = frames[-1]
     return f" (at {'/'.join(f.filename.split('/')[-3:])}:{f.lineno} in {f.name})"
+
+
+class BucketGraphs:
+    """One CUDA graph per bucket of a static step: ``_run(bucket)`` replays the bucket's graph, captures it the
+    first time the bucket runs, or runs the static step eagerly (``capture`` False: CPU, or after a failed
+    capture, which warns once with ``capture_failure``). Subclasses define ``_forward(bucket)`` (device work
+    only) and set ``capture``, ``_graphs`` ({bucket: (graph, out)}), ``_pool`` (None), ``steps`` and ``replays``
+    (0); mixed steps (``MixedGraphs``) and verification steps (``SpecGraphs``) share it."""
+
+    capture_failure = "CUDA graph capture of a static step failed, so it runs eagerly from now on"
+    capture: bool
+    steps: int
+    replays: int
+    _graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]
+    _pool: Any
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _run(self, bucket: int) -> torch.Tensor:
+        self.steps += 1
+        if not self.capture:
+            return self._forward(bucket)
+        entry = self._graphs.get(bucket)
+        if entry is None:
+            return self._capture(bucket)
+        graph, out = entry
+        graph.replay()
+        self.replays += 1
+        return out
+
+    def _capture(self, bucket: int) -> torch.Tensor:
+        """Run ``bucket``'s step eagerly (its real result; kernels compiled), then capture it."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        result, entry = capture_step(lambda: self._forward(bucket), self._pool, self.capture_failure)
+        if entry is None:
+            self.capture = False
+        else:
+            self._graphs[bucket] = entry
+        return result  # type: ignore[no-any-return]
 
 
 class DecodeGraphs:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from plyx.serve._graphs import BucketGraphs
 
 __all__ = ["MAX_GRAPH_TOKENS", "MixedGraphs", "mixed_buckets"]
 
@@ -57,7 +58,7 @@ def mixed_buckets(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < top} | {top})
 
 
-class MixedGraphs:
+class MixedGraphs(BucketGraphs):
     """Packed engine steps of up to ``max_tokens`` tokens over ``cache``, one static step per token bucket.
 
     Args:
@@ -71,6 +72,8 @@ class MixedGraphs:
 
     ``step`` returns a view of a static output buffer: read it before the next ``step``.
     """
+
+    capture_failure = "CUDA graph capture of a mixed step failed, so mixed steps run their static step eagerly from now on"
 
     def __init__(self, model: Any, cache: Any, *, max_tokens: int, max_rows: int, capture: bool = True,
                  return_hidden: bool = False, buckets: Sequence[int] | None = None) -> None:
@@ -205,33 +208,6 @@ class MixedGraphs:
         fed token, row after row, as in ``plyx.attn.begin_packed_step``."""
         bucket = self.prepare(seq_ids, counts, tokens)
         return self._run(bucket)[:sum(counts)]
-
-    def _run(self, bucket: int) -> torch.Tensor:
-        self.steps += 1
-        if not self.capture:
-            return self._forward(bucket)
-        entry = self._graphs.get(bucket)
-        if entry is None:
-            return self._capture(bucket)
-        graph, out = entry
-        graph.replay()
-        self.replays += 1
-        return out
-
-    def _capture(self, bucket: int) -> torch.Tensor:
-        """Run ``bucket``'s step eagerly (its real result; kernels compiled), then capture it."""
-        from plyx.serve._graphs import capture_step
-
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        result, entry = capture_step(lambda: self._forward(bucket), self._pool,
-                                     "CUDA graph capture of a mixed step failed, so mixed steps run their static "
-                                     "step eagerly from now on")
-        if entry is None:
-            self.capture = False
-        else:
-            self._graphs[bucket] = entry
-        return result  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def warm_up(self) -> float:

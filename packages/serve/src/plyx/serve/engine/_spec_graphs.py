@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from plyx.serve._graphs import BucketGraphs
 
 if TYPE_CHECKING:
     from plyx.serve.engine._engine import Engine, EngineOutput
@@ -72,7 +73,7 @@ def _ancestors(parents: Seq[int]) -> list[list[bool]]:
     return rows
 
 
-class SpecGraphs:
+class SpecGraphs(BucketGraphs):
     """Greedy verification steps of ``T`` fed tokens per row over ``cache``, one static step per rows bucket.
 
     Args:
@@ -85,6 +86,9 @@ class SpecGraphs:
             (prompt lookup: drafts come from the host).
         capture: capture CUDA graphs (needs CUDA); False runs the same static step eagerly.
     """
+
+    capture_failure = ("CUDA graph capture of a verification step failed, so verification steps run their static step "
+                       "eagerly from now on")
 
     def __init__(self, model: Any, cache: Any, *, parents: Seq[int], max_rows: int, heads: Any = None,
                  capture: bool = True) -> None:
@@ -260,32 +264,6 @@ class SpecGraphs:
         device-to-host copy of the step)."""
         bucket = self.prepare(seq_ids, fed)
         return self._run(bucket)[:len(seq_ids)].tolist()  # type: ignore[no-any-return]
-
-    def _run(self, bucket: int) -> torch.Tensor:
-        self.steps += 1
-        if not self.capture:
-            return self._forward(bucket)
-        entry = self._graphs.get(bucket)
-        if entry is None:
-            return self._capture(bucket)
-        graph, out = entry
-        graph.replay()
-        self.replays += 1
-        return out
-
-    def _capture(self, bucket: int) -> torch.Tensor:
-        from plyx.serve._graphs import capture_step
-
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        result, entry = capture_step(lambda: self._forward(bucket), self._pool,
-                                     "CUDA graph capture of a verification step failed, so verification steps run "
-                                     "their static step eagerly from now on")
-        if entry is None:
-            self.capture = False
-        else:
-            self._graphs[bucket] = entry
-        return result  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def warm_up(self) -> float:
