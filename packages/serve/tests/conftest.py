@@ -93,3 +93,22 @@ def counting():
 def make_model():
     """``make_model(**sizes)``: a random TransformerLM (see ``tiny_model``)."""
     return tiny_model
+
+
+def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """p-value of Pearson's chi-square test of ``counts`` against ``probs``: the chi2 survival function is the
+    regularized upper gamma Q(dof/2, stat/2). A draw in a category of probability 0 gives p = 0."""
+    n = counts.sum()
+    expected = probs.double() * n
+    keep = expected > 0
+    if bool((counts[~keep] > 0).any()):
+        return 0.0
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
+
+
+@pytest.fixture
+def chi_square_p():
+    """``chi_square_p(counts, probs) -> p-value`` (Pearson), for the sampling-law tests."""
+    return _chi_square_p

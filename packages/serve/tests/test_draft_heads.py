@@ -119,15 +119,8 @@ def test_trained_heads_accept_long_runs(trained, kind):
         assert acceptance_length > 2.0, (kind, acceptance_length, m)
 
 
-def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    n = counts.sum()
-    expected = probs * n
-    stat = ((counts - expected) ** 2 / expected).sum()
-    return float(torch.special.gammaincc(torch.tensor((counts.numel() - 1) / 2, dtype=torch.float64), stat.double() / 2))
-
-
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
-def test_sampling_law_is_the_base(kind):
+def test_sampling_law_is_the_base(kind, chi_square_p):
     """Joint law of three sampled tokens (two through draft-and-verify) = p(x1) p(x2|x1) p(x3|x1 x2)."""
     from plyx.model import TransformerLM
 
@@ -154,14 +147,14 @@ def test_sampling_law_is_the_base(kind):
     for o in out.outputs:
         a, b, c = o.token_ids
         counts[(a * W + b) * W + c] += 1
-    p_value = _chi_square_p(counts, exact)
+    p_value = chi_square_p(counts, exact)
     assert p_value > 1e-3, p_value
     proposed = sum(o.metrics.draft_proposed for o in out.outputs)
     accepted = sum(o.metrics.draft_accepted for o in out.outputs)
     assert 0 < accepted < proposed  # both the accept and the residual paths ran
     # the test has power: the same counts reject a law whose third token is uniform
     alt = ((p1[:, None] * p2).reshape(-1)[:, None] * torch.full((W * W, W), 1 / W, dtype=torch.float64)).reshape(-1)
-    assert _chi_square_p(counts, alt) < 1e-6
+    assert chi_square_p(counts, alt) < 1e-6
 
 
 def test_sampling_with_top_k_and_seed_is_reproducible(trained):

@@ -98,17 +98,7 @@ def test_logit_bias_banned_and_min_tokens():
     assert torch.isfinite(mt(logits.clone(), state)[:, 9]).all()  # after 2 tokens the stop id is allowed
 
 
-def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """p-value of Pearson's chi-square test; chi2 survival function = regularized upper gamma Q(k/2, x/2)."""
-    n = counts.sum()
-    expected = probs * n
-    keep = expected > 0
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
-
-
-def test_multinomial_sampler_matches_softmax():
+def test_multinomial_sampler_matches_softmax(chi_square_p):
     torch.manual_seed(0)
     logits = torch.randn(1, 12) * 1.5
     probs = logits.softmax(-1)[0].double()
@@ -116,9 +106,9 @@ def test_multinomial_sampler_matches_softmax():
     state = SamplingState.for_prompts([[0]] * n, 12, "cpu", [None] * n, torch.Generator().manual_seed(1))
     toks = P.MultinomialSampler()(logits.expand(n, 12), state)
     counts = torch.bincount(toks, minlength=12).double()
-    assert _chi_square_p(counts, probs) > 1e-3
+    assert chi_square_p(counts, probs) > 1e-3
     # the test has power: a wrong distribution (temperature 2) is rejected
-    assert _chi_square_p(counts, (logits / 2).softmax(-1)[0].double()) < 1e-6
+    assert chi_square_p(counts, (logits / 2).softmax(-1)[0].double()) < 1e-6
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():

@@ -75,14 +75,6 @@ def test_stop_inside_an_accepted_window(pair):
     assert out.token_ids == free[: free.index(stop) + 1] and out.finish_reason == "stop"
 
 
-def _chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    n = counts.sum()
-    expected = probs * n
-    stat = ((counts - expected) ** 2 / expected).sum()
-    dof = counts.numel() - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
-
-
 def _perturbed(model, scale: float, seed: int):
     """A draft close to the target but not equal: acceptance is neither ~0 nor ~1, so both the accept path
     and the residual path are exercised."""
@@ -96,7 +88,7 @@ def _perturbed(model, scale: float, seed: int):
     return draft
 
 
-def test_sampling_frequencies_match_the_target(make_model):
+def test_sampling_frequencies_match_the_target(make_model, chi_square_p):
     """Joint law of the first two tokens under speculative sampling = the target's exact p(x1) p(x2 | x1)."""
     V = 6
     target = make_model(vocab=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=8, seed=3,
@@ -120,9 +112,9 @@ def test_sampling_frequencies_match_the_target(make_model):
     for o in out.outputs:
         a, b = o.token_ids
         counts[a * V + b] += 1
-    p_value = _chi_square_p(counts, exact)
+    p_value = chi_square_p(counts, exact)
     assert p_value > 1e-3, p_value
-    assert _chi_square_p(counts, draft_law) < 1e-6  # the test can tell the draft's law apart
+    assert chi_square_p(counts, draft_law) < 1e-6  # the test can tell the draft's law apart
     # acceptance: the first draft token is accepted with probability sum_x min(p(x|c), q(x|c)), c ~ p1
     alpha = float((p1 * torch.minimum(p2, q2).sum(-1)).sum())
     first_accepted = sum(o.metrics.draft_accepted >= 1 for o in out.outputs) / n
@@ -133,7 +125,7 @@ def test_sampling_frequencies_match_the_target(make_model):
           f"chi-square p = {p_value:.3f}")
 
 
-def test_longer_sampling_runs_are_target_distributed(make_model):
+def test_longer_sampling_runs_are_target_distributed(make_model, chi_square_p):
     """A window of k = 3 drafts: the law of the 4th token (accepted or corrected) equals the target's."""
     V = 5
     kw = dict(vocab=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=10, init_std=0.6)
@@ -155,7 +147,7 @@ def test_longer_sampling_runs_are_target_distributed(make_model):
     counts = torch.bincount(tail, minlength=V).double()
     keep = probs > 0
     assert counts[~keep].sum() == 0  # top-k is respected by the corrected tokens too
-    assert _chi_square_p(counts[keep], probs[keep]) > 1e-3
+    assert chi_square_p(counts[keep], probs[keep]) > 1e-3
 
 
 # -- prompt lookup (n-gram) speculation: no draft model ---------------------------------------
@@ -211,7 +203,7 @@ def test_ngram_copies_a_repeating_output_in_few_steps(make_model):
     assert m.draft_accepted > 0 and m.model_steps < 32
 
 
-def test_ngram_sampling_law_is_the_target(make_model):
+def test_ngram_sampling_law_is_the_target(make_model, chi_square_p):
     """Joint law of three sampled tokens under n-gram speculation = the target's p(x1) p(x2|x1) p(x3|x1 x2)."""
     V = 4
     target = make_model(vocab=V, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=32, max_seq_len=12, seed=3,
@@ -230,7 +222,7 @@ def test_ngram_sampling_law_is_the_target(make_model):
     for o in out.outputs:
         a, b, c = o.token_ids
         counts[(a * V + b) * V + c] += 1
-    p_value = _chi_square_p(counts, exact.reshape(-1))
+    p_value = chi_square_p(counts, exact.reshape(-1))
     assert p_value > 1e-3, p_value
     proposed = sum(o.metrics.draft_proposed for o in out.outputs)
     accepted = sum(o.metrics.draft_accepted for o in out.outputs)
