@@ -68,6 +68,11 @@ class Completion:
         """Take new tokens (stops at the first that finishes the completion); the event to stream, if any."""
         if self.matcher is None and not (self.params.stop and self.tokenizer is not None):
             return self._add_plain(tokens, logprobs)
+        return self._add_each(tokens, logprobs)
+
+    def _add_each(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> StreamEvent | None:
+        """``add`` token by token: a grammar row's matcher takes each, and a stop string is looked for after each
+        (it may end the completion at any of them)."""
         taken: list[int] = []
         taken_lp: list[TokenLogprob] = []
         for j, tok in enumerate(tokens):
