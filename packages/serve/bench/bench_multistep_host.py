@@ -47,7 +47,8 @@ def run_once(model, tok, args: argparse.Namespace) -> tuple[float, int, int, flo
 
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(8, 1000) for _ in range(args.input_len)] for _ in range(args.batch)]
-    extra = {"stream_interval": args.stream_interval} if args.stream_interval > 1 else {}  # (serve >= 1.7)
+    # 0: the engine's default (serve >= 1.7: one event per row and block; 1.6 had no such field)
+    extra = {"stream_interval": args.stream_interval} if args.stream_interval > 0 else {}
     engine = Engine(model, tokenizer=tok, config=EngineConfig(
         max_batch_size=args.batch, max_batch_tokens=max(512, args.batch * args.input_len), block_size=16,
         max_model_len=args.input_len + args.output_len, prefix_caching=False, decode_steps=args.decode_steps,
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=8)
-    p.add_argument("--stream-interval", type=int, default=1, help="EngineConfig.stream_interval (serve >= 1.7)")
+    p.add_argument("--stream-interval", type=int, default=0,
+                   help="EngineConfig.stream_interval (serve >= 1.7; 0: the engine default, one event per block)")
     p.add_argument("--temperature", type=float, default=0.0, help="every row's temperature (0: greedy rows)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
