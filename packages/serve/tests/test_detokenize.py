@@ -54,3 +54,30 @@ def test_streamed_text_is_the_whole_decode(make, seed):
         # as decoding everything each token would: all but a trailing incomplete character, which waits
         assert streamed == (whole if c.finished else whole.rstrip("\ufffd"))
     assert c.finished and streamed == tok.decode(ids) == c.output().text
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_add_equals_token_by_token(seed):
+    """``add`` of a block (one scan for the first stop id, ``_add_plain``) gives what taking its tokens one at a
+    time gives (``_add_each``, the grammar and stop-string path): the tokens kept, finish and stop reasons, text,
+    log-probs, and no event after the end; blocks of random sizes, stop ids and length limits."""
+    from plyx.serve import TokenLogprob
+
+    tok = TokenizerView(_byte_level())
+    rng = random.Random(seed)
+    stops = rng.sample(range(1, 60), rng.randrange(0, 3))
+    params = SamplingParams(max_new_tokens=rng.randrange(1, 60), ignore_eos=True, logprobs=0 if seed % 2 else None)
+    context = rng.choice([30, 10_000])  # 30: the context, not max_new_tokens, may be the limit
+
+    def make():
+        return Completion(request_index=0, index=1, prompt_ids=[1], params=params, stop_ids=stops,
+                          context=context, tokenizer=tok, seq_id=0, generator=None)
+
+    block, each = make(), make()
+    for _ in range(40):
+        tokens = [rng.randrange(1, 120) for _ in range(rng.randrange(0, 17))]
+        lps = [TokenLogprob(t, -rng.random(), ()) for t in tokens] if params.logprobs is not None else None
+        got, want = block.add(tokens, lps), each._add_each(tokens, lps)
+        assert got == want
+    assert block.output() == each.output()
+    assert block.finished and block.finish_reason in ("stop", "length")

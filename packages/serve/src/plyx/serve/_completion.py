@@ -66,6 +66,13 @@ class Completion:
 
     def add(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None = None) -> StreamEvent | None:
         """Take new tokens (stops at the first that finishes the completion); the event to stream, if any."""
+        if self.matcher is None and not (self.params.stop and self.tokenizer is not None):
+            return self._add_plain(tokens, logprobs)
+        return self._add_each(tokens, logprobs)
+
+    def _add_each(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> StreamEvent | None:
+        """``add`` token by token: a grammar row's matcher takes each, and a stop string is looked for after each
+        (it may end the completion at any of them)."""
         taken: list[int] = []
         taken_lp: list[TokenLogprob] = []
         for j, tok in enumerate(tokens):
@@ -97,6 +104,37 @@ class Completion:
             token_ids=tuple(taken),
             text=delta,
             logprobs=tuple(taken_lp) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,  # type: ignore[arg-type]
+            stop_reason=self.stop_reason,
+        )
+
+    def _add_plain(self, tokens: Sequence[int], logprobs: Sequence[TokenLogprob] | None) -> StreamEvent | None:
+        """``add`` for a completion whose tokens end it only by a stop id or its length (no grammar, no stop
+        strings): the cut is found with one scan for the first stop id, not with per-token checks, so a
+        multi-step block's row costs a few C-level list operations instead of a Python loop over its tokens."""
+        if self.finish_reason is not None or len(tokens) == 0:
+            return None
+        room = max(1, self.limit - len(self.token_ids))  # (a completion over its limit still takes one token)
+        taken = list(map(int, tokens[:room] if room < len(tokens) else tokens))
+        if not self.stop_ids.isdisjoint(taken):  # the first stop id ends it, and is taken
+            end = next(j for j, tok in enumerate(taken) if tok in self.stop_ids)
+            del taken[end + 1:]
+            self.finish_reason, self.stop_reason = "stop", taken[end]
+        self.token_ids.extend(taken)
+        if self.finish_reason is None and len(self.token_ids) >= self.limit:
+            self.finish_reason = "length"  # a stop on the last allowed token still reports "stop"
+        taken_lp: tuple[TokenLogprob, ...] | None = None
+        if self.logprobs is not None:
+            taken_lp = tuple(logprobs[:len(taken)]) if logprobs is not None else ()
+            self.logprobs.extend(taken_lp)
+            for lp in taken_lp:  # summed in token order, as one token at a time would
+                self.cumulative_logprob += lp.logprob
+        return StreamEvent(
+            request_index=self.request_index,
+            index=self.index,
+            token_ids=tuple(taken),
+            text=self._text_delta(),
+            logprobs=taken_lp,
             finish_reason=self.finish_reason,  # type: ignore[arg-type]
             stop_reason=self.stop_reason,
         )

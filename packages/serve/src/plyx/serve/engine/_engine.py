@@ -651,9 +651,9 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         event = seq.completion.add(tokens)
-        taken = list(event.token_ids) if event is not None else []
-        seq.tokens.extend(taken)
-        self.stats.generated_tokens += len(taken)
+        if event is not None:
+            seq.tokens.extend(event.token_ids)
+            self.stats.generated_tokens += len(event.token_ids)
         if not seq.completion.finished:
             return [EngineOutput(req.request_id, seq.index, event)]
         if seq.num_computed > len(seq.tokens) - 1:  # finished inside the accepted drafts: nothing to keep anyway

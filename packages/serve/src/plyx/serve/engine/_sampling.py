@@ -218,15 +218,16 @@ class RowParams:
         """The rows' parameters, ``[R, PARAM_WIDTH]`` float64; ``offset``: tokens each row chose that its
         ``Sequence`` does not hold yet (a look-ahead block's). Stop ids beyond ``MAX_STOP_IDS`` are left out
         (such rows are not tensor rows: the host's check finds their stops)."""
-        out = np.full((len(seqs), PARAM_WIDTH), -1.0)
-        for i, s in enumerate(seqs):
+        pad = [-1] * MAX_STOP_IDS
+        rows = []
+        for s in seqs:  # one list per row and one array conversion: per-row numpy assignments cost ~5 us each
             p = s.params
             stops = sorted(s.completion.stop_ids)[:MAX_STOP_IDS]
-            out[i, :len(_COLS)] = (p.temperature, p.top_p, p.min_p, p.top_k,
-                                   len(s.tokens) - len(s.request.prompt_ids) + offset, s.completion.limit,
-                                   p.min_tokens, p.repetition_penalty, p.presence_penalty, p.frequency_penalty)
-            out[i, len(_COLS):len(_COLS) + len(stops)] = stops
-        return out
+            rows.append([p.temperature, p.top_p, p.min_p, p.top_k,
+                         len(s.tokens) - len(s.request.prompt_ids) + offset, s.completion.limit,
+                         p.min_tokens, p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                         *stops, *pad[len(stops):]])
+        return np.array(rows, dtype=np.float64).reshape(len(seqs), PARAM_WIDTH)  # [R, PARAM_WIDTH]
 
     @staticmethod
     def padding() -> np.ndarray:
