@@ -69,9 +69,9 @@ def parity(fresh_seed: int) -> Callable[..., None]:
 
     def check(fn: Callable[..., Any], ref: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None = None,
               grad: Sequence[int] = (), dtype: torch.dtype = torch.float32, label: str = "", floor: float = 1e-12,
-              grad_floor: float = 1e-12) -> None:
+              grad_floor: float = 1e-12, tolerances: tuple[float, float] | None = None) -> None:
         kwargs = kwargs or {}
-        out_tol, grad_tol = TOLERANCES[dtype]
+        out_tol, grad_tol = tolerances or TOLERANCES[dtype]
         args = [a.detach().clone().requires_grad_(i in grad) if isinstance(a, torch.Tensor) else a
                 for i, a in enumerate(args)]
         args64 = [a.detach().double().requires_grad_(i in grad) if isinstance(a, torch.Tensor) and a.is_floating_point()

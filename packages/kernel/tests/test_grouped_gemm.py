@@ -164,8 +164,11 @@ def test_the_three_kernels_composed_as_an_moe_mlp(parity, make, dtype):
     ids = torch.rand(t, e).argsort(-1)[:, :k].to(TRITON_DEVICE)
     args = [make(t, d, dtype=dtype), make(e, 2 * f, d, dtype=dtype, scale=d ** -0.5),
             make(e, d, f, dtype=dtype, scale=f ** -0.5), ids, torch.rand(t, k).to(TRITON_DEVICE, dtype)]
+    # bf16: the composition rounds three times (first GEMM, SwiGLU, second GEMM) where the float64 reference never
+    # does, so its error is up to ~3 single-kernel roundings (2.2e-2 seen against the single-kernel 2e-2 bound)
+    tolerances = (3e-2, 6e-2) if dtype == torch.bfloat16 else None
     parity(_moe_mlp(moe_permute, grouped_gemm, moe_unpermute), _moe_mlp(ref_permute, reference, ref_unpermute), args,
-           grad=(0, 1, 2, 4), dtype=dtype, label="moe mlp")
+           grad=(0, 1, 2, 4), dtype=dtype, label="moe mlp", tolerances=tolerances)
 
 
 def test_pick_blocks_takes_the_big_tile_only_where_its_stages_fit(monkeypatch):
