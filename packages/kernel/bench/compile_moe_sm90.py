@@ -45,14 +45,10 @@ def _res_usage(cubin: bytes) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else -1
 
 
-def compile_kernel(fn: Any, args: dict[str, tuple[str, int | None]], constexprs: dict[str, Any], warps: int,
-                   stages: int, label: str, gemm: bool, allow_stack: int = 0) -> dict[str, Any]:
-    """Compile ``fn`` as a launch with ``args`` (name -> (type, value; None for pointers)) specialises it;
-    ``allow_stack``: stack bytes accepted (0: no spill at all).
-
-    Returns:
-        A record: label, shared bytes, wgmma / cp.async counts, registers, stack bytes, ok.
-    """
+def compile_for_sm90(fn: Any, args: dict[str, tuple[str, int | None]], constexprs: dict[str, Any], warps: int,
+                     stages: int) -> Any:
+    """``triton.compile`` of ``fn`` for sm_90 with ``args`` (name -> (type, value; None for pointers)) specialised
+    as a launch does: every pointer and 16-divisible integer marked divisible by 16, an integer 1 a constant."""
     sig: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
     consts = dict(constexprs)
@@ -68,8 +64,19 @@ def compile_kernel(fn: Any, args: dict[str, tuple[str, int | None]], constexprs:
         sig[name] = typ
         if typ.startswith("*") or (value is not None and value % 16 == 0):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
-                            options={"num_warps": warps, "num_stages": stages})
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+                          options={"num_warps": warps, "num_stages": stages})
+
+
+def compile_kernel(fn: Any, args: dict[str, tuple[str, int | None]], constexprs: dict[str, Any], warps: int,
+                   stages: int, label: str, gemm: bool, allow_stack: int = 0) -> dict[str, Any]:
+    """Compile ``fn`` as a launch with ``args`` (name -> (type, value; None for pointers)) specialises it;
+    ``allow_stack``: stack bytes accepted (0: no spill at all).
+
+    Returns:
+        A record: label, shared bytes, wgmma / cp.async counts, registers, stack bytes, ok.
+    """
+    kernel = compile_for_sm90(fn, args, constexprs, warps, stages)
     ptx = kernel.asm["ptx"]
     regs, stack = _res_usage(kernel.asm["cubin"])
     wgmma = ptx.count("wgmma.mma_async")

@@ -26,37 +26,11 @@ from typing import Any
 os.environ["TRITON_INTERPRET"] = "0"  # before the kernels are decorated: compiled, never interpreted
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from compile_moe_sm90 import _res_usage  # the cuobjdump reader of the MoE compile check
+from compile_moe_sm90 import _res_usage, compile_for_sm90  # the MoE compile check's compile and cuobjdump reader
 
-TARGET = GPUTarget("cuda", 90, 32)
 B, T, H, KV = 1, 4096, 16, 16  # strides and sizes of a 4k-token bf16 batch, as a launch would see them
-
-
-def _compile(fn: Any, args: dict[str, tuple[str, int | None]], constexprs: dict[str, Any], warps: int,
-             stages: int) -> Any:
-    """``triton.compile`` of ``fn`` with ``args`` (name -> (type, value; None for pointers)) specialised as a
-    launch does: 16-divisible integers and every pointer marked divisible by 16, the integer 1 a constant."""
-    sig: dict[str, str] = {}
-    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
-    consts = dict(constexprs)
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            sig[name] = "constexpr"
-            continue
-        typ, value = args[name]
-        if value == 1 and not typ.startswith("*"):
-            sig[name] = "constexpr"
-            consts[name] = 1
-            continue
-        sig[name] = typ
-        if typ.startswith("*") or (value is not None and value % 16 == 0):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
-                          options={"num_warps": warps, "num_stages": stages})
 
 
 def _strides(prefix: str, heads: int, d: int) -> dict[str, tuple[str, int]]:
@@ -127,7 +101,7 @@ def compile_variants(names: list[str], head_dims: list[int], causals: tuple[bool
                     on = [k for k, v in switches.items() if v]
                     label = (f"{which:4s} d{d} {'causal' if causal else 'full  '} {tile.block_m}x{tile.block_n} "
                              f"w{tile.num_warps} s{tile.num_stages} {'+'.join(on) or 'plain'} [{name}]")
-                    rec = _record(label, lambda fn=fn, kargs=kargs, ce=ce, tile=tile: _compile(fn, kargs, ce, tile.num_warps,
+                    rec = _record(label, lambda fn=fn, kargs=kargs, ce=ce, tile=tile: compile_for_sm90(fn, kargs, ce, tile.num_warps,
                                                                                            tile.num_stages))
                     rec.update(variant=name, which=which, head_dim=d, causal=causal, tile=list(tile), **switches)
                     if "error" not in rec:

@@ -26,7 +26,6 @@ scores with transformers on the same weights.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,24 +87,13 @@ def beam_search(
 
 def _engine_beams(model: Any, plan: Any, params: BeamSearchParams, cache: Any) -> list[RequestOutput]:
     """Submit every prompt to the call's engine as a beam request, drain it, outputs in prompt order."""
-    from plyx.serve._generate import _drain, _engine_for, _rewritten_ids
+    from plyx.serve._generate import _drain, _engine_for, _submit_each
 
     engine = _engine_for(plan, model, cache, None, None)
-    base = f"beams-{uuid.uuid4().hex[:12]}-"
-    requests: list[Any] = []
     try:
-        for r, ids in enumerate(plan.prompt_ids):
-            rid = f"{base}{r}"
-            guard = None
-            if engine.config.guardrails:
-                guard = engine.guard_for(rid, ids, plan.prompt_texts[r], endpoint="beam_search")
-                guard.admit()  # raises RequestRefused (reported to plyx_on_response first)
-                if guard.rewritten is not None:  # an input rail redacted the prompt: the model sees the new text
-                    ids = _rewritten_ids(plan, r, guard.rewritten)
-            requests.append(engine.add_request(rid, ids, params, guard=guard))
+        requests = _submit_each(engine, plan, "beam_search",
+                                lambda rid, r, ids, guard: engine.add_request(rid, ids, params, guard=guard))
     except BaseException:
-        for req in requests:
-            engine.abort(req.request_id)
         engine.client_busy = False
         raise
     for _ in _drain(engine, requests):  # closes (aborting what still runs) on an exception

@@ -322,27 +322,39 @@ def _submit(plan: _Plan, engine: Any, generator: torch.Generator | None) -> Gene
         generator = torch.Generator(device=engine.device).manual_seed(seed)
     if generator is not None:
         engine.generator = generator
-    base = f"generate-{uuid.uuid4().hex[:12]}-"
+
+    def add(rid: str, r: int, ids: list[int], guard: Any) -> Any:
+        req = engine.add_request(rid, ids, plan.params[r], grammar=plan.grammars[r], guard=guard)
+        for seq in req.seqs:
+            seq.completion.request_index = r  # events name the prompt, not the engine's request
+        return req
+
+    requests = _submit_each(engine, plan, "generate", add)
+    return GenerationStream(plan, [s.completion for req in requests for s in req.seqs], _drain(engine, requests),
+                            requests=requests)
+
+
+def _submit_each(engine: Any, plan: _Plan, endpoint: str, add: Any) -> list[Any]:
+    """One engine request per prompt, ``add(request_id, r, ids, guard)`` after the prompt's input guardrails (an
+    input rail's rewrite is encoded again); any error aborts the requests added so far and propagates.
+    Shared by ``generate`` and ``beam_search`` (``endpoint``: the name the guardrails see)."""
+    base = f"{endpoint}-{uuid.uuid4().hex[:12]}-"
     requests: list[Any] = []
     try:
-        for r, (ids, p) in enumerate(zip(plan.prompt_ids, plan.params)):
+        for r, ids in enumerate(plan.prompt_ids):
             rid = f"{base}{r}"
             guard = None
             if engine.config.guardrails:
-                guard = engine.guard_for(rid, ids, plan.prompt_texts[r], endpoint="generate")
+                guard = engine.guard_for(rid, ids, plan.prompt_texts[r], endpoint=endpoint)
                 guard.admit()  # raises RequestRefused (reported to plyx_on_response first)
                 if guard.rewritten is not None:  # an input rail redacted the prompt: the model sees the new text
                     ids = _rewritten_ids(plan, r, guard.rewritten)
-            req = engine.add_request(rid, ids, p, grammar=plan.grammars[r], guard=guard)
-            for seq in req.seqs:
-                seq.completion.request_index = r  # events name the prompt, not the engine's request
-            requests.append(req)
+            requests.append(add(rid, r, ids, guard))
     except BaseException:
         for req in requests:
             engine.abort(req.request_id)
         raise
-    return GenerationStream(plan, [s.completion for req in requests for s in req.seqs], _drain(engine, requests),
-                            requests=requests)
+    return requests
 
 
 def _rewritten_ids(plan: _Plan, r: int, text: str) -> list[int]:
