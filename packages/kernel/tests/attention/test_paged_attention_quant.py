@@ -150,7 +150,7 @@ for pool, v_trans in json.loads(sys.argv[1]):
     const = dict(GROUP=8, HEAD_DIM=64, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_N=C["block_n"], ROW_TILES=1, SPLIT=True,
                  HAS_WINDOW=False, USE_GDC=False, QUANT=True, V_T=bool(v_trans))
     aligned = set(ptrs) | {"stride_kblk", "stride_kslot", "stride_kh", "stride_vblk", "stride_vslot", "stride_vh",
-                           "stride_ksblk", "stride_vsblk", "stride_bt_b", "chunk"}
+                           "stride_ksblk", "stride_vsblk", "stride_bt_b"}
     sig = {p: "constexpr" if p in const else ptrs.get(p, "fp32" if p == "qk_scale" else "i32") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in aligned}
     ptx = triton.compile(ASTSource(fn=_paged_fwd, signature=sig, constexprs=const, attrs=attrs),

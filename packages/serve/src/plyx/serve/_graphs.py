@@ -17,6 +17,7 @@ tests check against the ordinary forward.
 
 from __future__ import annotations
 
+import abc
 import bisect
 import time
 import traceback
@@ -87,7 +88,7 @@ def _raised_at(exc: BaseException) -> str:
     return f" (at {'/'.join(f.filename.split('/')[-3:])}:{f.lineno} in {f.name})"
 
 
-class BucketGraphs:
+class BucketGraphs(abc.ABC):
     """One CUDA graph per bucket of a static step: ``_run(bucket)`` replays the bucket's graph, captures it the
     first time the bucket runs, or runs the static step eagerly (``capture`` False: CPU, or after a failed
     capture, which warns once with ``capture_failure``). Subclasses define ``_forward(bucket)`` (device work
@@ -101,8 +102,9 @@ class BucketGraphs:
     _graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]]
     _pool: Any
 
+    @abc.abstractmethod
     def _forward(self, bucket: int) -> torch.Tensor:
-        raise NotImplementedError
+        """The static step of ``bucket`` (device work only: capturable)."""
 
     def _run(self, bucket: int) -> torch.Tensor:
         self.steps += 1
