@@ -37,7 +37,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from step_vs_nanogpt import _sides, _step  # noqa: E402  (the bench's own two steps)
+from step_vs_nanogpt import _sides, _step, recipe_setup  # noqa: E402  (the bench's own two steps and setup)
 
 #: (category, predicate on the aten op's name), first match wins
 CATEGORIES = [
@@ -162,15 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=HERE / "results")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    allocator = "glibc"
-    if args.allocator == "plyx":
-        from plyx.train._cpu_alloc import tune_cpu_allocator
-
-        allocator = "plyx" if tune_cpu_allocator() else "glibc"
-    from plyx.specs import TrainConfig, load_config
-    from plyx.train._cli import shipped_configs
-
-    config = load_config(TrainConfig, shipped_configs()["shakespeare-char"])
+    allocator, config = recipe_setup(args.allocator)
     B, T = config.batch_size, config.model.max_seq_len
     sides = _sides(config)
     batch = _batch(B, T)

@@ -211,6 +211,20 @@ def _step(loss_fn: Any, opt: torch.optim.Optimizer, params: list[torch.Tensor], 
     opt.zero_grad(set_to_none=True)
 
 
+def recipe_setup(allocator: str) -> tuple[str, Any]:
+    """``(allocator in force, the shipped shakespeare-char TrainConfig)``: ``allocator`` "plyx" applies the setting
+    ``plyx train`` applies on CPU (``plyx.train._cpu_alloc``), "glibc" keeps glibc's defaults."""
+    in_force = "glibc"
+    if allocator == "plyx":
+        from plyx.train._cpu_alloc import tune_cpu_allocator
+
+        in_force = "plyx" if tune_cpu_allocator() else "glibc (plyx's setting not applicable here)"
+    from plyx.specs import TrainConfig, load_config
+    from plyx.train._cli import shipped_configs
+
+    return in_force, load_config(TrainConfig, shipped_configs()["shakespeare-char"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=15)
@@ -226,15 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time plyx with the reference kernels of git commit REF (before/after in one run)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    allocator = "glibc"
-    if args.allocator == "plyx":
-        from plyx.train._cpu_alloc import tune_cpu_allocator
-
-        allocator = "plyx" if tune_cpu_allocator() else "glibc (plyx's setting not applicable here)"
-    from plyx.specs import TrainConfig, load_config
-    from plyx.train._cli import shipped_configs
-
-    config = load_config(TrainConfig, shipped_configs()["shakespeare-char"])
+    allocator, config = recipe_setup(args.allocator)
     B, T = config.batch_size, config.model.max_seq_len
     sides = _sides(config)
     baseline = Baseline(args.baseline, config) if args.baseline else None
